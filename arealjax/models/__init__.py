@@ -1,0 +1,97 @@
+"""The policy model: a definition (graphdef), explicit params, and pure entry points.
+
+    model = load_pretrained("/ckpt/Qwen3-0.6B", mesh=mesh)     # or from_config(ModelConfig.make(...))
+    logits = model(tokens)                                    # [B, T] int32 -> [B, T, V] fp32
+    save_pretrained(model, "/out")                            # transformers loads it back
+
+Params are an argument of every device function (`forward(model.graphdef, params, ...)`), which is what makes
+weight swaps in the generator and resharding between meshes plain pytree operations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from arealjax.models import hf
+from arealjax.models.config import ModelConfig, from_hf_config, to_hf_config
+from arealjax.models.transformer import KVCache, Transformer, decode_step, forward, init_cache, insert, prefill
+from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, reshard, tree_shardings
+
+__all__ = [
+    "KVCache", "Model", "ModelConfig", "Transformer", "decode_step", "forward", "from_config", "from_hf_config",
+    "init_cache", "insert", "load_pretrained", "prefill", "save_pretrained", "to_hf_config",
+]
+
+
+@dataclasses.dataclass
+class Model:
+    """A model definition bound to one set of params (and, through `graphdef`, to one mesh or none)."""
+
+    cfg: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Causal forward; with positions/segment ids, over packed rows. fp32 logits [B, T, V]."""
+        return forward(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32), positions, segment_ids)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jax.tree.leaves(self.params)[0].dtype
+
+    def to_mesh(self, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> "Model":
+        """The same weights resharded onto `mesh` (e.g. the generator's slice), with a graphdef for that mesh."""
+        shard = LogicalSharding(mesh, rules)
+        graphdef, abstract = _abstract(self.cfg, self.dtype, shard)
+        return Model(self.cfg, graphdef, reshard(self.params, tree_shardings(abstract, shard)))
+
+
+def _abstract(cfg: ModelConfig, dtype, shard: LogicalSharding | None) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graphdef and shape-only params for `cfg`, without allocating anything."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), shard=shard)))
+
+
+def _sharding(mesh, rules) -> LogicalSharding | None:
+    return None if mesh is None else LogicalSharding(mesh, tuple(rules))
+
+
+def from_config(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
+                rules: Rules = DEFAULT_RULES) -> Model:
+    """A randomly initialised model (normal(0.02) weights, as HF initialises), built directly sharded on `mesh`."""
+    shard = _sharding(mesh, rules)
+    graphdef, abstract = _abstract(cfg, dtype, shard)
+    out_shardings = None if shard is None else tree_shardings(abstract, shard)
+    init = jax.jit(lambda: nnx.split(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), shard=shard))[1],
+                   out_shardings=out_shardings)
+    return Model(cfg, graphdef, init())
+
+
+def load_pretrained(path: str | os.PathLike, *, dtype=None, mesh: jax.sharding.Mesh | None = None,
+                    rules: Rules = DEFAULT_RULES) -> Model:
+    """Loads a local HF directory (config.json + *.safetensors, sharded index files too).
+
+    `dtype` defaults to the checkpoint's (config.json `torch_dtype`/`dtype`), else float32. With `mesh`, params are
+    placed by the logical rules as they are read.
+    """
+    cfg, raw = hf.read_config(path)
+    if dtype is None:
+        name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        if name not in hf.DTYPES:
+            raise ValueError(f"{os.path.join(path, 'config.json')}: dtype '{name}' is not one of {sorted(hf.DTYPES)}")
+        dtype = hf.DTYPES[name]
+    shard = _sharding(mesh, rules)
+    graphdef, abstract = _abstract(cfg, dtype, shard)
+    shardings = None if shard is None else tree_shardings(abstract, shard)
+    return Model(cfg, graphdef, hf.load_params(path, abstract, cfg, dtype, shardings))
+
+
+def save_pretrained(model: Model, path: str | os.PathLike, *, max_shard_bytes: int = 5 << 30) -> None:
+    """Writes config.json + safetensors that `transformers.AutoModelForCausalLM.from_pretrained` loads."""
+    hf.save_params(model.params, model.cfg, path, max_shard_bytes)

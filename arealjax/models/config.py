@@ -1,0 +1,195 @@
+"""Model hyper-parameters, and their mapping to and from a Hugging Face ``config.json``.
+
+One config covers the decoder-only families users bring: Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm,
+explicit head_dim) and Llama 3 (optional Llama-3 RoPE scaling). Family presets set only the switches that
+distinguish them; everything else is explicit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+FAMILIES = {
+    # family -> (HF architecture name, switches that define the family)
+    "qwen2": ("Qwen2ForCausalLM", dict(qkv_bias=True)),
+    "qwen3": ("Qwen3ForCausalLM", dict(qk_norm=True)),
+    "llama": ("LlamaForCausalLM", dict()),
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one decoder-only transformer. Frozen and hashable: it is static under jit."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    # Extra RoPE parameters as sorted (key, value) pairs, e.g. Llama 3's (('factor', 8.0), ..., ('rope_type', 'llama3')).
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"model family '{self.family}' is unknown; known: {sorted(FAMILIES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        rope_type = dict(self.rope_scaling or ()).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type '{rope_type}' is not supported; supported: {ROPE_TYPES}")
+
+    @classmethod
+    def make(cls, **kw: Any) -> "ModelConfig":
+        """A config from keyword arguments: family switches filled in, `head_dim` defaulting to hidden/heads.
+
+        Unknown keys raise an error that names them and lists the valid ones.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kw) - fields)
+        if unknown:
+            raise KeyError(f"unknown model config keys {unknown}; valid keys: {sorted(fields)}")
+        family = kw.get("family")
+        if family not in FAMILIES:
+            raise ValueError(f"model family '{family}' is unknown; known: {sorted(FAMILIES)}")
+        kw = {**FAMILIES[family][1], **kw}
+        kw.setdefault("head_dim", kw["hidden_size"] // kw["num_heads"])
+        if isinstance(kw.get("rope_scaling"), Mapping):
+            kw["rope_scaling"] = tuple(sorted(kw["rope_scaling"].items()))
+        if isinstance(kw.get("eos_token_id"), list):
+            kw["eos_token_id"] = tuple(kw["eos_token_id"])
+        return cls(**kw)
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        return dict(self.rope_scaling or ())
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included), for FLOP and memory estimates."""
+        d, h, kv, hd, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
+        attn = d * (h + 2 * kv) * hd + h * hd * d
+        attn += (h + 2 * kv) * hd * self.qkv_bias + d * self.o_bias + 2 * hd * self.qk_norm
+        mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
+        per_layer = attn + mlp + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+
+def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+    """ModelConfig from a parsed HF config.json (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
+    `rope_parameters`). `source` names the file in errors."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        archs = hf.get("architectures")
+        raise ValueError(
+            f"{source}: model_type '{model_type}' (architectures {archs}) is not supported; "
+            f"supported model types: {sorted(FAMILIES)}"
+        )
+
+    def need(key):
+        if key not in hf:
+            raise KeyError(f"{source}: missing key '{key}' required for model_type '{model_type}'")
+        return hf[key]
+
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act '{hf['hidden_act']}' is not supported (expected 'silu')")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported (full attention only)")
+
+    rope = dict(hf.get("rope_parameters") or {})
+    if hf.get("rope_scaling"):
+        rope = {**dict(hf["rope_scaling"]), **rope}
+    rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "type" in rope and "rope_type" not in rope:  # transformers' legacy spelling
+        rope["rope_type"] = rope.pop("type")
+    rope.pop("type", None)
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{source}: rope_type '{rope_type}' is not supported; supported: {ROPE_TYPES}")
+    rope_scaling = None if rope_type == "default" else tuple(sorted(rope.items()))
+
+    num_heads = int(need("num_attention_heads"))
+    hidden = int(need("hidden_size"))
+    attention_bias = bool(hf.get("attention_bias", False))
+    eos = hf.get("eos_token_id")
+    return ModelConfig(
+        family=model_type,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=True if model_type == "qwen2" else attention_bias,
+        o_bias=False if model_type == "qwen2" else attention_bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+    )
+
+
+def to_hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+    """A config.json dict that transformers 4.x and 5.x both load as the same architecture."""
+    if cfg.family == "qwen2" and (not cfg.qkv_bias or cfg.o_bias):
+        raise ValueError("Qwen2 checkpoints always have q/k/v bias and no o_proj bias")
+    if cfg.family != "qwen2" and cfg.qkv_bias != cfg.o_bias:
+        raise ValueError(f"{cfg.family}: HF `attention_bias` sets q/k/v and o biases together")
+    if cfg.qk_norm != (cfg.family == "qwen3"):
+        raise ValueError(f"{cfg.family}: q/k norm is {'required' if cfg.family == 'qwen3' else 'not supported'}")
+    rope = cfg.rope
+    rope_parameters = {"rope_type": "default", **rope, "rope_theta": cfg.rope_theta}
+    out = {
+        "architectures": [FAMILIES[cfg.family][0]],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope or None,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "use_cache": True,
+    }
+    if cfg.family != "qwen2":
+        out["attention_bias"] = cfg.qkv_bias
+    if cfg.family == "llama":
+        out["mlp_bias"] = cfg.mlp_bias
+    elif cfg.mlp_bias:
+        raise ValueError(f"{cfg.family}: mlp_bias is only expressible in Llama checkpoints")
+    if cfg.family in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = False
+    return out

@@ -1,0 +1,260 @@
+"""Decoder-only transformer for the Qwen2 / Qwen3 / Llama families, in Flax NNX.
+
+Module and parameter names mirror Hugging Face's (`self_attn.q_proj`, `mlp.gate_proj`, ...) so checkpoint
+conversion is a rename plus a reshape. Every parameter carries logical axis names in its `axes` metadata; see
+`arealjax/sharding.py` for how they map onto a mesh.
+
+Three entry points, pure functions of (params, inputs) at the bottom of the file:
+  forward      packed training rows: tokens, positions, segment ids [B, T] -> fp32 logits [B, T, V]
+  prefill      prompts [B, T] with true lengths -> logits and their KV, ready to `insert` into cache slots
+  decode_step  one token for each of S cache slots -> logits [S, V] and the updated cache
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from arealjax.models.config import ModelConfig
+from arealjax.sharding import LogicalSharding, constrain
+
+Array = jax.Array
+INIT_STD = 0.02  # HF `initializer_range` default for all three families
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer for S slots of up to T tokens: [layers, S, T, kv_heads, head_dim]."""
+
+    k: Array
+    v: Array
+
+    AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+class Linear(nnx.Module):
+    """y = x·W + b, contracting the last len(in_shape) dims of x with W of shape in_shape + out_shape."""
+
+    def __init__(self, in_shape, out_shape, in_axes, out_axes, *, use_bias: bool, dtype, rngs: nnx.Rngs):
+        self.n_in = len(in_shape)
+        shape = tuple(in_shape) + tuple(out_shape)
+        w = INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
+        self.kernel = nnx.Param(w.astype(dtype), axes=tuple(in_axes) + tuple(out_axes))
+        self.bias = nnx.Param(jnp.zeros(out_shape, dtype), axes=tuple(out_axes)) if use_bias else None
+
+    def __call__(self, x: Array) -> Array:
+        n = self.n_in
+        y = jax.lax.dot_general(x, self.kernel[...], ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())))
+        return y if self.bias is None else y + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=("norm",))
+
+    def __call__(self, x: Array) -> Array:
+        # Normalise in fp32 and cast back before the scale, as the HF reference does.
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim/2] in fp32, with linear or Llama-3 scaling when configured."""
+    dim = cfg.head_dim
+    inv = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    rope = cfg.rope
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / np.float32(rope["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = (np.float32(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        old_len = np.float32(rope["original_max_position_embeddings"])
+        wavelen = 2 * np.float32(math.pi) / inv
+        scaled = np.where(wavelen > old_len / lo, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / hi) & ~(wavelen > old_len / lo)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
+    """Rotates x [..., T, H, D] by its positions [..., T] (HF's half-split convention)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, D/2]
+    cos = jnp.cos(jnp.concatenate([freqs, freqs], -1))[..., None, :].astype(x.dtype)
+    sin = jnp.sin(jnp.concatenate([freqs, freqs], -1))[..., None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], -1) * sin
+
+
+def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """Grouped-query attention. q [B,Tq,H,D], k/v [B,Tk,Hkv,D], mask [B,Tq,Tk] (True = may attend)."""
+    b, tq, h, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, tq, hkv, h // hkv, d)  # query head j*G+g reads kv head j, as HF's repeat_kv
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(d).astype(np.float32)
+    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhgqk,bkhd->bqhgd", p, v).reshape(b, tq, h, d)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Linear((d,), (h, hd), ("embed",), ("heads", "head_dim"), use_bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear((d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), use_bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear((d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), use_bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear((h, hd), (d,), ("heads", "head_dim"), ("embed",), use_bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def qkv(self, x: Array, positions: Array, inv_freq: np.ndarray, shard: LogicalSharding | None):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = constrain(apply_rope(q, positions, inv_freq), shard, ("batch", "length", "heads", "head_dim"))
+        k = constrain(apply_rope(k, positions, inv_freq), shard, ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, shard, ("batch", "length", "kv_heads", "head_dim"))
+        return q, k, v
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear((d,), (f,), ("embed",), ("mlp",), use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear((d,), (f,), ("embed",), ("mlp",), use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear((f,), (d,), ("mlp",), ("embed",), use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: Array) -> Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+
+class Transformer(nnx.Module):
+    """The model definition. `shard` (static) places activations on a mesh; None runs unconstrained."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, shard: LogicalSharding | None = None):
+        self.cfg = cfg
+        self.shard = shard
+        self.dtype = jnp.dtype(dtype)
+        emb = INIT_STD * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32)
+        self.embed_tokens = nnx.Param(emb.astype(dtype), axes=("vocab", "embed"))
+        self.layers = nnx.List([Block(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            (cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",), use_bias=False, dtype=dtype, rngs=rngs)
+
+    def _act(self, x: Array) -> Array:
+        return constrain(x, self.shard, ("batch", "length", "embed"))
+
+    def _logits(self, x: Array) -> Array:
+        x = self.norm(x)
+        if self.lm_head is None:
+            logits = jnp.einsum("btd,vd->btv", x, self.embed_tokens[...], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        return constrain(logits, self.shard, ("batch", "length", "vocab"))
+
+    def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
+        return self.forward(tokens, positions, segment_ids)[0]
+
+    def forward(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None):
+        """Logits [B,T,V] and per-layer KV [L,B,T,Hkv,D] over rows of one or more packed sequences.
+
+        A token attends to earlier tokens of its own segment only; segment id 0 marks padding.
+        """
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        idx = jnp.arange(t)
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[:, None] >= idx[None, :])[None]
+        inv_freq = rope_inv_freq(self.cfg)
+        x = self._act(jnp.take(self.embed_tokens[...], tokens, axis=0))
+        ks, vs = [], []
+        for layer in self.layers:
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq, self.shard)
+            x = self._act(x + layer.self_attn.o_proj(attend(q, k, v, mask)))
+            x = self._act(x + layer.mlp(layer.post_attention_layernorm(x)))
+            ks.append(k)
+            vs.append(v)
+        return self._logits(x), KVCache(jnp.stack(ks), jnp.stack(vs))
+
+    def decode(self, cache: KVCache, tokens: Array, positions: Array) -> tuple[Array, KVCache]:
+        """One token per slot. tokens [S] sit at positions [S] (= tokens already cached in that slot)."""
+        s, t_max = cache.k.shape[1], cache.k.shape[2]
+        slots = jnp.arange(s)
+        mask = (jnp.arange(t_max)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, T]
+        inv_freq = rope_inv_freq(self.cfg)
+        x = self._act(jnp.take(self.embed_tokens[...], tokens[:, None], axis=0))
+        ck, cv = cache
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions[:, None], inv_freq, self.shard)
+            ck = ck.at[i, slots, positions].set(k[:, 0])
+            cv = cv.at[i, slots, positions].set(v[:, 0])
+            x = self._act(x + layer.self_attn.o_proj(attend(q, ck[i], cv[i], mask)))
+            x = self._act(x + layer.mlp(layer.post_attention_layernorm(x)))
+        cache = KVCache(constrain(ck, self.shard, KVCache.AXES), constrain(cv, self.shard, KVCache.AXES))
+        return self._logits(x)[:, 0], cache
+
+
+# ---- pure entry points: (graphdef, params, inputs) -> outputs, jitted; graphdef is static ----
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, positions: Array | None = None,
+            segment_ids: Array | None = None) -> Array:
+    """Training forward over packed rows: fp32 logits [B, T, V]."""
+    return nnx.merge(graphdef, params).forward(tokens, positions, segment_ids)[0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def prefill(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, lengths: Array) -> tuple[Array, KVCache]:
+    """Prompts [B, T] right-padded to a bucket, `lengths` [B] real tokens each: logits [B,T,V] and KV [L,B,T,Hkv,D].
+
+    KV beyond a prompt's length is junk that the decode mask never reads before overwriting it.
+    """
+    t = tokens.shape[1]
+    segment_ids = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.int32)
+    return nnx.merge(graphdef, params).forward(tokens, None, segment_ids)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def decode_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, tokens: Array,
+                positions: Array) -> tuple[Array, KVCache]:
+    """One decode step for all S slots: logits [S, V] and the cache with each slot's new KV written in place."""
+    return nnx.merge(graphdef, params).decode(cache, tokens, positions)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def insert(cache: KVCache, kv: KVCache, slot: Array) -> KVCache:
+    """Writes one prefilled sequence's KV (batch 1, length T ≤ cache length) into `slot`, from position 0."""
+    def put(c, x):
+        return jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, slot, 0, 0, 0))
+    return KVCache(put(cache.k, kv.k), put(cache.v, kv.v))
+
+
+def init_cache(cfg: ModelConfig, slots: int, max_len: int, dtype=jnp.float32,
+               shard: LogicalSharding | None = None) -> KVCache:
+    """An empty KV cache for `slots` sequences of up to `max_len` tokens, sharded when `shard` is given."""
+    shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+    sharding = None if shard is None else shard.named(KVCache.AXES, shape)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return KVCache(zeros(), zeros())
+
+

@@ -1,0 +1,30 @@
+"""arealjax entry point.
+
+  python main.py --config=configs/default.py --workdir=/tmp/arealjax [--config.a.b=value ...]
+"""
+
+import logging
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "A config file with get_config().", lock_config=True)
+flags.DEFINE_string("workdir", "/tmp/arealjax", "Directory for outputs (checkpoints, metrics, exported model).")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = flags.FLAGS.config
+    from arealjax import runtime  # JAX must not start before runtime.setup has set its flags
+
+    runtime.setup(config)
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # quiet "no TPU found" probes on CPU
+    from arealjax import smoke
+
+    smoke.run(config, flags.FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,206 @@
+"""The model: HF parity, export round trip, packed rows, prefill + decode, checkpoint errors."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from arealjax.models import (ModelConfig, decode_step, forward, from_config, init_cache, insert, load_pretrained,
+                             prefill, save_pretrained)
+from conftest import HF_CONFIGS, hf_logits, make_hf_model
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+def test_logits_match_transformers(hf_checkpoints, tokens, family):
+    path, hf_model = hf_checkpoints[family]
+    model = load_pretrained(path)
+    out = model(tokens)
+    assert out.dtype == jnp.float32 and out.shape == (*tokens.shape, 96)
+    np.testing.assert_allclose(np.asarray(out), hf_logits(hf_model, tokens), atol=TOL, rtol=0)
+
+
+def test_loaded_config_reflects_family_features(hf_checkpoints):
+    q2 = load_pretrained(hf_checkpoints["qwen2"][0]).cfg
+    q3 = load_pretrained(hf_checkpoints["qwen3"][0]).cfg
+    ll = load_pretrained(hf_checkpoints["llama"][0]).cfg
+    assert q2.qkv_bias and q2.tie_word_embeddings and not q2.qk_norm
+    assert q3.qk_norm and q3.head_dim == 24 != q3.hidden_size // q3.num_heads
+    assert ll.num_heads // ll.num_kv_heads == 4 and ll.rope["rope_type"] == "llama3"
+
+
+def test_llama3_rope_scaling_is_applied(hf_checkpoints, tokens, tmp_path):
+    """Dropping the scaling from config.json changes the logits: the parity above really covers it."""
+    path, hf_model = hf_checkpoints["llama"]
+    shutil.copytree(path, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m/config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
+    (tmp_path / "m/config.json").write_text(json.dumps(cfg))
+    out = np.asarray(load_pretrained(tmp_path / "m")(tokens))
+    assert np.abs(out - hf_logits(hf_model, tokens)).max() > 1e-3
+
+
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+def test_legacy_transformers4_config(hf_checkpoints, tokens, tmp_path, family):
+    """Real hub checkpoints spell RoPE as `rope_theta` + `rope_scaling` and Qwen2 omits head_dim."""
+    path, hf_model = hf_checkpoints[family]
+    shutil.copytree(path, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m/config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    if rope.pop("rope_type") != "default":
+        cfg["rope_scaling"] = {"type": "llama3", **rope}
+    if family == "qwen2":
+        cfg.pop("head_dim", None)
+    (tmp_path / "m/config.json").write_text(json.dumps(cfg))
+    np.testing.assert_allclose(np.asarray(load_pretrained(tmp_path / "m")(tokens)), hf_logits(hf_model, tokens),
+                               atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("family,tied", [("qwen2", False), ("qwen3", True), ("llama", False)])
+def test_export_roundtrip_through_transformers(tokens, tmp_path, family, tied):
+    import transformers
+
+    hf = {k: v for k, v in HF_CONFIGS[family].items() if k not in ("num_hidden_layers",)}
+    cfg = ModelConfig.make(family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                           intermediate_size=hf["intermediate_size"], num_layers=2,
+                           num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
+                           head_dim=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
+                           rope_theta=hf.get("rope_theta", 1e4), rope_scaling=hf.get("rope_scaling"),
+                           tie_word_embeddings=tied)
+    model = from_config(cfg, seed=3)
+    model.params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), model.params)
+    save_pretrained(model, tmp_path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    np.testing.assert_allclose(hf_logits(hf_model, tokens), np.asarray(model(tokens)), atol=TOL, rtol=0)
+    np.testing.assert_array_equal(np.asarray(load_pretrained(tmp_path)(tokens)), np.asarray(model(tokens)))
+
+
+def test_sharded_safetensors_with_index(hf_checkpoints, tokens, tmp_path):
+    import transformers
+
+    model = load_pretrained(hf_checkpoints["qwen3"][0])
+    save_pretrained(model, tmp_path, max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    np.testing.assert_array_equal(np.asarray(load_pretrained(tmp_path)(tokens)), np.asarray(model(tokens)))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    np.testing.assert_allclose(hf_logits(hf_model, tokens), np.asarray(model(tokens)), atol=TOL, rtol=0)
+
+
+def test_bf16_params_fp32_logits(hf_checkpoints, tokens, tmp_path):
+    path, hf_model = hf_checkpoints["qwen3"]
+    model = load_pretrained(path, dtype=jnp.bfloat16)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(model.params))
+    out = model(tokens)
+    assert out.dtype == jnp.float32
+    ref = hf_logits(hf_model, tokens)
+    assert np.abs(np.asarray(out) - ref).max() < 0.05 * np.abs(ref).max()
+    save_pretrained(model, tmp_path)  # a bf16 checkpoint loads back as bf16 by default
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert jax.tree.leaves(load_pretrained(tmp_path).params)[0].dtype == jnp.bfloat16
+
+
+def test_packed_rows_equal_separate_sequences(hf_checkpoints):
+    model = load_pretrained(hf_checkpoints["qwen2"][0])
+    rng = np.random.RandomState(1)
+    a, b = rng.randint(0, 96, 11), rng.randint(0, 96, 7)
+    row = np.zeros(24, np.int32)
+    row[:11], row[11:18] = a, b
+    positions = np.concatenate([np.arange(11), np.arange(7), np.zeros(6)]).astype(np.int32)
+    segments = np.concatenate([np.full(11, 1), np.full(7, 2), np.zeros(6)]).astype(np.int32)
+    packed = np.asarray(model(row[None], positions[None], segments[None]))[0]
+    np.testing.assert_allclose(packed[:11], np.asarray(model(a[None]))[0], atol=1e-5)
+    np.testing.assert_allclose(packed[11:18], np.asarray(model(b[None]))[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_prefill_then_decode_matches_full_forward(hf_checkpoints, family):
+    """Three slots with different prompt lengths decode side by side; each matches its own full forward."""
+    model = load_pretrained(hf_checkpoints[family][0])
+    rng = np.random.RandomState(2)
+    prompt_lens, n_decode, bucket = [5, 9, 13], 8, 16
+    seqs = [rng.randint(0, 96, p + n_decode).astype(np.int32) for p in prompt_lens]
+    cache = init_cache(model.cfg, slots=4, max_len=32)
+    ref_logits = []
+    for slot, (seq, p) in enumerate(zip(seqs, prompt_lens)):
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, :p] = seq[:p]
+        logits, kv = prefill(model.graphdef, model.params, padded, np.array([p]))
+        full = np.asarray(model(seq[None]))[0]
+        np.testing.assert_allclose(np.asarray(logits)[0, :p], full[:p], atol=1e-5)
+        cache = insert(cache, kv, jnp.int32(slot + 1))  # slot 0 stays empty
+        ref_logits.append(full)
+    for i in range(n_decode):
+        toks = np.zeros(4, np.int32)
+        pos = np.zeros(4, np.int32)
+        for slot, (seq, p) in enumerate(zip(seqs, prompt_lens)):
+            toks[slot + 1], pos[slot + 1] = seq[p + i], p + i
+        logits, cache = decode_step(model.graphdef, model.params, cache, toks, pos)
+        for slot, p in enumerate(prompt_lens):
+            np.testing.assert_allclose(np.asarray(logits)[slot + 1], ref_logits[slot][p + i], atol=1e-5)
+
+
+def test_unknown_architecture_names_file(hf_checkpoints, tmp_path):
+    shutil.copytree(hf_checkpoints["qwen3"][0], tmp_path / "m")
+    cfg = json.loads((tmp_path / "m/config.json").read_text())
+    cfg["model_type"], cfg["architectures"] = "gpt_neox", ["GPTNeoXForCausalLM"]
+    (tmp_path / "m/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"m/config\.json: model_type 'gpt_neox'.*supported model types"):
+        load_pretrained(tmp_path / "m")
+
+
+def test_missing_tensor_names_file_and_tensor(hf_checkpoints, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(hf_checkpoints["llama"][0], tmp_path / "m")
+    tensors = load_file(tmp_path / "m/model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "m/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        load_pretrained(tmp_path / "m")
+
+
+def test_wrong_shape_names_file_and_tensor(hf_checkpoints, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(hf_checkpoints["llama"][0], tmp_path / "m")
+    tensors = load_file(tmp_path / "m/model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((3, 32), np.float32)
+    save_file(tensors, tmp_path / "m/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.k_proj\.weight'"
+                                         r": shape \(3, 32\), expected \(8, 32\)"):
+        load_pretrained(tmp_path / "m")
+
+
+def test_bad_config_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json: not found"):
+        load_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3",\n "vocab_size": }')
+    with pytest.raises(ValueError, match=r"config\.json: invalid JSON at line 2"):
+        load_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 8}')
+    with pytest.raises(KeyError, match=r"config\.json: missing key 'num_attention_heads'"):
+        load_pretrained(tmp_path)
+    with pytest.raises(KeyError, match=r"unknown model config keys \['n_layer'\]"):
+        ModelConfig.make(family="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                         num_heads=2, num_kv_heads=2, n_layer=3)
+
+
+def test_random_init_is_seeded_and_counted():
+    cfg = ModelConfig.make(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                           num_heads=4, num_kv_heads=2)
+    a, b, c = from_config(cfg, seed=0), from_config(cfg, seed=0), from_config(cfg, seed=1)
+    leaves = lambda m: jax.tree.leaves(m.params)  # noqa: E731
+    assert all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(b)))
+    assert not np.array_equal(leaves(a)[0], leaves(c)[0])
+    assert sum(x.size for x in leaves(a)) == cfg.num_params()
+    assert isinstance(a.params, nnx.State)
+    # the pure entry point and the model object agree
+    t = np.arange(12, dtype=np.int32)[None] % 64
+    np.testing.assert_array_equal(np.asarray(forward(a.graphdef, a.params, t)), np.asarray(a(t)))
