@@ -150,7 +150,6 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, shard: LogicalSharding | None = None):
         self.cfg = cfg
         self.shard = shard
-        self.dtype = jnp.dtype(dtype)
         emb = INIT_STD * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32)
         self.embed_tokens = nnx.Param(emb.astype(dtype), axes=("vocab", "embed"))
         self.layers = nnx.List([Block(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
