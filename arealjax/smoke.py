@@ -47,7 +47,7 @@ def greedy_generate(model: models.Model, prompts: list[list[int]], max_new_token
         padded[0, : len(ids)] = ids
         logits, kv = models.prefill(model.graphdef, model.params, padded, np.array([len(ids)]))
         cache = models.insert(cache, kv, jnp.int32(slot))
-        first.append(int(jnp.argmax(logits[0, len(ids) - 1])))
+        first.append(int(jnp.argmax(logits[0])))
     outs = [[t] for t in first]
     positions = np.array([len(p) for p in prompts], np.int32)
     done = np.array([t in eos_ids for t in first])

@@ -6,7 +6,7 @@ conversion is a rename plus a reshape. Every parameter carries logical axis name
 
 Three entry points, pure functions of (params, inputs) at the bottom of the file:
   forward      packed training rows: tokens, positions, segment ids [B, T] -> fp32 logits [B, T, V]
-  prefill      prompts [B, T] with true lengths -> logits and their KV, ready to `insert` into cache slots
+  prefill      prompts [B, T] with true lengths -> last-token logits and KV, ready to `insert` into cache slots
   decode_step  one token for each of S cache slots -> logits [S, V] and the updated cache
 """
 
@@ -171,10 +171,12 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         return self.forward(tokens, positions, segment_ids)[0]
 
-    def forward(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None):
+    def forward(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None,
+                logits_at: Array | None = None):
         """Logits [B,T,V] and per-layer KV [L,B,T,Hkv,D] over rows of one or more packed sequences.
 
-        A token attends to earlier tokens of its own segment only; segment id 0 marks padding.
+        A token attends to earlier tokens of its own segment only; segment id 0 marks padding. With `logits_at`
+        [B], logits only at that index of each row ([B,1,V]): prefill needs no vocab projection over the prompt.
         """
         b, t = tokens.shape
         if positions is None:
@@ -192,6 +194,8 @@ class Transformer(nnx.Module):
             x = self._act(x + layer.mlp(layer.post_attention_layernorm(x)))
             ks.append(k)
             vs.append(v)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         return self._logits(x), KVCache(jnp.stack(ks), jnp.stack(vs))
 
     def decode(self, cache: KVCache, tokens: Array, positions: Array) -> tuple[Array, KVCache]:
@@ -224,13 +228,15 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, positions:
 
 @functools.partial(jax.jit, static_argnums=0)
 def prefill(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, lengths: Array) -> tuple[Array, KVCache]:
-    """Prompts [B, T] right-padded to a bucket, `lengths` [B] real tokens each: logits [B,T,V] and KV [L,B,T,Hkv,D].
+    """Prompts [B, T] right-padded to a bucket, `lengths` [B] real tokens each: the logits at each prompt's last
+    token [B, V] (they give the first new token) and the KV [L, B, T, Hkv, D].
 
     KV beyond a prompt's length is junk that the decode mask never reads before overwriting it.
     """
     t = tokens.shape[1]
     segment_ids = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.int32)
-    return nnx.merge(graphdef, params).forward(tokens, None, segment_ids)
+    logits, kv = nnx.merge(graphdef, params).forward(tokens, None, segment_ids, logits_at=lengths - 1)
+    return logits[:, 0], kv
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)

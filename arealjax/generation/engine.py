@@ -1,0 +1,241 @@
+"""Slot-based decoding engine in JetStream's Engine API shape (our own code; params passed on every call).
+
+    state = engine.init_decode_state()
+    prefix = engine.prefill(params, tokens, lengths)                    # B prompts -> KV + last-token logits
+    state, first = engine.insert(prefix, state, rows, slots, sampling)  # into free slots; first tokens sampled
+    state, result = engine.generate(params, state)                      # one new token for every slot
+    state = engine.refill(params, state, tokens, lengths, slots)        # recompute slots' KV with new params
+
+`first` and `result` are float32 [N, 3] = (token, logprob, done) per row: one device->host copy per call.
+Everything batched is padded to a few shapes (power-of-two buckets) so nothing recompiles per request.
+
+Sampling keys are derived from (request seed, sample index, token position) only, so a sequence's sampled tokens
+do not depend on which slot it landed in, what else was running, or when weights were swapped.
+The logprob returned for a token is log softmax(logits / temperature) at that token (log softmax(logits) when
+greedy): the behaviour policy the trainer can recompute. top-k / top-p only restrict which tokens can be drawn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from arealjax.models import KVCache, Model, init_cache, prefill
+from arealjax.sharding import LogicalSharding
+
+MAX_STOP_IDS = 8  # stop token ids per sequence (padded with -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (self.n >= 1, "n must be >= 1"),
+            (len(self.stop_token_ids) <= MAX_STOP_IDS, f"at most {MAX_STOP_IDS} stop_token_ids"),
+            (0 <= self.seed < 2**32, "seed must be in [0, 2**32)"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams: {msg} (got {self})")
+
+    @property
+    def truncates(self) -> bool:
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
+
+
+class SlotSampling(NamedTuple):
+    """Sampling parameters of N sequences, as arrays (what `insert` writes into slots)."""
+
+    temperature: np.ndarray  # [N] f32
+    top_k: np.ndarray  # [N] i32
+    top_p: np.ndarray  # [N] f32
+    max_new_tokens: np.ndarray  # [N] i32
+    stop: np.ndarray  # [N, MAX_STOP_IDS] i32, -1 padded
+    seed: np.ndarray  # [N] u32
+    sample: np.ndarray  # [N] i32, index of the sample within its request
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams], samples: Sequence[int], pad_to: int) -> "SlotSampling":
+        n = len(params)
+        stop = np.full((pad_to, MAX_STOP_IDS), -1, np.int32)
+        for i, p in enumerate(params):
+            stop[i, : len(p.stop_token_ids)] = p.stop_token_ids
+
+        def col(values, dtype, fill):
+            out = np.full(pad_to, fill, dtype)
+            out[:n] = values
+            return out
+
+        return SlotSampling(
+            col([p.temperature for p in params], np.float32, 1.0), col([p.top_k for p in params], np.int32, 0),
+            col([p.top_p for p in params], np.float32, 1.0), col([p.max_new_tokens for p in params], np.int32, 1),
+            stop, col([p.seed for p in params], np.uint32, 0), col(samples, np.int32, 0))
+
+
+class DecodeState(NamedTuple):
+    """Everything the device needs to advance S slots by one token."""
+
+    cache: KVCache
+    tokens: jax.Array  # [S] next input token of each slot (its last sampled token)
+    positions: jax.Array  # [S] where that token goes (= tokens already in the slot's cache)
+    remaining: jax.Array  # [S] tokens the slot may still emit
+    sampling: SlotSampling  # per-slot copies of the request's sampling parameters (max_new_tokens unused)
+
+
+class Prefix(NamedTuple):
+    kv: KVCache  # [L, B, T, Hkv, D]
+    logits: jax.Array  # [B, V] at each prompt's last token
+    lengths: jax.Array  # [B]
+
+
+def truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Masks logits [N, V] outside each row's top-k and then top-p nucleus to -inf."""
+    v = scaled.shape[-1]
+    desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    ranks = jnp.arange(v)[None]
+    desc = jnp.where(ranks < k[:, None], desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # always keeps the most likely token
+    n_keep = jnp.maximum(jnp.sum(keep & (ranks < k[:, None]), axis=-1), 1)
+    threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def sample(logits: jax.Array, s: SlotSampling, token_pos: jax.Array, truncating: bool) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row of fp32 logits [N, V]; returns (tokens, behaviour logprobs)."""
+    greedy = s.temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    drawable = truncate(scaled, s.top_k, s.top_p) if truncating else scaled
+
+    def draw(seed, sample_idx, pos, row):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_idx), pos)
+        return jax.random.categorical(key, row)
+
+    drawn = jax.vmap(draw)(s.seed, s.sample, token_pos, drawable)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def _result(tokens, logprobs, done) -> jax.Array:
+    # token ids < 2**24 are exact in float32, so one array carries all three
+    return jnp.stack([tokens.astype(jnp.float32), logprobs, done.astype(jnp.float32)], axis=-1)
+
+
+def _write_kv(cache: KVCache, kv: KVCache, rows, slots) -> KVCache:
+    t = kv.k.shape[2]
+    put = lambda c, x: c.at[:, slots, :t].set(x[:, rows].astype(c.dtype), mode="drop")  # noqa: E731
+    return KVCache(put(cache.k, kv.k), put(cache.v, kv.v))
+
+
+def _done(max_len: int, tokens, stop, remaining, token_pos):
+    hit_stop = jnp.any(tokens[:, None] == stop, axis=-1)
+    return hit_stop | (remaining <= 0) | (token_pos >= max_len - 1)
+
+
+# Module-level jits (static: model definition, cache length, top-k/top-p switch) so every Engine of the same model
+# shares compiled code.
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _insert(max_len: int, truncating: bool, prefix: Prefix, state: DecodeState, rows, slots, s: SlotSampling):
+    lengths = prefix.lengths[rows]
+    tokens, logprobs = sample(prefix.logits[rows], s, lengths, truncating)
+    remaining = s.max_new_tokens - 1
+    done = _done(max_len, tokens, s.stop, remaining, lengths)
+    put = lambda dst, src: dst.at[slots].set(src, mode="drop")  # noqa: E731
+    state = DecodeState(
+        cache=_write_kv(state.cache, prefix.kv, rows, slots),
+        tokens=put(state.tokens, tokens),
+        positions=put(state.positions, lengths),
+        remaining=put(state.remaining, remaining),
+        sampling=SlotSampling(*(put(d, x) for d, x in zip(state.sampling, s))),
+    )
+    return state, _result(tokens, logprobs, done)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
+def _generate(graphdef: nnx.GraphDef, max_len: int, truncating: bool, params: nnx.State, state: DecodeState):
+    logits, cache = nnx.merge(graphdef, params).decode(state.cache, state.tokens, state.positions)
+    token_pos = state.positions + 1
+    tokens, logprobs = sample(logits, state.sampling, token_pos, truncating)
+    remaining = state.remaining - 1
+    done = _done(max_len, tokens, state.sampling.stop, remaining, token_pos)
+    state = DecodeState(cache, tokens, jnp.minimum(token_pos, max_len - 1), remaining, state.sampling)
+    return state, _result(tokens, logprobs, done)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _refill(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, tokens, lengths, slots):
+    _, kv = prefill(graphdef, params, tokens, lengths)
+    return state._replace(cache=_write_kv(state.cache, kv, jnp.arange(tokens.shape[0]), slots))
+
+
+class Engine:
+    """prefill / insert / generate / refill over a fixed number of KV-cache slots for one model definition."""
+
+    def __init__(self, model: Model, *, slots: int, max_len: int, cache_dtype=None,
+                 shard: LogicalSharding | None = None):
+        self.cfg, self.graphdef = model.cfg, model.graphdef
+        self.slots, self.max_len = slots, max_len
+        self.cache_dtype = cache_dtype or model.dtype
+        self.shard = shard
+        self._replicated = None if shard is None else NamedSharding(shard.mesh, PartitionSpec())
+
+    def init_decode_state(self) -> DecodeState:
+        s = self.slots
+        zeros = lambda dtype: jax.device_put(np.zeros(s, dtype), self._replicated)  # noqa: E731
+        sampling = SlotSampling(*(jax.device_put(x, self._replicated) for x in SlotSampling.of([], [], s)))
+        return DecodeState(init_cache(self.cfg, s, self.max_len, self.cache_dtype, self.shard),
+                           zeros(np.int32), zeros(np.int32), zeros(np.int32), sampling)
+
+    def prefill(self, params: nnx.State, tokens: np.ndarray, lengths: np.ndarray) -> Prefix:
+        """B prompts right-padded to [B, T] (T ≤ max_len) with their true lengths."""
+        logits, kv = prefill(self.graphdef, params, tokens, lengths)
+        return Prefix(kv, logits, jnp.asarray(lengths))
+
+    def insert(self, prefix: Prefix, state: DecodeState, rows: np.ndarray, slots: np.ndarray,
+               sampling: SlotSampling, truncating: bool = False) -> tuple[DecodeState, jax.Array]:
+        """Puts prefix row rows[i] into slot slots[i] and samples its first token (rows may repeat: n samples of
+        one prompt share one prefill). Slot ids ≥ S mark padding entries and are dropped."""
+        return _insert(self.max_len, truncating, prefix, state, rows, slots, sampling)
+
+    def generate(self, params: nnx.State, state: DecodeState, truncating: bool = False
+                 ) -> tuple[DecodeState, jax.Array]:
+        """One decode step for all slots. `truncating` compiles in top-k/top-p (only needed when a slot uses it)."""
+        return _generate(self.graphdef, self.max_len, truncating, params, state)
+
+    def refill(self, params: nnx.State, state: DecodeState, tokens: np.ndarray, lengths: np.ndarray,
+               slots: np.ndarray) -> DecodeState:
+        """Recomputes the KV of `slots` from their tokens so far (prompt + outputs but the last) with `params`;
+        their next input token and position are unchanged. This is the AReaL interrupt after a weight swap."""
+        return _refill(self.graphdef, params, state, tokens, lengths, slots)
+
+
+def bucket(n: int, minimum: int, maximum: int) -> int:
+    """Smallest power of two ≥ n within [minimum, maximum]: the few shapes everything is padded to."""
+    if n > maximum:
+        raise ValueError(f"length {n} exceeds the maximum {maximum}")
+    return min(maximum, max(minimum, 1 << max(0, n - 1).bit_length()))

@@ -1,0 +1,371 @@
+"""The interruptible generator: continuous batching over the engine's slots, on its own thread.
+
+    gen = Generator(engine, params, version=0, mode="recompute")
+    fut = gen.submit(prompt_ids, SamplingParams(n=4, max_new_tokens=512))   # Future[list[Completion]]
+    gen.update_weights(new_params, version=1)     # applied between two decode steps; generation continues
+    completions = fut.result()
+
+A freed slot is refilled before the next decode step. On a weight update the loop stops between steps and either
+recomputes every in-flight slot's KV with the new params (`recompute`, AReaL) or continues on the stale KV
+(`keep`, PipelineRL). Either way, tokens sampled after the swap carry the new version.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from arealjax.generation.engine import Engine, SamplingParams, SlotSampling, bucket
+
+MODES = ("recompute", "keep")
+MIN_PREFILL_LEN = 16
+
+
+@dataclasses.dataclass
+class Completion:
+    """One generated sample. logprobs[i] and versions[i] belong to output_tokens[i]."""
+
+    request_id: str
+    sample: int
+    prompt_tokens: list[int]
+    output_tokens: list[int]
+    logprobs: np.ndarray  # float32, behaviour policy (see engine.py)
+    versions: np.ndarray  # int32, policy version of the params that sampled each token
+    stop_reason: str  # "stop" (a stop token, kept as the last output), "length", or "abort"
+    interrupts: int  # weight swaps that happened while this sample was in flight
+
+
+@dataclasses.dataclass
+class _Seq:
+    request: "_Request"
+    sample: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    interrupts: int = 0
+    done: bool = False
+
+
+@dataclasses.dataclass
+class _Request:
+    id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    future: Future
+    results: list[Completion | None]
+    aborted: bool = False
+
+
+@dataclasses.dataclass
+class GeneratorStats:
+    steps: int = 0
+    tokens: int = 0  # generated tokens, first tokens included
+    prefill_tokens: int = 0
+    refill_tokens: int = 0  # tokens re-prefilled after weight swaps (recompute mode)
+    interrupts: int = 0  # in-flight samples interrupted by a swap
+    swaps: int = 0
+    swap_seconds: float = 0.0  # update_weights() call -> first token with the new weights, summed
+    busy_seconds: float = 0.0  # in prefill / decode / refill
+    idle_seconds: float = 0.0  # waiting with no work
+    requests_done: int = 0
+    aborted: int = 0
+
+
+class Generator:
+    """Serves generate requests and weight updates; see the module docstring."""
+
+    def __init__(self, engine: Engine, params: nnx.State, *, version: int = 0, mode: str = "recompute",
+                 max_prefill_batch: int = 8, start: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"generator mode '{mode}' is unknown; expected one of {MODES}")
+        self.engine, self.mode = engine, mode
+        self.max_prefill_batch = max_prefill_batch
+        self._params, self._version = params, version
+        self._state = engine.init_decode_state()
+        self._slots: list[_Seq | None] = [None] * engine.slots
+        self._queue: collections.deque[_Seq] = collections.deque()
+        self._requests: dict[str, _Request] = {}
+        self._update: tuple[nnx.State, int, float, list[Future]] | None = None
+        self._swap_started: float | None = None
+        self._cv = threading.Condition()
+        self._paused = self._idle_ack = self._closed = False
+        self._error: BaseException | None = None
+        self._ids = itertools.count()
+        self.stats = GeneratorStats()
+        self._thread = threading.Thread(target=self._run, name="arealjax-generator", daemon=True)
+        if start:
+            self._thread.start()
+
+    # ---- public API (any thread) ----
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
+               request_id: str | None = None) -> Future:
+        """Queues `sampling.n` samples of one prompt; the future resolves to their Completions, in sample order."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self.engine.max_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_len={self.engine.max_len}")
+        with self._cv:
+            self._check_alive()
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._requests:
+                raise ValueError(f"request id '{rid}' is already in flight")
+            req = _Request(rid, prompt, sampling, Future(), [None] * sampling.n)
+            self._requests[rid] = req
+            self._queue.extend(_Seq(req, j) for j in range(sampling.n))
+            self._cv.notify_all()
+        return req.future
+
+    def update_weights(self, params: nnx.State, version: int) -> Future:
+        """Swaps in `params` (already on the generator's devices) between two decode steps. The future resolves to
+        the seconds from this call until the swap was applied. A newer update replaces one not yet applied."""
+        _check_same_tree(self._params, params)
+        with self._cv:
+            self._check_alive()
+            fut: Future = Future()
+            waiters = (self._update[3] if self._update else []) + [fut]
+            self._update = (params, int(version), time.perf_counter(), waiters)
+            self._cv.notify_all()
+        return fut
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request; its future resolves with what was generated so far (stop_reason "abort")."""
+        with self._cv:
+            req = self._requests.get(request_id)
+            if req is None:
+                return False
+            req.aborted = True
+            for seq in [s for s in self._queue if s.request is req]:
+                self._queue.remove(seq)
+                self._finish(seq, "abort")
+            self._cv.notify_all()
+            return True
+
+    def pause(self) -> None:
+        """Returns once the loop is between steps; it then runs nothing until resume()."""
+        with self._cv:
+            self._paused, self._idle_ack = True, False
+            self._cv.notify_all()
+            while not self._idle_ack and self._thread.is_alive():
+                self._cv.wait(0.1)
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def in_flight(self) -> dict[str, int]:
+        """request id -> tokens generated so far (all samples), for requests not yet finished."""
+        with self._cv:
+            out = {rid: 0 for rid in self._requests}
+            for seq in self._slots:
+                if seq is not None:
+                    out[seq.request.id] += len(seq.tokens)
+            return out
+
+    def close(self) -> None:
+        """Stops the loop; requests still pending fail with RuntimeError('generator closed')."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._fail_all(RuntimeError("generator closed"))
+
+    def __enter__(self) -> "Generator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the loop (generator thread) ----
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the generator loop failed") from self._error
+        if self._closed:
+            raise RuntimeError("generator closed")
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as e:  # noqa: BLE001 — every pending future must learn why the loop died
+            logging.exception("generator loop failed")
+            self._error = e
+            self._fail_all(e)
+
+    def _step(self) -> bool:
+        """One round: apply a weight update, drop aborted slots, fill free slots, decode one token. False = stop."""
+        with self._cv:
+            t0 = time.perf_counter()
+            while not self._closed and (self._paused or not (self._update or self._queue or self._active())):
+                self._idle_ack = True
+                self._cv.notify_all()
+                self._cv.wait()
+            self.stats.idle_seconds += time.perf_counter() - t0
+            if self._closed:
+                return False
+            update, self._update = self._update, None
+            for i, seq in enumerate(self._slots):
+                if seq is not None and seq.request.aborted:
+                    self._slots[i] = None
+                    self._finish(seq, "abort")
+            free = [i for i, s in enumerate(self._slots) if s is None]
+            admitted = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+        t0 = time.perf_counter()
+        if update is not None:
+            self._apply_update(*update)
+        if admitted:
+            self._admit(admitted, free)
+        if self._active():
+            self._decode()
+        self.stats.busy_seconds += time.perf_counter() - t0
+        return True
+
+    def _active(self) -> list[int]:
+        return [i for i, s in enumerate(self._slots) if s is not None]
+
+    def _apply_update(self, params, version, requested_at, waiters) -> None:
+        self._params, self._version = params, version
+        self.stats.swaps += 1
+        self._swap_started = requested_at
+        active = self._active()
+        for i in active:
+            self._slots[i].interrupts += 1
+        self.stats.interrupts += len(active)
+        if self.mode == "recompute" and active:
+            # each slot's cache holds prompt + outputs[:-1]; the last output is the next input token
+            seqs = [(i, self._slots[i].request.prompt + self._slots[i].tokens[:-1]) for i in active]
+            for group in self._batches(seqs, lambda item: len(item[1])):
+                tokens, lengths, slots = self._pad([s for _, s in group], [i for i, _ in group])
+                self._state = self.engine.refill(self._params, self._state, tokens, lengths, slots)
+                self.stats.refill_tokens += int(sum(len(s) for _, s in group))
+        for fut in waiters:
+            fut.set_result(time.perf_counter() - requested_at)
+
+    def _admit(self, seqs: list[_Seq], free: list[int]) -> None:
+        """Prefills each distinct prompt once and inserts one slot per sample."""
+        by_req: dict[str, list[_Seq]] = collections.defaultdict(list)
+        for seq in seqs:
+            by_req[seq.request.id].append(seq)
+        groups = [(reqs[0].request.prompt, reqs) for reqs in by_req.values()]
+        slot_iter = iter(free)
+        for batch in self._batches(groups, lambda item: len(item[0])):
+            prompts = [p for p, _ in batch]
+            tokens, lengths, _ = self._pad(prompts, [])
+            prefix = self.engine.prefill(self._params, tokens, lengths)
+            rows, slots, members = [], [], []
+            for row, (_, group) in enumerate(batch):
+                for seq in group:
+                    slot = next(slot_iter)
+                    rows.append(row)
+                    slots.append(slot)
+                    members.append(seq)
+                    self._slots[slot] = seq
+            n = bucket(len(rows), 1, max(self.engine.slots, 1))
+            pad = n - len(rows)
+            sampling = SlotSampling.of([s.request.sampling for s in members], [s.sample for s in members], n)
+            truncating = any(s.request.sampling.truncates for s in members)
+            self._state, first = self.engine.insert(
+                prefix, self._state, np.array(rows + [0] * pad, np.int32),
+                np.array(slots + [self.engine.slots] * pad, np.int32), sampling, truncating)
+            self.stats.prefill_tokens += int(sum(map(len, prompts)))
+            self._record(np.asarray(first), [(r, slot, seq) for r, (slot, seq) in enumerate(zip(slots, members))])
+
+    def _decode(self) -> None:
+        truncating = any(s is not None and s.request.sampling.truncates for s in self._slots)
+        self._state, result = self.engine.generate(self._params, self._state, truncating)
+        self.stats.steps += 1
+        self._record(np.asarray(result), [(i, i, s) for i, s in enumerate(self._slots) if s is not None])
+
+    def _record(self, result: np.ndarray, entries: list[tuple[int, int, _Seq]]) -> None:
+        """Appends result[row] to each (row, slot, seq); finishes and frees the slots that are done."""
+        if self._swap_started is not None and entries:
+            self.stats.swap_seconds += time.perf_counter() - self._swap_started
+            self._swap_started = None
+        for row, slot, seq in entries:
+            token, logprob, done = int(result[row, 0]), float(result[row, 1]), bool(result[row, 2])
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self._version)
+            self.stats.tokens += 1
+            if done:
+                self._slots[slot] = None
+                stop = token in seq.request.sampling.stop_token_ids
+                with self._cv:
+                    self._finish(seq, "stop" if stop else "length")
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        """Records a finished sample; resolves its request's future when all samples are in (holds the lock)."""
+        req = seq.request
+        req.results[seq.sample] = Completion(
+            req.id, seq.sample, list(req.prompt), list(seq.tokens), np.asarray(seq.logprobs, np.float32),
+            np.asarray(seq.versions, np.int32), reason, seq.interrupts)
+        if reason == "abort":
+            self.stats.aborted += 1
+        if all(r is not None for r in req.results):
+            self._requests.pop(req.id, None)
+            self.stats.requests_done += 1
+            if not req.future.done():
+                req.future.set_result(list(req.results))
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cv:
+            futures = [r.future for r in self._requests.values()]
+            if self._update is not None:
+                futures += self._update[3]
+            self._requests.clear()
+            self._queue.clear()
+            self._slots = [None] * len(self._slots)
+            self._update = None
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(error)
+
+    # ---- padding helpers ----
+
+    def _batches(self, items: list, length) -> list[list]:
+        """Prefill batches of at most max_prefill_batch items, longest first so similar lengths share a bucket."""
+        items = sorted(items, key=length, reverse=True)
+        return [items[i: i + self.max_prefill_batch] for i in range(0, len(items), self.max_prefill_batch)]
+
+    def _pad(self, seqs: list[list[int]], slots: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[B, T] right-padded tokens, lengths and slots, with B and T rounded up to buckets (padding rows:
+        length 1, slot S so the write is dropped)."""
+        b = bucket(len(seqs), 1, max(self.max_prefill_batch, 1))
+        t = bucket(max(map(len, seqs)), MIN_PREFILL_LEN, self.engine.max_len)
+        tokens = np.zeros((b, t), np.int32)
+        lengths = np.ones(b, np.int32)
+        out_slots = np.full(b, self.engine.slots, np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = s
+            lengths[i] = len(s)
+        out_slots[: len(slots)] = slots
+        return tokens, lengths, out_slots
+
+
+def _check_same_tree(old: Any, new: Any) -> None:
+    """Refuses params whose structure, shapes or dtypes differ from the current ones, naming the first mismatch."""
+    old_flat, new_flat = jax.tree_util.tree_flatten_with_path(old)[0], jax.tree_util.tree_flatten_with_path(new)[0]
+    if len(old_flat) != len(new_flat):
+        raise ValueError(f"update_weights: {len(new_flat)} arrays, expected {len(old_flat)}")
+    for (path, a), (path_b, b) in zip(old_flat, new_flat):
+        if path != path_b or a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(f"update_weights: {jax.tree_util.keystr(path_b)} is {b.shape} {b.dtype}, expected "
+                             f"{jax.tree_util.keystr(path)} {a.shape} {a.dtype}")
