@@ -1,8 +1,8 @@
 """The foundation's end-to-end check, run by `main.py` until the RL loop lands.
 
 Builds (or loads) the policy on the trainer mesh, reshards it onto the generator mesh (disjoint devices, as in
-the RL loop), greedily generates answers to a few prompts with prefill + batched decode steps over cache slots,
-and checks every generated token against a reference loop of full forwards + argmax on the trainer mesh.
+the RL loop), greedily answers a few prompts with the interruptible generator (continuous batching over KV-cache
+slots), and checks every generated token against a reference loop of full forwards + argmax on the trainer mesh.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from arealjax import models
-from arealjax.sharding import normalize_rules, role_meshes
+from arealjax.generation import Engine, Generator, SamplingParams
+from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes
 from arealjax.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 
 
@@ -29,38 +30,6 @@ def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, model
     cfg = models.ModelConfig.make(**config.model.to_dict(), vocab_size=tokenizer.vocab_size,
                                   eos_token_id=tokenizer.eos_ids[0], bos_token_id=tokenizer.bos_id)
     return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """Smallest power of two ≥ n: prompt lengths compile into a handful of shapes."""
-    return max(minimum, 1 << (n - 1).bit_length())
-
-
-def greedy_generate(model: models.Model, prompts: list[list[int]], max_new_tokens: int,
-                    eos_ids: tuple[int, ...]) -> list[list[int]]:
-    """Greedy decoding of all prompts at once, one cache slot each."""
-    max_len = bucket(max(map(len, prompts)) + max_new_tokens)
-    cache = models.init_cache(model.cfg, len(prompts), max_len, model.dtype)
-    first = []
-    for slot, ids in enumerate(prompts):
-        padded = np.zeros((1, bucket(len(ids))), np.int32)
-        padded[0, : len(ids)] = ids
-        logits, kv = models.prefill(model.graphdef, model.params, padded, np.array([len(ids)]))
-        cache = models.insert(cache, kv, jnp.int32(slot))
-        first.append(int(jnp.argmax(logits[0])))
-    outs = [[t] for t in first]
-    positions = np.array([len(p) for p in prompts], np.int32)
-    done = np.array([t in eos_ids for t in first])
-    while not done.all() and len(outs[0]) < max_new_tokens:
-        tokens = np.array([o[-1] for o in outs], np.int32)
-        logits, cache = models.decode_step(model.graphdef, model.params, cache, tokens, positions)
-        nxt = np.asarray(jnp.argmax(logits, -1))
-        positions += 1
-        for i, t in enumerate(nxt):
-            if not done[i]:
-                outs[i].append(int(t))
-                done[i] = t in eos_ids
-    return [o[: next((j + 1 for j, t in enumerate(o) if t in eos_ids), len(o))] for o in outs]
 
 
 def reference_greedy(model: models.Model, prompt: list[int], max_new_tokens: int, eos_ids) -> list[int]:
@@ -81,14 +50,19 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     gen_model = trainer_model.to_mesh(meshes["generator"], rules)
     reshard_s = time.perf_counter() - t0
 
+    g = config.generator
+    engine = Engine(gen_model, slots=g.slots, max_len=g.max_len, shard=LogicalSharding(meshes["generator"], rules))
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
                for q in config.smoke.prompts]
-    n_new = config.smoke.max_new_tokens
-    greedy_generate(gen_model, prompts, n_new, tokenizer.eos_ids)  # compile every shape first
-    t0 = time.perf_counter()
-    outs = greedy_generate(gen_model, prompts, n_new, tokenizer.eos_ids)
-    gen_s = time.perf_counter() - t0
-    refs = [reference_greedy(trainer_model, p, n_new, tokenizer.eos_ids) for p in prompts]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=config.smoke.max_new_tokens,
+                              stop_token_ids=tuple(tokenizer.eos_ids))
+    with Generator(engine, gen_model.params, mode=g.mode, decode_steps=g.decode_steps,
+                   max_prefill_batch=g.max_prefill_batch) as generator:
+        [f.result() for f in [generator.submit(p, sampling) for p in prompts]]  # compile every shape first
+        t0 = time.perf_counter()
+        outs = [f.result()[0].output_tokens for f in [generator.submit(p, sampling) for p in prompts]]
+        gen_s = time.perf_counter() - t0
+    refs = [reference_greedy(trainer_model, p, sampling.max_new_tokens, tokenizer.eos_ids) for p in prompts]
 
     for q, o in zip(config.smoke.prompts, outs):
         print(f"  {q!r} -> {tokenizer.decode(o)!r}")
@@ -98,7 +72,7 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
         "generator_devices": meshes["generator"].devices.size,
         "reshard_seconds": round(reshard_s, 4),
         "generated_tokens": sum(map(len, outs)),
-        "decode_tokens_per_second": round(sum(map(len, outs)) / gen_s, 1),
+        "generated_tokens_per_second": round(sum(map(len, outs)) / gen_s, 1),
         "greedy_matches_reference": outs == refs,
     }
     print(json.dumps(summary, indent=2))
@@ -109,5 +83,5 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     if isinstance(tokenizer, CharTokenizer):
         tokenizer.save(out / "model")
     if not summary["greedy_matches_reference"]:
-        raise SystemExit("cached decoding disagrees with the full-forward reference")
+        raise SystemExit("the generator disagrees with the full-forward reference")
     return summary

@@ -50,6 +50,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         ("layers", None),
     ]
 
+    # The interruptible generator (arealjax/generation): KV-cache slots, cache length, weight-swap mode.
+    config.generator = ml_collections.ConfigDict()
+    config.generator.slots = 8
+    config.generator.max_len = 128  # prompt + output tokens per sequence
+    config.generator.mode = "recompute"  # on a weight swap: re-prefill in-flight slots (AReaL) | "keep" stale KV
+    config.generator.decode_steps = 4  # decode steps per device call
+    config.generator.max_prefill_batch = 8
+
     config.smoke = ml_collections.ConfigDict()
     config.smoke.prompts = ["12+30=?", "7*8=?", "what is 99-9?"]
     config.smoke.max_new_tokens = 24

@@ -51,9 +51,10 @@ def wait_for_tokens(gen, request_id, n, timeout=30):
         time.sleep(0.0005)
 
 
-def test_greedy_matches_reference_loop():
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_greedy_matches_reference_loop(decode_steps):
     ps = prompts(5)
-    with Generator(engine(), MODEL_A.params) as gen:
+    with Generator(engine(), MODEL_A.params, decode_steps=decode_steps) as gen:
         futs = [gen.submit(p, SamplingParams(temperature=0, max_new_tokens=12)) for p in ps]
         outs = [f.result(timeout=120)[0] for f in futs]
     for p, o in zip(ps, outs):
@@ -95,9 +96,9 @@ def test_many_requests_few_slots_arrival_order_does_not_matter():
     samplings = [SamplingParams(temperature=0 if i % 2 else 1.0, max_new_tokens=n, seed=i)
                  for i, n in enumerate(lengths)]
 
-    def run(order):
+    def run(order, decode_steps):
         results = {}
-        with Generator(engine(), MODEL_A.params) as gen:
+        with Generator(engine(), MODEL_A.params, decode_steps=decode_steps) as gen:
             def feed():
                 for i in order:
                     results[i] = gen.submit(ps[i], samplings[i], request_id=f"r{i}")
@@ -107,8 +108,8 @@ def test_many_requests_few_slots_arrival_order_does_not_matter():
             t.join()
             return {i: f.result(timeout=120)[0] for i, f in results.items()}
 
-    first = run(list(range(12)))
-    second = run(list(rng.permutation(12)))
+    first = run(list(range(12)), decode_steps=1)
+    second = run(list(rng.permutation(12)), decode_steps=3)  # chunked decoding changes nothing either
     for i in range(12):
         assert first[i].output_tokens == second[i].output_tokens
         np.testing.assert_allclose(first[i].logprobs, second[i].logprobs, atol=1e-5)
@@ -133,11 +134,11 @@ def test_stop_tokens_n_samples_and_max_len():
     assert long.stop_reason == "length" and len(p) + len(long.output_tokens) == MAX_LEN
 
 
-def _swap_run(mode):
+def _swap_run(mode, decode_steps=1):
     """One long request on params A; after a few tokens the weights swap to B (version 1)."""
     p = prompts(1, seed=8, lo=5, hi=10)[0]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=45, seed=11)
-    with Generator(engine(), MODEL_A.params, mode=mode) as gen:
+    with Generator(engine(), MODEL_A.params, mode=mode, decode_steps=decode_steps) as gen:
         fut = gen.submit(p, sampling, request_id="long")
         wait_for_tokens(gen, "long", 5)
         gen.pause()
@@ -153,8 +154,9 @@ def _swap_run(mode):
     return p, out, i1, stats
 
 
-def test_swap_recompute_mode():
-    p, out, i1, stats = _swap_run("recompute")
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_swap_recompute_mode(decode_steps):
+    p, out, i1, stats = _swap_run("recompute", decode_steps)
     ref_a = reference_logprobs(MODEL_A.params, p, out.output_tokens, 1.0)
     ref_b = reference_logprobs(MODEL_B.params, p, out.output_tokens, 1.0)
     np.testing.assert_allclose(out.logprobs[:i1], ref_a[:i1], atol=1e-4)
@@ -266,3 +268,19 @@ def test_sharded_engine_on_generator_mesh():
     assert eng.init_decode_state().cache.k.sharding.mesh == mesh
     for p, o in zip(ps, outs):
         assert o.output_tokens == reference_greedy(MODEL_A.params, p, 10)
+
+
+def test_decode_attends_only_to_the_cache_prefix_in_use():
+    """kv_len limits attention to a prefix of the cache; the logits equal full-length decoding."""
+    seq = np.array(prompts(1, seed=15, lo=20, hi=21)[0], np.int32)
+    outs = []
+    for kv_len in (None, 32):
+        cache = init_cache(CFG, 2, MAX_LEN)
+        _, kv = prefill(MODEL_A.graphdef, MODEL_A.params, seq[None, :16], np.array([16]))
+        cache = insert(cache, kv, jnp.int32(1))
+        for pos in range(16, 20):
+            logits, cache = decode_step(MODEL_A.graphdef, MODEL_A.params, cache, np.array([0, seq[pos]], np.int32),
+                                        np.array([0, pos], np.int32), kv_len)
+        outs.append(np.asarray(logits[1]))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-6)
+    np.testing.assert_allclose(outs[0], np.asarray(MODEL_A(seq[None, :20]))[0, 19], atol=1e-5)

@@ -3,10 +3,11 @@
     state = engine.init_decode_state()
     prefix = engine.prefill(params, tokens, lengths)                    # B prompts -> KV + last-token logits
     state, first = engine.insert(prefix, state, rows, slots, sampling)  # into free slots; first tokens sampled
-    state, result = engine.generate(params, state)                      # one new token for every slot
+    state, result = engine.generate(params, state, steps=k)             # k new tokens for every slot
     state = engine.refill(params, state, tokens, lengths, slots)        # recompute slots' KV with new params
 
-`first` and `result` are float32 [N, 3] = (token, logprob, done) per row: one device->host copy per call.
+`first` is float32 [N, 3] = (token, logprob, done) per row, `result` [steps, S, 3]: one device->host copy per
+call, and `generate` may run several decode steps per call.
 Everything batched is padded to a few shapes (power-of-two buckets) so nothing recompiles per request.
 
 Sampling keys are derived from (request seed, sample index, token position) only, so a sequence's sampled tokens
@@ -31,6 +32,7 @@ from arealjax.models import KVCache, Model, init_cache, prefill
 from arealjax.sharding import LogicalSharding
 
 MAX_STOP_IDS = 8  # stop token ids per sequence (padded with -1)
+MIN_KV_LEN = 32  # smallest cache prefix attention reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,14 +130,21 @@ def sample(logits: jax.Array, s: SlotSampling, token_pos: jax.Array, truncating:
     greedy = s.temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
     logp = jax.nn.log_softmax(scaled, axis=-1)
-    drawable = truncate(scaled, s.top_k, s.top_p) if truncating else scaled
+    argmax = jnp.argmax(logits, axis=-1)
 
-    def draw(seed, sample_idx, pos, row):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_idx), pos)
-        return jax.random.categorical(key, row)
+    def drawn():
+        probs = jnp.exp(logp)
+        if truncating:
+            probs = jnp.where(truncate(scaled, s.top_k, s.top_p) > -jnp.inf, probs, 0.0)
 
-    drawn = jax.vmap(draw)(s.seed, s.sample, token_pos, drawable)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+        def draw(seed, sample_idx, pos, row):  # inverse CDF: one uniform per row instead of V Gumbel draws
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_idx), pos)
+            cdf = jnp.cumsum(row)
+            return jnp.minimum(jnp.sum(cdf < jax.random.uniform(key) * cdf[-1]), row.shape[0] - 1)
+
+        return jnp.where(greedy, argmax, jax.vmap(draw)(s.seed, s.sample, token_pos, probs))
+
+    tokens = jax.lax.cond(jnp.all(greedy), lambda: argmax, drawn).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
@@ -176,15 +185,22 @@ def _insert(max_len: int, truncating: bool, prefix: Prefix, state: DecodeState, 
     return state, _result(tokens, logprobs, done)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
-def _generate(graphdef: nnx.GraphDef, max_len: int, truncating: bool, params: nnx.State, state: DecodeState):
-    logits, cache = nnx.merge(graphdef, params).decode(state.cache, state.tokens, state.positions)
+def _decode_once(graphdef: nnx.GraphDef, max_len: int, truncating: bool, kv_len: int, params: nnx.State,
+                 state: DecodeState):
+    logits, cache = nnx.merge(graphdef, params).decode(state.cache, state.tokens, state.positions, kv_len)
     token_pos = state.positions + 1
     tokens, logprobs = sample(logits, state.sampling, token_pos, truncating)
     remaining = state.remaining - 1
     done = _done(max_len, tokens, state.sampling.stop, remaining, token_pos)
     state = DecodeState(cache, tokens, jnp.minimum(token_pos, max_len - 1), remaining, state.sampling)
     return state, _result(tokens, logprobs, done)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=6)
+def _generate(graphdef: nnx.GraphDef, max_len: int, truncating: bool, steps: int, kv_len: int, params: nnx.State,
+              state: DecodeState):
+    step = functools.partial(_decode_once, graphdef, max_len, truncating, kv_len, params)
+    return jax.lax.scan(lambda st, _: step(st), state, None, length=steps)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -222,10 +238,16 @@ class Engine:
         one prompt share one prefill). Slot ids ≥ S mark padding entries and are dropped."""
         return _insert(self.max_len, truncating, prefix, state, rows, slots, sampling)
 
-    def generate(self, params: nnx.State, state: DecodeState, truncating: bool = False
-                 ) -> tuple[DecodeState, jax.Array]:
-        """One decode step for all slots. `truncating` compiles in top-k/top-p (only needed when a slot uses it)."""
-        return _generate(self.graphdef, self.max_len, truncating, params, state)
+    def generate(self, params: nnx.State, state: DecodeState, truncating: bool = False, steps: int = 1,
+                 max_position: int | None = None) -> tuple[DecodeState, jax.Array]:
+        """`steps` decode steps for all slots in one device call: results [steps, S, 3]. A slot keeps decoding
+        after it is done within the call (its extra tokens are discarded by the caller), so small `steps` trades
+        a little wasted compute for one dispatch and one device->host copy per `steps` tokens.
+
+        `truncating` compiles in top-k/top-p (only needed when a slot uses it). `max_position`, the largest input
+        position among active slots, lets attention read only a power-of-two prefix of the cache."""
+        kv_len = self.max_len if max_position is None else bucket(max_position + steps, MIN_KV_LEN, self.max_len)
+        return _generate(self.graphdef, self.max_len, truncating, steps, kv_len, params, state)
 
     def refill(self, params: nnx.State, state: DecodeState, tokens: np.ndarray, lengths: np.ndarray,
                slots: np.ndarray) -> DecodeState:

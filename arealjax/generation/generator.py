@@ -85,10 +85,14 @@ class Generator:
     """Serves generate requests and weight updates; see the module docstring."""
 
     def __init__(self, engine: Engine, params: nnx.State, *, version: int = 0, mode: str = "recompute",
-                 max_prefill_batch: int = 8, start: bool = True):
+                 max_prefill_batch: int = 8, decode_steps: int = 1, start: bool = True):
+        """`decode_steps` tokens per slot per device call: fewer dispatches and host round trips, at the cost of
+        up to that many steps before a freed slot is refilled or a weight update lands."""
         if mode not in MODES:
             raise ValueError(f"generator mode '{mode}' is unknown; expected one of {MODES}")
-        self.engine, self.mode = engine, mode
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        self.engine, self.mode, self.decode_steps = engine, mode, decode_steps
         self.max_prefill_batch = max_prefill_batch
         self._params, self._version = params, version
         self._state = engine.init_decode_state()
@@ -290,9 +294,15 @@ class Generator:
 
     def _decode(self) -> None:
         truncating = any(s is not None and s.request.sampling.truncates for s in self._slots)
-        self._state, result = self.engine.generate(self._params, self._state, truncating)
-        self.stats.steps += 1
-        self._record(np.asarray(result), [(i, i, s) for i, s in enumerate(self._slots) if s is not None])
+        max_pos = max(len(s.request.prompt) + len(s.tokens) - 1 for s in self._slots if s is not None)
+        self._state, result = self.engine.generate(self._params, self._state, truncating, self.decode_steps, max_pos)
+        result = np.asarray(result)
+        for step in result:  # a slot done at one step ignores the rest of the chunk
+            entries = [(i, i, s) for i, s in enumerate(self._slots) if s is not None]
+            if not entries:
+                break
+            self.stats.steps += 1
+            self._record(step, entries)
 
     def _record(self, result: np.ndarray, entries: list[tuple[int, int, _Seq]]) -> None:
         """Appends result[row] to each (row, slot, seq); finishes and frees the slots that are done."""

@@ -198,11 +198,17 @@ class Transformer(nnx.Module):
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         return self._logits(x), KVCache(jnp.stack(ks), jnp.stack(vs))
 
-    def decode(self, cache: KVCache, tokens: Array, positions: Array) -> tuple[Array, KVCache]:
-        """One token per slot. tokens [S] sit at positions [S] (= tokens already cached in that slot)."""
-        s, t_max = cache.k.shape[1], cache.k.shape[2]
+    def decode(self, cache: KVCache, tokens: Array, positions: Array, kv_len: int | None = None
+               ) -> tuple[Array, KVCache]:
+        """One token per slot. tokens [S] sit at positions [S] (= tokens already cached in that slot).
+
+        `kv_len` (static, > every position) limits attention to the cache prefix in use, so short sequences in a
+        long cache do not pay for its full length.
+        """
+        s = cache.k.shape[1]
+        t = cache.k.shape[2] if kv_len is None else kv_len
         slots = jnp.arange(s)
-        mask = (jnp.arange(t_max)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, T]
+        mask = (jnp.arange(t)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, t]
         inv_freq = rope_inv_freq(self.cfg)
         x = self._act(jnp.take(self.embed_tokens[...], tokens[:, None], axis=0))
         ck, cv = cache
@@ -210,7 +216,7 @@ class Transformer(nnx.Module):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions[:, None], inv_freq, self.shard)
             ck = ck.at[i, slots, positions].set(k[:, 0])
             cv = cv.at[i, slots, positions].set(v[:, 0])
-            x = self._act(x + layer.self_attn.o_proj(attend(q, ck[i], cv[i], mask)))
+            x = self._act(x + layer.self_attn.o_proj(attend(q, ck[i, :, :t], cv[i, :, :t], mask)))
             x = self._act(x + layer.mlp(layer.post_attention_layernorm(x)))
         cache = KVCache(constrain(ck, self.shard, KVCache.AXES), constrain(cv, self.shard, KVCache.AXES))
         return self._logits(x)[:, 0], cache
@@ -239,11 +245,11 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, lengths: A
     return logits[:, 0], kv
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
 def decode_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, tokens: Array,
-                positions: Array) -> tuple[Array, KVCache]:
+                positions: Array, kv_len: int | None = None) -> tuple[Array, KVCache]:
     """One decode step for all S slots: logits [S, V] and the cache with each slot's new KV written in place."""
-    return nnx.merge(graphdef, params).decode(cache, tokens, positions)
+    return nnx.merge(graphdef, params).decode(cache, tokens, positions, kv_len)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
