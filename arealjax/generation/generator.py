@@ -75,6 +75,7 @@ class GeneratorStats:
     interrupts: int = 0  # in-flight samples interrupted by a swap
     swaps: int = 0
     swap_seconds: float = 0.0  # update_weights() call -> first token with the new weights, summed
+    swap_apply_seconds: float = 0.0  # loop time spent applying swaps (the re-prefill in recompute mode)
     busy_seconds: float = 0.0  # in prefill / decode / refill
     idle_seconds: float = 0.0  # waiting with no work
     requests_done: int = 0
@@ -246,6 +247,7 @@ class Generator:
         return [i for i, s in enumerate(self._slots) if s is not None]
 
     def _apply_update(self, params, version, requested_at, waiters) -> None:
+        t0 = time.perf_counter()
         self._params, self._version = params, version
         self.stats.swaps += 1
         self._swap_started = requested_at
@@ -260,6 +262,8 @@ class Generator:
                 tokens, lengths, slots = self._pad([s for _, s in group], [i for i, _ in group])
                 self._state = self.engine.refill(self._params, self._state, tokens, lengths, slots)
                 self.stats.refill_tokens += int(sum(len(s) for _, s in group))
+            jax.block_until_ready(self._state.cache)
+        self.stats.swap_apply_seconds += time.perf_counter() - t0
         for fut in waiters:
             fut.set_result(time.perf_counter() - requested_at)
 
