@@ -216,7 +216,8 @@ class Generator:
             self._fail_all(e)
 
     def _step(self) -> bool:
-        """One round: apply a weight update, drop aborted slots, fill free slots, decode one token. False = stop."""
+        """One round: apply a weight update, drop aborted slots, fill free slots, decode `decode_steps` tokens.
+        Returns False when the generator is closed."""
         with self._cv:
             t0 = time.perf_counter()
             while not self._closed and (self._paused or not (self._update or self._queue or self._active())):
