@@ -34,10 +34,11 @@ def workload(n: int, seed: int, cap: int):
     return prompts, [int(x) for x in out_lens]
 
 
-def run_arealjax(engine, params, prompts, lens, static: bool, swap_every: int = 0, alt_params=None):
+def run_arealjax(engine, params, prompts, lens, static: bool, decode_steps: int, mode: str = "recompute",
+                 swap_every: int = 0, alt_params=None):
     from arealjax.generation import Generator, SamplingParams
 
-    gen = Generator(engine, params, mode=run_arealjax.mode, decode_steps=run_arealjax.decode_steps)
+    gen = Generator(engine, params, mode=mode, decode_steps=decode_steps)
     swaps = []
     stop = threading.Event()
 
@@ -67,9 +68,6 @@ def run_arealjax(engine, params, prompts, lens, static: bool, swap_every: int = 
     gen.close()
     return wall, [o.output_tokens for o in outs], gen.stats
 
-
-run_arealjax.mode = "recompute"
-run_arealjax.decode_steps = 1
 
 
 class IdTokenizer:
@@ -163,8 +161,6 @@ def main():
     import torch
     import transformers
 
-    run_arealjax.decode_steps = args.decode_steps
-
     from arealjax.generation import Engine
     from arealjax.models import from_config, load_pretrained
 
@@ -183,11 +179,12 @@ def main():
     engine = Engine(model, slots=args.slots, max_len=max_len)
     useful = sum(lens)
 
-    run_arealjax(engine, model.params, prompts, lens, static=False)  # compile every shape both modes use
-    run_arealjax(engine, model.params, prompts, lens, static=True)
+    k = args.decode_steps
+    run_arealjax(engine, model.params, prompts, lens, False, k)  # compile every shape both modes use
+    run_arealjax(engine, model.params, prompts, lens, True, k)
     best = lambda runs: min(runs, key=lambda r: r[0])  # noqa: E731  fastest of `repeats` timed runs
-    t_a, out_a, st_a = best([run_arealjax(engine, model.params, prompts, lens, static=False) for _ in range(args.repeats)])
-    t_b, out_b, _ = best([run_arealjax(engine, model.params, prompts, lens, static=True) for _ in range(args.repeats)])
+    t_a, out_a, st_a = best([run_arealjax(engine, model.params, prompts, lens, False, k) for _ in range(args.repeats)])
+    t_b, out_b, _ = best([run_arealjax(engine, model.params, prompts, lens, True, k) for _ in range(args.repeats)])
     t_c, out_c = run_tunix(tmp, hf_cfg, prompts, lens, args.slots, max_len + 64, args.repeats)
     t_d, out_d = best([run_transformers(hf_model, prompts, lens, args.slots) for _ in range(args.repeats)])
     assert out_a == out_b, "continuous and static batching must produce the same greedy tokens"
@@ -196,10 +193,10 @@ def main():
 
     swaps = {}
     for mode in ("recompute", "keep"):
-        run_arealjax.mode = mode
         for every in map(int, args.swap_every.split(",")):
-            run_arealjax(engine, model.params, prompts, lens, False, every, (model.params, alt))  # compile
-            swaps[mode, every] = run_arealjax(engine, model.params, prompts, lens, False, every, (model.params, alt))
+            for _ in range(2):  # the first run compiles the refill shapes
+                swaps[mode, every] = run_arealjax(engine, model.params, prompts, lens, False, k, mode, every,
+                                                  (model.params, alt))
 
     print(f"\n{jax.device_count()} device(s): {jax.devices()[0].platform}; {os.cpu_count()} CPU cores; "
           f"{model.cfg.num_params() / 1e6:.1f}M-param Qwen3 fp32; {args.requests} requests, {args.slots} slots; "
