@@ -1,0 +1,116 @@
+"""Sequence packing: variable-length trajectories -> fixed-shape micro-batches [M, R, T].
+
+Trajectories are placed best-fit-decreasing into rows of T tokens; rows are grouped R at a time into
+micro-batches. R and T are fixed by config, so the train step compiles once whatever the length mix; only the
+number of micro-batches M varies (a host loop). Several trajectories share a row: segment ids keep their
+attention apart and positions restart at 0 for each.
+
+Every array is aligned to input positions: position t of a row predicts `targets[t]`, the next token of the same
+trajectory, and carries that target's loss mask, behaviour logprob and advantage. The last position of each
+trajectory and all padding have loss_mask False.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from arealjax.rl.trajectory import Trajectory
+
+FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "behav_logp", "advantages")
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    tokens: np.ndarray  # int32 [M, R, T]
+    positions: np.ndarray  # int32, restart at 0 per trajectory
+    segment_ids: np.ndarray  # int32, 1 + index of the trajectory in the batch; 0 = padding
+    targets: np.ndarray  # int32, next token of the same trajectory (0 where none)
+    loss_mask: np.ndarray  # bool
+    behav_logp: np.ndarray  # float32
+    advantages: np.ndarray  # float32
+    n_sequences: int
+
+    @property
+    def n_micro(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def n_tokens(self) -> int:
+        return int((self.segment_ids > 0).sum())
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def non_padding_fraction(self) -> float:
+        return self.n_tokens / self.tokens.size
+
+    def micro(self, i: int) -> dict[str, np.ndarray]:
+        return {f: getattr(self, f)[i] for f in FIELDS}
+
+
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of indices whose lengths sum to ≤ capacity: longest items first, each into the fullest bin it fits
+    (at least as tight as first-fit-decreasing, O(n log n) lookups)."""
+    bins: list[list[int]] = []
+    rooms: list[tuple[int, int]] = []  # sorted (room left, bin index)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = int(lengths[i])
+        if n > capacity:
+            raise ValueError(f"trajectory {i} has {n} tokens; the trainer's row length (max_tokens) is {capacity}")
+        j = bisect.bisect_left(rooms, (n, -1))
+        if j == len(rooms):
+            bins.append([i])
+            bisect.insort(rooms, (capacity - n, len(bins) - 1))
+        else:
+            room, b = rooms.pop(j)
+            bins[b].append(i)
+            bisect.insort(rooms, (room - n, b))
+    return bins
+
+
+def pack(trajectories: Sequence[Trajectory], max_tokens: int, rows: int, *, packed: bool = True) -> PackedBatch:
+    """Packs into micro-batches of `rows` rows × `max_tokens`. `packed=False` puts one trajectory per row
+    (naive padding, the baseline packing is measured against)."""
+    if not trajectories:
+        raise ValueError("pack: no trajectories")
+    lengths = [len(t) for t in trajectories]
+    bins = best_fit_decreasing(lengths, max_tokens) if packed else [[i] for i in range(len(trajectories))]
+    if not packed and max(lengths) > max_tokens:
+        raise ValueError(f"a trajectory has {max(lengths)} tokens; the trainer's row length is {max_tokens}")
+    m = -(-len(bins) // rows)
+    shape = (m * rows, max_tokens)
+    out = {f: np.zeros(shape, np.float32 if f in ("behav_logp", "advantages") else np.int32) for f in FIELDS}
+    out["loss_mask"] = np.zeros(shape, bool)
+    for row, members in enumerate(bins):
+        o = 0
+        for i in members:
+            t, n = trajectories[i], lengths[i]
+            s = slice(o, o + n)
+            out["tokens"][row, s] = t.tokens
+            out["positions"][row, s] = np.arange(n)
+            out["segment_ids"][row, s] = i + 1
+            out["targets"][row, o:o + n - 1] = t.tokens[1:]
+            out["loss_mask"][row, o:o + n - 1] = t.loss_mask[1:]
+            out["behav_logp"][row, o:o + n - 1] = np.where(t.loss_mask[1:], t.logprobs[1:], 0.0)
+            out["advantages"][row, o:o + n - 1] = np.where(t.loss_mask[1:], t.advantage, 0.0)
+            o += n
+    return PackedBatch(**{f: v.reshape(m, rows, max_tokens) for f, v in out.items()}, n_sequences=len(trajectories))
+
+
+def split_minibatches(trajectories: Sequence[Trajectory], n: int) -> list[list[Trajectory]]:
+    """n minibatches with balanced numbers of trained tokens (longest first onto the lightest), order kept within."""
+    if n < 1 or n > len(trajectories):
+        raise ValueError(f"ppo_n_minibatches = {n}; must be between 1 and the batch's {len(trajectories)} trajectories")
+    load = [0] * n
+    members: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(trajectories)), key=lambda i: -len(trajectories[i])):
+        j = min(range(n), key=lambda j: (load[j], len(members[j])))
+        members[j].append(i)
+        load[j] += max(trajectories[i].n_model_tokens, 1)
+    return [[trajectories[i] for i in sorted(m)] for m in members]

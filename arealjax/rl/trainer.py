@@ -1,0 +1,279 @@
+"""The trainer: one RL step = packed micro-batches -> π_prox pass -> minibatch updates -> new params.
+
+    trainer = Trainer(model, TrainerConfig(...), mesh=meshes["trainer"])
+    metrics = trainer.train_step(trajectories)     # trainer.params and trainer.version move on
+
+Params and optimizer state live sharded on the trainer mesh by the logical rules; micro-batches are sharded over
+the batch (data-parallel) axes. Three jitted functions with explicit shardings, each compiled once because the
+micro-batch shape [R, T] is fixed by config:
+  logprobs  no-grad forward -> logprob of each target token (the π_prox pass, and the reference policy's)
+  grad      gradient of one micro-batch's share of the minibatch loss, added into an fp32 accumulator
+  apply     global-norm clip + AdamW; if the loss or a gradient is not finite, params and state are kept
+Dividing every micro-batch's loss by the minibatch's global trained-token count makes the accumulated gradient
+that of the whole minibatch, however it is split into micro-batches or over devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from arealjax.models import Model
+from arealjax.rl.losses import PPOConfig, ppo_loss
+from arealjax.rl.packing import PackedBatch, pack, split_minibatches
+from arealjax.rl.trajectory import Trajectory
+from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, tree_shardings
+
+LOSSES = ("ppo", "sft")
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup then constant or cosine decay (to min_lr_ratio·lr at total_steps)."""
+
+    lr: float = 1e-5
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0  # optimizer steps; needed by cosine
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0  # applied to matrices only, not to norms and biases
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-5
+    grad_clip: float = 1.0  # global norm; 0 = off
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"OptimConfig.schedule = '{self.schedule}'; expected one of {SCHEDULES}")
+        if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"cosine schedule needs total_steps (= {self.total_steps}) > warmup_steps "
+                             f"(= {self.warmup_steps})")
+
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.total_steps,
+                                                  cfg.lr * cfg.min_lr_ratio)
+    if cfg.warmup_steps:
+        return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps),
+                                     optax.constant_schedule(cfg.lr)], [cfg.warmup_steps])
+    return optax.constant_schedule(cfg.lr)
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
+    adamw = optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    loss: str = "ppo"  # "ppo" (RL) | "sft" (masked next-token cross-entropy, for warm starts)
+    ppo: PPOConfig = PPOConfig()
+    optim: OptimConfig = OptimConfig()
+    max_tokens: int = 256  # T: tokens per packed row (≥ the longest trajectory)
+    micro_rows: int = 8  # R: rows per micro-batch (a multiple of the data-parallel size)
+    ppo_n_minibatches: int = 1  # optimizer steps per RL step
+    packing: bool = True  # False: one trajectory per row (the naive baseline)
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"TrainerConfig.loss = '{self.loss}'; expected one of {LOSSES}")
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """log π(target) and the entropy of π at every position, fp32."""
+    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp, entropy
+
+
+def _forward(graphdef: nnx.GraphDef, params: nnx.State, mb: dict[str, jax.Array]) -> jax.Array:
+    return nnx.merge(graphdef, params).forward(mb["tokens"], mb["positions"], mb["segment_ids"])[0]
+
+
+class Trainer:
+    """Owns the trainer-mesh params and optimizer state; `version` counts completed RL steps."""
+
+    def __init__(self, model: Model, cfg: TrainerConfig, *, mesh: jax.sharding.Mesh | None = None,
+                 rules: Rules = DEFAULT_RULES, ref_params: nnx.State | None = None, version: int = 0):
+        if mesh is not None:
+            model = model.to_mesh(mesh, rules)
+        self.cfg, self.model_cfg, self.graphdef = cfg, model.cfg, model.graphdef
+        self.version = version
+        self.skipped_steps = 0
+        self.tx = make_optimizer(cfg.optim)
+        if cfg.loss == "ppo" and cfg.ppo.kl_coef and ref_params is None:
+            ref_params = model.params  # the initial policy is the reference
+        self.ref_params = ref_params
+        if mesh is None:
+            p_sh = o_sh = b_sh = r_sh = None
+        else:
+            shard = LogicalSharding(mesh, tuple(rules))
+            p_sh = tree_shardings(model.params, shard)
+            o_sh = self._opt_shardings(model.params, p_sh, mesh)
+            b_sh = shard.named(("batch", "length"), (cfg.micro_rows, cfg.max_tokens))
+            r_sh = NamedSharding(mesh, PartitionSpec())
+            if self.ref_params is not None:
+                self.ref_params = jax.device_put(self.ref_params, p_sh)
+        # Explicit in/out shardings on a mesh (gradient accumulators are fp32 and laid out like the params).
+        def jit(f, in_shardings, out_shardings, **kw):
+            if mesh is None:
+                return jax.jit(f, **kw)
+            return jax.jit(f, in_shardings=in_shardings, out_shardings=out_shardings, **kw)
+
+        # The step donates params: own a copy so the caller's model (and a colocated generator) stay valid.
+        self.params = jit(lambda p: jax.tree.map(jnp.copy, p), (p_sh,), p_sh)(model.params)
+        self.opt_state = jit(self.tx.init, (p_sh,), o_sh)(self.params)
+        self._b_sh = b_sh
+        graphdef = self.graphdef
+
+        def logprobs(params, mb):
+            return token_logprobs(_forward(graphdef, params, mb), mb["targets"])[0]
+
+        def loss(params, mb, prox, ref, n_tokens):
+            logp, entropy = token_logprobs(_forward(graphdef, params, mb), mb["targets"])
+            mask = mb["loss_mask"]
+            if cfg.loss == "sft":
+                nll = jnp.where(mask, -logp, 0.0)
+                value = jnp.sum(nll) / n_tokens
+                metrics = {"tokens": jnp.sum(mask.astype(jnp.float32)), "nll_sum": jnp.sum(nll)}
+            else:
+                prox = jax.lax.stop_gradient(logp) if prox is None else prox  # one minibatch: π_prox = π_θ now
+                value, metrics = ppo_loss(logp, prox, mb["behav_logp"], mb["advantages"], mask, cfg.ppo, n_tokens,
+                                          seq_ids=mb["segment_ids"], ref_logp=ref)
+            metrics["entropy_sum"] = jnp.sum(jnp.where(mask, jax.lax.stop_gradient(entropy), 0.0))
+            metrics["loss"] = value
+            return value, metrics
+
+        def grad(params, acc, mb, prox, ref, n_tokens):
+            g, metrics = jax.grad(loss, has_aux=True)(params, mb, prox, ref, n_tokens)
+            return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), metrics
+
+        def apply(params, opt_state, grads, loss_value):
+            grad_norm = optax.global_norm(grads)
+            ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss_value)
+            grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, params)
+            updates, new_state = self.tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+            return keep(new_params, params), keep(new_state, opt_state), grad_norm, ok
+
+        self._zeros = jit(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), (p_sh,), p_sh)
+        self._logprobs = jit(logprobs, (p_sh, b_sh), b_sh)
+        self._grad = jit(grad, (p_sh, p_sh, b_sh, b_sh, b_sh, r_sh), (p_sh, r_sh), donate_argnums=1)
+        self._apply = jit(apply, (p_sh, o_sh, p_sh, r_sh), (p_sh, o_sh, r_sh, r_sh), donate_argnums=(0, 1))
+        self._schedule = make_schedule(cfg.optim)
+        self.optimizer_steps = 0
+
+    def _opt_shardings(self, params: nnx.State, p_sh: Any, mesh: jax.sharding.Mesh) -> Any:
+        """Optimizer-state shardings: subtrees shaped like the params (moments) follow the params; the rest
+        (step counts) is replicated."""
+        abstract = jax.eval_shape(self.tx.init, params)
+        structure = jax.tree.structure(params)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        is_params = lambda x: jax.tree.structure(x) == structure  # noqa: E731
+        return jax.tree.map(lambda x: p_sh if is_params(x) else replicated, abstract, is_leaf=is_params)
+
+    @property
+    def model(self) -> Model:
+        return Model(self.model_cfg, self.graphdef, self.params)
+
+    def _put(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.device_put(v, self._b_sh) if self._b_sh is not None else jnp.asarray(v)
+                for k, v in arrays.items()}
+
+    def pack(self, trajectories: Sequence[Trajectory]) -> list[PackedBatch]:
+        """The RL step's minibatches, packed into micro-batches."""
+        cfg = self.cfg
+        n = cfg.ppo_n_minibatches if cfg.loss == "ppo" else 1
+        return [pack(mb, cfg.max_tokens, cfg.micro_rows, packed=cfg.packing)
+                for mb in split_minibatches(trajectories, n)]
+
+    def logprobs(self, params: nnx.State, batch: PackedBatch) -> list[jax.Array]:
+        """Per-target-token logprobs [R, T] of every micro-batch under `params` (no gradient)."""
+        return [self._logprobs(params, self._put(batch.micro(i))) for i in range(batch.n_micro)]
+
+    def gradients(self, batch: PackedBatch) -> tuple[nnx.State, float, dict[str, float]]:
+        """fp32 gradient and value of one packed minibatch's loss at the current params (π_prox = current
+        params), and the summed diagnostics: what one optimizer step of `train_step` applies."""
+        sums: dict[str, Any] = {}
+        micro = [self._put(batch.micro(i)) for i in range(batch.n_micro)]
+        ref = self.logprobs(self.ref_params, batch) if self.ref_params is not None else [None] * len(micro)
+        grads, loss_value = self._accumulate(batch, micro, [None] * len(micro), ref, sums)
+        return grads, float(loss_value), jax.device_get(sums)
+
+    def _accumulate(self, batch: PackedBatch, micro: list, prox: list, ref: list, sums: dict) -> tuple[Any, Any]:
+        """Sum of micro-batch gradients of the minibatch loss (each divided by the minibatch's token count)."""
+        n_tokens = np.float32(max(batch.n_loss_tokens, 1))
+        acc = self._zeros(self.params)
+        loss_value = jnp.float32(0.0)
+        for m, p, r in zip(micro, prox, ref):
+            acc, metrics = self._grad(self.params, acc, m, p, r, n_tokens)
+            loss_value = loss_value + metrics.pop("loss")
+            for k, v in metrics.items():
+                sums[k] = jnp.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0) + v
+        return acc, loss_value
+
+    def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """One RL step (or SFT step) on a batch of trajectories; bumps `version`. Returns metrics."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        batches = self.pack(trajectories)
+        micro = [[self._put(b.micro(i)) for i in range(b.n_micro)] for b in batches]
+        decoupled = cfg.loss == "ppo" and cfg.ppo.objective == "decoupled"
+        # π_prox: params at the start of the step. With one minibatch they are the params being differentiated,
+        # so the loss takes a stop-gradient copy of its own logprobs instead of a separate pass.
+        prox = ([[self._logprobs(self.params, m) for m in ms] for ms in micro] if decoupled and len(batches) > 1
+                else [[None] * len(ms) for ms in micro])
+        ref = ([[self._logprobs(self.ref_params, m) for m in ms] for ms in micro]
+               if cfg.loss == "ppo" and cfg.ppo.kl_coef else [[None] * len(ms) for ms in micro])
+        sums: dict[str, Any] = {}
+        step_stats = []
+        for b, ms, ps, rs in zip(batches, micro, prox, ref):
+            grads, loss_value = self._accumulate(b, ms, ps, rs, sums)
+            lr = self._schedule(self.optimizer_steps + len(step_stats) - self.skipped_steps)
+            self.params, self.opt_state, grad_norm, ok = self._apply(self.params, self.opt_state, grads, loss_value)
+            step_stats.append((loss_value, grad_norm, ok, lr))
+        sums, step_stats = jax.device_get((sums, step_stats))
+        skipped = sum(not ok for _, _, ok, _ in step_stats)
+        self.optimizer_steps += len(step_stats)
+        self.skipped_steps += skipped  # a skipped update does not advance the schedule (optax state is kept)
+        self.version += 1
+        out = self._report(sums, batches)
+        out.update(loss=float(np.mean([s[0] for s in step_stats])), grad_norm=float(np.max([s[1] for s in step_stats])),
+                   lr=float(step_stats[-1][3]), skipped_steps=skipped, version=self.version,
+                   step_seconds=time.perf_counter() - t0)
+        out["trained_tokens_per_s"] = out["tokens"] / out["step_seconds"]
+        return out
+
+    def _report(self, sums: dict[str, float], batches: list[PackedBatch]) -> dict[str, float]:
+        tokens = max(float(sums.get("tokens", 0.0)), 1.0)
+        out = {"tokens": float(sum(b.n_tokens for b in batches)), "trained_tokens": float(sums.get("tokens", 0.0)),
+               "sequences": float(sum(b.n_sequences for b in batches)),
+               "non_padding_fraction": float(sum(b.n_tokens for b in batches) / sum(b.tokens.size for b in batches)),
+               "micro_batches": float(sum(b.n_micro for b in batches)),
+               "entropy": float(sums["entropy_sum"]) / tokens}
+        if "nll_sum" in sums:
+            out["nll"] = float(sums["nll_sum"]) / tokens
+            return out
+        valid = max(float(sums["valid_tokens"]), 1.0)
+        out.update(clip_fraction=float(sums["clipped_tokens"]) / valid,
+                   dual_clip_fraction=float(sums["dual_clipped_tokens"]) / valid,
+                   masked_fraction=float(sums["masked_tokens"]) / tokens,
+                   behaviour_weight_mean=float(sums["behaviour_weight_sum"]) / valid,
+                   behaviour_weight_max=float(sums["behaviour_weight_max"]),
+                   approx_kl=float(sums["kl_prox_theta_sum"]) / valid,
+                   kl_behaviour_prox=float(sums["kl_behav_prox_sum"]) / valid)
+        return out
