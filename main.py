@@ -21,9 +21,9 @@ def main(argv):
 
     runtime.setup(config)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # quiet "no TPU found" probes on CPU
-    from arealjax import smoke
+    from arealjax import train
 
-    smoke.run(config, flags.FLAGS.workdir)
+    train.run(config, flags.FLAGS.workdir)
 
 
 if __name__ == "__main__":

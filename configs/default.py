@@ -1,10 +1,10 @@
-"""Default job: a tiny Qwen3-style model with a character tokenizer, trainer and generator on disjoint devices.
+"""Default job: a tiny Qwen3-style model learns column addition with fully asynchronous RL, on 2 CPU cores.
 
   python main.py --config=configs/default.py --workdir=/tmp/arealjax
-  python main.py --config=configs/default.py --config.model_path=/ckpt/Qwen3-0.6B --config.cpu_devices=0 \
-      --config.mesh.trainer.devices=1 --config.mesh.generator.devices=0     # a real HF model on one device
+  python main.py --config=configs/default.py --config.rl.max_staleness=0      # synchronous RL (the baseline)
 
-Until the RL loop lands this runs the foundation smoke (arealjax/smoke.py): shard, reshard, generate, verify.
+SFT warm start on imperfect demonstrations (cached in the workdir), then decoupled PPO with GRPO advantages;
+trainer and generator on disjoint (fake CPU) devices. See arealjax/train.py.
 """
 
 import ml_collections
@@ -24,13 +24,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.tokenizer.alphabet = "0123456789+-*=?.,:; abcdefghijklmnopqrstuvwxyz\n"
     config.model = ml_collections.ConfigDict()  # vocab size and special ids come from the tokenizer
     config.model.family = "qwen3"
-    config.model.hidden_size = 64
-    config.model.intermediate_size = 192
-    config.model.num_layers = 2
+    config.model.hidden_size = 128
+    config.model.intermediate_size = 384
+    config.model.num_layers = 3
     config.model.num_heads = 4
     config.model.num_kv_heads = 2
-    config.model.head_dim = 16
-    config.model.max_position_embeddings = 512
+    config.model.head_dim = 32
+    config.model.max_position_embeddings = 128
 
     # Role -> devices and mesh axes. generator.devices = 0 shares the trainer's devices (colocated).
     config.mesh = ml_collections.ConfigDict()
@@ -50,15 +50,54 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         ("layers", None),
     ]
 
+    # The task: "47+85=" -> "7+5=12,4+8+1=13;132" (arealjax/data/arithmetic.py), answers checked exactly.
+    config.task = ml_collections.ConfigDict()
+    config.task.seed = 0
+    config.task.min_digits = 2
+    config.task.max_digits = 3
+
+    # SFT warm start on demonstrations that forget each carry with probability carry_error (0 steps = none).
+    config.sft = ml_collections.ConfigDict()
+    config.sft.steps = 300
+    config.sft.batch_size = 64
+    config.sft.carry_error = 0.7
+    config.sft.max_tokens = 128
+    config.sft.micro_rows = 32
+    config.sft.optim = dict(lr=3e-3, schedule="cosine", warmup_steps=20, total_steps=0,  # 0 = sft.steps
+                            min_lr_ratio=0.1, weight_decay=0.01)
+
+    # Async RL: B prompts x n samples per step; admission keeps staleness <= max_staleness (0 = synchronous).
+    config.rl = ml_collections.ConfigDict()
+    config.rl.steps = 80
+    config.rl.batch_size = 16
+    config.rl.group_size = 8
+    config.rl.max_staleness = 2
+    config.rl.max_concurrent = 64  # prompts in flight
+    config.rl.temperature = 1.0
+    config.rl.max_new_tokens = 40
+    config.rl.eval_every = 10
+
+    config.advantage = dict(estimator="grpo", filter_uniform=True)
+    config.rewards = ml_collections.ConfigDict()
+    config.rewards.fn = "arealjax.data.arithmetic:reward"  # any "module:function(completion, **kwargs)"
+    config.rewards.workers = 2
+    config.rewards.timeout = 10.0
+
+    config.trainer = ml_collections.ConfigDict()
+    config.trainer.max_tokens = 128  # packed row length
+    config.trainer.micro_rows = 16
+    config.trainer.ppo_n_minibatches = 1
+    config.trainer.ppo = dict(objective="decoupled", eps_clip=0.2, behaviour_weight="mask", behaviour_cap=5.0)
+    config.trainer.optim = dict(lr=5e-4, warmup_steps=5, grad_clip=1.0)
+
     # The interruptible generator (arealjax/generation): KV-cache slots, cache length, weight-swap mode.
     config.generator = ml_collections.ConfigDict()
-    config.generator.slots = 8
-    config.generator.max_len = 128  # prompt + output tokens per sequence
+    config.generator.slots = 32
+    config.generator.max_len = 64  # prompt + output tokens per sequence
     config.generator.mode = "recompute"  # on a weight swap: re-prefill in-flight slots (AReaL) | "keep" stale KV
     config.generator.decode_steps = 4  # decode steps per device call
-    config.generator.max_prefill_batch = 8
+    config.generator.max_prefill_batch = 16
 
-    config.smoke = ml_collections.ConfigDict()
-    config.smoke.prompts = ["12+30=?", "7*8=?", "what is 99-9?"]
-    config.smoke.max_new_tokens = 24
+    config.eval = ml_collections.ConfigDict()
+    config.eval.num_problems = 256
     return config

@@ -26,6 +26,7 @@ from arealjax.sharding import LogicalSharding, constrain
 
 Array = jax.Array
 INIT_STD = 0.02  # HF `initializer_range` default for all three families
+CAUSAL_BLOCK = 128  # query block of the training/prefill attention
 
 
 class KVCache(NamedTuple):
@@ -48,8 +49,11 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros(out_shape, dtype), axes=tuple(out_axes)) if use_bias else None
 
     def __call__(self, x: Array) -> Array:
-        n = self.n_in
-        y = jax.lax.dot_general(x, self.kernel[...], ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())))
+        # As one 2-D matmul [tokens, in] x [in, out]: XLA:CPU runs those several times faster than N-D contractions.
+        w = self.kernel[...]
+        lead, k_in = x.shape[:x.ndim - self.n_in], w.shape[:self.n_in]
+        y = jnp.matmul(x.reshape(-1, math.prod(k_in)), w.reshape(math.prod(k_in), -1))
+        y = y.reshape(lead + w.shape[self.n_in:])
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -103,6 +107,24 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     return jnp.einsum("bhgqk,bkhd->bqhgd", p, v).reshape(b, tq, h, d)
+
+
+def attend_causal(q: Array, k: Array, v: Array, mask: Array, block: int = CAUSAL_BLOCK) -> Array:
+    """`attend` for self-attention under a causal `mask` [B,T,T]: each block of queries reads only the keys up to
+    its last position, in a heads-major layout. Same result; on CPU 2-3x faster for T ≥ 256 (a block's scores
+    stay in cache and the masked upper triangle is skipped)."""
+    b, t, h, d = q.shape
+    hkv, g = k.shape[2], h // k.shape[2]
+    qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    outs = []
+    for i in range(0, t, block):
+        j = min(i + block, t)
+        s = jnp.einsum("bhgqd,bhkd->bhgqk", qh[:, :, :, i:j], kh[:, :, :j], preferred_element_type=jnp.float32)
+        s = jnp.where(mask[:, None, None, i:j, :j], s / np.sqrt(d).astype(np.float32), jnp.finfo(jnp.float32).min)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        outs.append(jnp.einsum("bhgqk,bhkd->bhgqd", p, vh[:, :, :j]))
+    return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 class Attention(nnx.Module):
@@ -161,12 +183,13 @@ class Transformer(nnx.Module):
         return constrain(x, self.shard, ("batch", "length", "embed"))
 
     def _logits(self, x: Array) -> Array:
-        x = self.norm(x)
+        b, t, d = x.shape
+        x = self.norm(x).reshape(b * t, d)  # 2-D matmul: see Linear
         if self.lm_head is None:
-            logits = jnp.einsum("btd,vd->btv", x, self.embed_tokens[...], preferred_element_type=jnp.float32)
+            logits = jnp.einsum("nd,vd->nv", x, self.embed_tokens[...], preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("btd,dv->btv", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
-        return constrain(logits, self.shard, ("batch", "length", "vocab"))
+            logits = jnp.einsum("nd,dv->nv", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        return constrain(logits.reshape(b, t, -1), self.shard, ("batch", "length", "vocab"))
 
     def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         return self.forward(tokens, positions, segment_ids)[0]
@@ -190,7 +213,7 @@ class Transformer(nnx.Module):
         ks, vs = [], []
         for layer in self.layers:
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq, self.shard)
-            x = self._act(x + layer.self_attn.o_proj(attend(q, k, v, mask)))
+            x = self._act(x + layer.self_attn.o_proj(attend_causal(q, k, v, mask)))
             x = self._act(x + layer.mlp(layer.post_attention_layernorm(x)))
             ks.append(k)
             vs.append(v)

@@ -1,0 +1,205 @@
+"""The rollout controller: the only component that talks to all the others.
+
+    dataset ──prompts──▶ controller ──submit (n samples)──▶ generator ──completions──▶ reward service
+                              ▲                                                         │ rewards
+                              └── staleness (admission) ◀── queue of scored groups ◀────┘
+    trainer.get_batch() ◀── oldest groups first;  trainer params ──reshard──▶ generator.update_weights
+
+A submission thread admits prompts while the staleness manager has capacity. Completions are decoded and sent
+to the reward service as they finish (generator thread), scored groups go through dynamic filtering into the
+queue (reward threads), and the trainer (main thread) takes batches. Every admitted prompt ends in exactly one of:
+trained, filtered (all rewards equal), queued or in flight at stop. An error in any thread stops the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from arealjax.generation import Generator, SamplingParams
+from arealjax.rewards.service import RewardService
+from arealjax.rl.advantages import AdvantageConfig, dynamic_filter
+from arealjax.rl.trajectory import Trajectory
+from arealjax.staleness import StalenessManager
+from arealjax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    id: str
+    tokens: list[int]
+    reward_kwargs: dict  # passed to the reward function with the completion text, e.g. {"answer": "132"}
+
+
+@dataclasses.dataclass
+class Group:
+    prompt: Prompt
+    admitted_at: int  # staleness-manager version at admission (≤ the version of every token)
+    seq: int  # admission order
+    trajectories: list[Trajectory]
+    done_at: float = 0.0
+
+
+@dataclasses.dataclass
+class ControllerStats:
+    submitted: int = 0
+    trained: int = 0
+    filtered: int = 0
+    generated_tokens: int = 0
+
+
+class RolloutController:
+    def __init__(self, generator: Generator, rewards: RewardService, tokenizer: Tokenizer, prompts: Iterator[Prompt],
+                 staleness: StalenessManager, sampling: SamplingParams, advantage: AdvantageConfig):
+        if sampling.n < 1:
+            raise ValueError("sampling.n must be >= 1")
+        self.generator, self.rewards, self.tokenizer = generator, rewards, tokenizer
+        self.prompts, self.staleness, self.sampling, self.advantage = prompts, staleness, sampling, advantage
+        self.stats = ControllerStats()
+        self._cv = threading.Condition()
+        self._queue: list[Group] = []
+        self._running: dict[int, Group] = {}  # seq -> group admitted, not yet queued/filtered/failed
+        self._seq = itertools.count()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._exhausted = False
+        self._thread = threading.Thread(target=self._submit_loop, name="rollout-controller", daemon=True)
+
+    # ---- submission ----
+    def start(self) -> "RolloutController":
+        self._thread.start()
+        return self
+
+    def _submit_loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and self._error is None and self.staleness.capacity() <= 0:
+                        self._cv.wait(0.5)
+                    if self._stop or self._error is not None:
+                        return
+                    prompt = next(self.prompts, None)
+                    if prompt is None:
+                        self._exhausted = True
+                        self._cv.notify_all()
+                        return
+                    group = Group(prompt, self.staleness.on_submit(), next(self._seq), [])
+                    self._running[group.seq] = group
+                    self.stats.submitted += 1
+                fut = self.generator.submit(prompt.tokens, self.sampling, request_id=f"{prompt.id}#{group.seq}")
+                fut.add_done_callback(lambda f, g=group: self._on_generated(g, f))
+        except BaseException as e:  # noqa: BLE001 — surfaced to the trainer by get_batch
+            self._fail(e)
+
+    def _on_generated(self, group: Group, fut: Future) -> None:
+        """Generator thread: decode and hand the samples to the reward service."""
+        try:
+            completions = fut.result()
+            scores = [self.rewards.submit(self.tokenizer.decode(c.output_tokens), **group.prompt.reward_kwargs)
+                      for c in completions]
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+            return
+        pending = [len(scores)]
+
+        def scored(_: Future) -> None:
+            with self._cv:
+                pending[0] -= 1
+                if pending[0]:
+                    return
+            self._on_scored(group, completions, [s.result() for s in scores])
+
+        for s in scores:
+            s.add_done_callback(scored)
+
+    def _on_scored(self, group: Group, completions: list, rewards: list[float]) -> None:
+        group.trajectories = [
+            Trajectory.from_completion(c.prompt_tokens, c.output_tokens, c.logprobs, c.versions, reward=r,
+                                       group=group.prompt.id, info={"stop_reason": c.stop_reason,
+                                                                    "interrupts": c.interrupts})
+            for c, r in zip(completions, rewards)]
+        group.done_at = time.perf_counter()
+        kept, _ = dynamic_filter([group.trajectories], self.advantage)
+        with self._cv:
+            self._running.pop(group.seq, None)
+            self.stats.generated_tokens += sum(len(c.output_tokens) for c in completions)
+            if kept:
+                self.staleness.on_accept()
+                self._queue.append(group)
+            else:
+                self.staleness.on_reject()
+                self.stats.filtered += 1
+            self._cv.notify_all()
+
+    def _fail(self, e: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = e
+            self._cv.notify_all()
+
+    # ---- the trainer's side ----
+    def get_batch(self, batch_size: int, trainer_version: int, timeout: float | None = None) -> list[Group]:
+        """The oldest `batch_size` scored groups for the step from `trainer_version`, once every group that this
+        step must include (see staleness.py) has been scored. Checks the staleness bound on every trajectory."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        with self._cv:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError(f"rollout failed: {self._error!r}") from self._error
+                waiting = any(self.staleness.must_train(trainer_version, g.admitted_at)
+                              for g in self._running.values())
+                if len(self._queue) >= batch_size and not waiting:
+                    break
+                if self._stop or (self._exhausted and not self._running and len(self._queue) < batch_size):
+                    raise StopIteration("no more batches: the controller stopped or the dataset is exhausted")
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise TimeoutError(f"no batch of {batch_size} groups within {timeout}s")
+                self._cv.wait(0.5)
+            self._queue.sort(key=lambda g: (g.admitted_at, g.seq))
+            batch, self._queue = self._queue[:batch_size], self._queue[batch_size:]
+            late = [g for g in self._queue if self.staleness.must_train(trainer_version, g.admitted_at)]
+            self.stats.trained += len(batch)
+        if late:
+            raise RuntimeError(f"staleness: {len(late)} groups admitted at version ≤ {trainer_version} − η are left "
+                               f"out of the batch (more than batch_size={batch_size} were admitted)")
+        worst = max(trainer_version - t.oldest_version for g in batch for t in g.trajectories if t.n_model_tokens)
+        if worst > self.staleness.max_staleness:
+            raise RuntimeError(f"staleness {worst} > η = {self.staleness.max_staleness} in the batch for version "
+                               f"{trainer_version}")
+        return batch
+
+    def on_weights_applied(self, version: int) -> None:
+        """The generator now serves `version`: admission may move on."""
+        with self._cv:
+            self.staleness.set_version(version)
+            self._cv.notify_all()
+
+    def queue_depth(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    def in_flight(self) -> int:
+        with self._cv:
+            return len(self._running)
+
+    def stop(self) -> dict[str, int]:
+        """Stops submitting, aborts what is in flight and returns the final accounting of admitted prompts."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+        with self._cv:
+            running, queued = len(self._running), len(self._queue)
+        return {"submitted": self.stats.submitted, "trained": self.stats.trained, "filtered": self.stats.filtered,
+                "queued": queued, "in_flight": running}
+
+
+def staleness_of(batch: Sequence[Group], trainer_version: int) -> np.ndarray:
+    """Per trajectory: trainer version − version of its oldest model token."""
+    return np.array([trainer_version - t.oldest_version for g in batch for t in g.trajectories if t.n_model_tokens])

@@ -1,0 +1,94 @@
+"""The reward service: scores completions in worker processes, off the generator and trainer threads.
+
+    service = RewardService("arealjax.data.arithmetic:reward", workers=2, timeout=10.0)
+    future = service.submit("7+5=12;12", answer="12")     # -> Future[float]
+
+The reward function is named by import path ("module:function"), so user functions plug in from config and the
+workers (spawned, not forked: the parent runs JAX threads) import it themselves. A call that raises or runs past
+`timeout` resolves to `failure_reward` and is counted; the service keeps serving.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import importlib
+import multiprocessing
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+_FN_CACHE: dict[str, Callable] = {}
+
+
+def resolve(path: str) -> Callable:
+    """'package.module:function' -> the function, with an error naming what was not found."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"reward function '{path}': expected 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward function '{path}' cannot be imported: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"reward function '{path}' is not callable")
+    return fn
+
+
+def _call(path: str, completion: str, kwargs: dict[str, Any]) -> float:
+    fn = _FN_CACHE.get(path)
+    if fn is None:
+        fn = _FN_CACHE[path] = resolve(path)
+    return float(fn(completion, **kwargs))
+
+
+@dataclasses.dataclass
+class RewardStats:
+    calls: int = 0
+    failures: int = 0  # the function raised
+    timeouts: int = 0
+
+
+class RewardService:
+    def __init__(self, fn: str, *, workers: int = 2, timeout: float = 10.0, failure_reward: float = 0.0):
+        resolve(fn)  # fail fast, in the caller's process, on a bad path
+        self.fn, self.timeout, self.failure_reward = fn, timeout, failure_reward
+        self.stats = RewardStats()
+        self._lock = threading.Lock()
+        self._pool = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+    def submit(self, completion: str, **kwargs) -> Future:
+        """Future of the reward of `completion` (kwargs go to the function, e.g. answer=...)."""
+        out: Future = Future()
+        inner = self._pool.submit(_call, self.fn, completion, kwargs)
+        timer = threading.Timer(self.timeout, self._resolve, (out, None, "timeout"))
+        timer.daemon = True
+        timer.start()
+
+        def done(f: Future) -> None:
+            timer.cancel()
+            err = f.exception()
+            self._resolve(out, None if err else f.result(), "failure" if err else None)
+
+        inner.add_done_callback(done)
+        return out
+
+    def _resolve(self, out: Future, value: float | None, problem: str | None) -> None:
+        with self._lock:
+            if out.done():
+                return
+            self.stats.calls += 1
+            if problem == "timeout":
+                self.stats.timeouts += 1
+            elif problem == "failure":
+                self.stats.failures += 1
+            out.set_result(self.failure_reward if value is None else value)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "RewardService":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,206 @@
+"""The RL job, top to bottom: meshes → model → SFT warm start → generator, rewards, controller → async RL loop.
+
+The trainer runs in this thread on the trainer mesh; the generator loop, the controller's submission thread and
+the reward worker processes run beside it, and the generator owns a disjoint device slice. After every step the
+new params are resharded onto the generator slice and swapped in between two decode steps; the staleness manager
+moves on once the generator serves them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from arealjax import models
+from arealjax.controller import Prompt, RolloutController, staleness_of
+from arealjax.data import arithmetic
+from arealjax.generation import Engine, Generator, SamplingParams
+from arealjax.metrics import MetricsWriter, plot_curves
+from arealjax.rewards.service import RewardService
+from arealjax.rl.advantages import AdvantageConfig, assign_advantages
+from arealjax.rl.losses import PPOConfig
+from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+from arealjax.rl.trajectory import Trajectory
+from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes, tree_shardings
+from arealjax.staleness import StalenessManager
+from arealjax.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
+
+
+def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, models.Model]:
+    """Tokenizer and model from `config.model_path` (a HF directory) or, when empty, a random tiny model."""
+    if config.model_path:
+        return load_tokenizer(config.model_path), models.load_pretrained(config.model_path, mesh=mesh, rules=rules)
+    tokenizer = CharTokenizer(config.tokenizer.alphabet)
+    cfg = models.ModelConfig.make(**config.model.to_dict(), vocab_size=tokenizer.vocab_size,
+                                  eos_token_id=tokenizer.eos_ids[0], bos_token_id=tokenizer.bos_id)
+    return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+    return ids if tokenizer.bos_id is None else [tokenizer.bos_id, *ids]
+
+
+def train_prompts(config: Any, tokenizer: Tokenizer) -> Iterator[Prompt]:
+    t = config.task
+    i = 0
+    while True:  # an endless seeded stream, chunked
+        for p in arithmetic.sample_problems(1024, seed=t.seed + 1000 * (i + 1), min_digits=t.min_digits,
+                                            max_digits=t.max_digits):
+            yield Prompt(f"train-{i}", encode_prompt(tokenizer, p.prompt), {"answer": p.answer})
+            i += 1
+
+
+def trainer_config(c: Any, loss: str = "ppo", steps: int = 0) -> TrainerConfig:
+    """`steps` fills an optim.total_steps of 0 (schedules that need the run length)."""
+    ppo = PPOConfig(**c.ppo.to_dict()) if loss == "ppo" else PPOConfig()
+    optim = c.optim.to_dict()
+    if not optim.get("total_steps"):
+        optim["total_steps"] = steps
+    return TrainerConfig(loss=loss, ppo=ppo, optim=OptimConfig(**optim), max_tokens=c.max_tokens,
+                         micro_rows=c.micro_rows, ppo_n_minibatches=c.get("ppo_n_minibatches", 1))
+
+
+def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rules, workdir: Path) -> models.Model:
+    """SFT on imperfect demonstrations (carries dropped at `carry_error`), cached in workdir/sft by config."""
+    s, t = config.sft, config.task
+    key = json.dumps({"sft": s.to_dict(), "model": config.model.to_dict(), "task": t.to_dict(),
+                      "seed": config.seed}, sort_keys=True)
+    out = workdir / "sft"
+    if (out / "sft_config.json").is_file() and (out / "sft_config.json").read_text() == key:
+        logging.info("SFT warm start: reusing %s", out)
+        return models.load_pretrained(out, mesh=mesh, rules=rules)
+    trainer = Trainer(model, trainer_config(s, loss="sft", steps=s.steps), mesh=mesh, rules=rules)
+    rng = np.random.RandomState(config.seed)
+    problems = arithmetic.sample_problems(s.steps * s.batch_size, seed=t.seed, min_digits=t.min_digits,
+                                          max_digits=t.max_digits)
+    bar = tqdm(range(s.steps), desc="SFT warm start", mininterval=2)
+    for step in bar:
+        batch = []
+        for p in problems[step * s.batch_size:(step + 1) * s.batch_size]:
+            demo = tokenizer.encode(arithmetic.demonstration(p, rng, s.carry_error)) + [tokenizer.eos_ids[0]]
+            prompt = encode_prompt(tokenizer, p.prompt)
+            batch.append(Trajectory.from_completion(prompt, demo, np.zeros(len(demo)), np.zeros(len(demo))))
+        m = trainer.train_step(batch)
+        bar.set_postfix(nll=f"{m['nll']:.3f}")
+    out.mkdir(parents=True, exist_ok=True)
+    models.save_pretrained(trainer.model, out)
+    (out / "sft_config.json").write_text(key)
+    return trainer.model
+
+
+def evaluate(generator: Generator, rewards: RewardService, tokenizer: Tokenizer, config: Any) -> dict[str, float]:
+    """Held-out accuracy (pass@1 at the training temperature) and greedy accuracy, on problems never trained on."""
+    e, t = config.eval, config.task
+    problems = arithmetic.sample_problems(e.num_problems, seed=t.seed + 7, min_digits=t.min_digits,
+                                          max_digits=t.max_digits)
+    out = {}
+    for name, temperature in (("eval_accuracy", config.rl.temperature), ("eval_greedy_accuracy", 0.0)):
+        sampling = SamplingParams(temperature=temperature, max_new_tokens=config.rl.max_new_tokens,
+                                  stop_token_ids=tuple(tokenizer.eos_ids), seed=config.seed + 99)
+        futs = [generator.submit(encode_prompt(tokenizer, p.prompt), sampling) for p in problems]
+        texts = [tokenizer.decode(f.result()[0].output_tokens) for f in futs]
+        scores = [rewards.submit(x, answer=p.answer) for x, p in zip(texts, problems)]
+        out[name] = float(np.mean([s.result() for s in scores]))
+    return out
+
+
+def run(config: Any, workdir: str) -> dict[str, Any]:
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    rules = normalize_rules(config.sharding_rules)
+    meshes = role_meshes(config.mesh)
+    tokenizer, model = build(config, meshes["trainer"], rules)
+    if config.sft.steps:
+        model = warm_start(config, tokenizer, model, meshes["trainer"], rules, workdir)
+    rl = config.rl
+    trainer = Trainer(model, trainer_config(config.trainer), mesh=meshes["trainer"], rules=rules)
+
+    gen_model = model.to_mesh(meshes["generator"], rules)
+    gen_shardings = tree_shardings(gen_model.params, LogicalSharding(meshes["generator"], rules))
+    g = config.generator
+    engine = Engine(gen_model, slots=g.slots, max_len=g.max_len, shard=LogicalSharding(meshes["generator"], rules))
+    sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, n=rl.group_size,
+                              stop_token_ids=tuple(tokenizer.eos_ids), seed=config.seed)
+    advantage = AdvantageConfig(**config.advantage.to_dict())
+    staleness = StalenessManager(rl.batch_size, rl.max_staleness, rl.max_concurrent)
+    writer = MetricsWriter(workdir)
+    generator = Generator(engine, gen_model.params, mode=g.mode, decode_steps=g.decode_steps,
+                          max_prefill_batch=g.max_prefill_batch)
+    rewards = RewardService(config.rewards.fn, workers=config.rewards.workers, timeout=config.rewards.timeout)
+    controller = RolloutController(generator, rewards, tokenizer, train_prompts(config, tokenizer), staleness,
+                                   sampling, advantage)
+    summary: dict[str, Any] = {}
+    try:
+        first = evaluate(generator, rewards, tokenizer, config)
+        writer.write(0, first)
+        logging.info("after warm start: %s", first)
+        controller.start()
+        t_start = time.perf_counter()
+        last_stats = dataclasses.replace(generator.stats)
+        last_tokens, last_t = 0, t_start
+        bar = tqdm(range(rl.steps), desc="async RL", mininterval=1)
+        for step in bar:
+            t0 = time.perf_counter()
+            batch = controller.get_batch(rl.batch_size, trainer.version)
+            wait_s = time.perf_counter() - t0
+            stale = staleness_of(batch, trainer.version)
+            adv_stats = assign_advantages([grp.trajectories for grp in batch], advantage)
+            m = trainer.train_step([tr for grp in batch for tr in grp.trajectories])
+            t1 = time.perf_counter()
+            params = jax.device_put(trainer.params, gen_shardings, may_alias=False)  # never alias donated buffers
+            jax.block_until_ready(params)
+            sync_s = time.perf_counter() - t1
+            generator.update_weights(params, trainer.version).add_done_callback(
+                lambda f, v=trainer.version: controller.on_weights_applied(v))
+
+            now = time.perf_counter()
+            gs = generator.stats
+            busy, idle = gs.busy_seconds - last_stats.busy_seconds, gs.idle_seconds - last_stats.idle_seconds
+            tokens = controller.stats.generated_tokens
+            rewards_flat = [tr.reward for grp in batch for tr in grp.trajectories]
+            metrics = {
+                "reward": float(np.mean(rewards_flat)), "accuracy": float(np.mean(np.array(rewards_flat) > 0.5)),
+                "staleness_max": float(stale.max()), "staleness_mean": float(stale.mean()),
+                "queue_depth": controller.queue_depth(), "in_flight": controller.in_flight(),
+                "generated_tokens_per_s": (tokens - last_tokens) / (now - last_t),
+                "trained_tokens_per_s": m["tokens"] / (m["step_seconds"]),
+                "weight_sync_seconds": sync_s, "batch_wait_seconds": wait_s,
+                "generator_idle_share": idle / max(busy + idle, 1e-9),
+                "interrupts": gs.interrupts - last_stats.interrupts,
+                "refill_tokens": gs.refill_tokens - last_stats.refill_tokens,
+                "filtered_groups": controller.stats.filtered, "version": trainer.version,
+                "wall_seconds": now - t_start, **adv_stats,
+                **{k: v for k, v in m.items() if k not in ("version",)},
+            }
+            last_stats, last_tokens, last_t = dataclasses.replace(gs), tokens, now
+            if rl.eval_every and (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
+                metrics.update(evaluate(generator, rewards, tokenizer, config))
+            writer.write(step + 1, metrics)
+            bar.set_postfix(reward=f"{metrics['reward']:.2f}", stale=f"{metrics['staleness_mean']:.1f}",
+                            tok_s=f"{metrics['generated_tokens_per_s']:.0f}",
+                            acc=f"{metrics.get('eval_accuracy', float('nan')):.2f}")
+        summary = {"steps": rl.steps, "wall_seconds": time.perf_counter() - t_start,
+                   "eval_accuracy_start": first["eval_accuracy"], "eval_accuracy_end": metrics["eval_accuracy"],
+                   "eval_greedy_accuracy_start": first["eval_greedy_accuracy"],
+                   "eval_greedy_accuracy_end": metrics["eval_greedy_accuracy"]}
+    finally:
+        summary["prompts"] = controller.stop()
+        generator.close()
+        rewards.close()
+        writer.close()
+    plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
+    models.save_pretrained(trainer.model, workdir / "model")
+    if isinstance(tokenizer, CharTokenizer):
+        tokenizer.save(workdir / "model")
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,117 @@
+"""Trainer figures, measured side by side in one run on this machine.
+
+  python benchmarks/trainer.py                 # add --quick for a fast pass, --d-model 1024 for a bigger model
+
+1. Peak: the best fp32 matmul FLOP/s this machine reaches under XLA (square matmuls of several sizes).
+2. One RL train step (decoupled PPO, one minibatch, AdamW) on long-tail trajectory lengths, sequence-packed:
+   trained tokens/s and model-FLOPs utilisation against that peak. Model FLOPs count only real tokens:
+   6·(matmul params) per token plus causal attention within each trajectory (×3 for forward + backward).
+3. The same trajectories with naive padding (one trajectory per row): tokens/s and the packed / naive ratio.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arealjax.models import ModelConfig, from_config  # noqa: E402
+from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig  # noqa: E402
+from arealjax.rl.trajectory import Trajectory  # noqa: E402
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()  # compile / warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def matmul_peak(repeats: int) -> tuple[float, int]:
+    """(FLOP/s, size) of the fastest fp32 square matmul."""
+    best = (0.0, 0)
+    for n in (1024, 2048, 3072):
+        a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+        b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+        f = jax.jit(jnp.matmul)
+        t = best_of(lambda: f(a, b).block_until_ready(), repeats)
+        best = max(best, (2 * n**3 / t, n))
+    return best
+
+
+def long_tail(n: int, max_len: int, seed: int = 0) -> list[Trajectory]:
+    """Prompt 32-96 tokens; outputs lognormal (median ~60, long tail to the row length)."""
+    rng = np.random.RandomState(seed)
+    out = []
+    for _ in range(n):
+        p = rng.randint(32, 97)
+        o = int(np.clip(rng.lognormal(np.log(60), 1.0), 4, max_len - p))
+        out.append(Trajectory.from_completion(rng.randint(3, 500, p), rng.randint(3, 500, o), rng.normal(-3, 0.3, o),
+                                              np.zeros(o), advantage=rng.normal()))
+    return out
+
+
+def model_flops(cfg: ModelConfig, trajs: list[Trajectory]) -> float:
+    """Training FLOPs of the useful work: 6·N_matmul per token + causal attention per trajectory, ×3 for bwd."""
+    d, f, h, kv, hd, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                          cfg.vocab_size)
+    per_layer = d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f
+    matmul_params = cfg.num_layers * per_layer + d * v  # the lm head is a matmul; the embedding gather is not
+    tokens = sum(len(t) for t in trajs)
+    attn_fwd = sum(cfg.num_layers * 2 * 2 * h * hd * len(t) * (len(t) + 1) / 2 for t in trajs)
+    return 6 * matmul_params * tokens + 3 * attn_fwd
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--trajectories", type=int, default=64)
+    args = ap.parse_args()
+    repeats = 2 if args.quick else 3
+    n = 24 if args.quick else args.trajectories
+
+    peak, peak_n = matmul_peak(repeats)
+    d = args.d_model
+    cfg = ModelConfig.make(family="qwen3", vocab_size=2048, hidden_size=d, intermediate_size=3 * d,
+                           num_layers=args.layers, num_heads=d // 64, num_kv_heads=max(d // 256, 1), head_dim=64)
+    model = from_config(cfg, seed=0)
+    trajs = long_tail(n, args.max_tokens)
+    flops = model_flops(cfg, trajs)
+    results = {"device": str(jax.devices()[0].device_kind), "cpu_count": jax.device_count(),
+               "matmul_peak_gflops": peak / 1e9, "matmul_peak_size": peak_n,
+               "model": dict(d_model=d, layers=args.layers, params_m=cfg.num_params() / 1e6),
+               "trajectories": n, "tokens": sum(len(t) for t in trajs),
+               "mean_len": float(np.mean([len(t) for t in trajs])), "max_len": max(len(t) for t in trajs)}
+    for name, packing in (("packed", True), ("naive", False)):
+        trainer = Trainer(model, TrainerConfig(max_tokens=args.max_tokens, micro_rows=args.rows, packing=packing,
+                                               optim=OptimConfig(lr=1e-6)))
+        metrics = {}
+
+        def step():
+            metrics.update(trainer.train_step(trajs))
+            jax.block_until_ready(trainer.params)
+
+        t = best_of(step, repeats)
+        results[name] = dict(seconds=t, tokens_per_s=results["tokens"] / t, mfu=flops / t / peak,
+                             model_tflops_per_s=flops / t / 1e12, micro_batches=int(metrics["micro_batches"]),
+                             non_padding_fraction=metrics["non_padding_fraction"])
+        print(name, json.dumps(results[name]), flush=True)
+    results["packed_over_naive"] = results["packed"]["tokens_per_s"] / results["naive"]["tokens_per_s"]
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
