@@ -6,7 +6,7 @@
     trainer.get_batch() ◀── oldest groups first;  trainer params ──reshard──▶ generator.update_weights
 
 A submission thread admits prompts while the staleness manager has capacity. Completions are decoded and sent
-to the reward service as they finish (generator thread), scored groups go through dynamic filtering into the
+to the reward service as they finish (scorer thread), scored groups go through dynamic filtering into the
 queue (reward threads), and the trainer (main thread) takes batches. Every admitted prompt ends in exactly one of:
 trained, filtered (all rewards equal), queued or in flight at stop. An error in any thread stops the run.
 """
@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -70,6 +70,7 @@ class RolloutController:
         self._error: BaseException | None = None
         self._exhausted = False
         self._thread = threading.Thread(target=self._submit_loop, name="rollout-controller", daemon=True)
+        self._scorer = ThreadPoolExecutor(1, thread_name_prefix="rollout-scorer")
 
     # ---- submission ----
     def start(self) -> "RolloutController":
@@ -93,12 +94,13 @@ class RolloutController:
                     self._running[group.seq] = group
                     self.stats.submitted += 1
                 fut = self.generator.submit(prompt.tokens, self.sampling, request_id=f"{prompt.id}#{group.seq}")
-                fut.add_done_callback(lambda f, g=group: self._on_generated(g, f))
+                # Decoding and reward submission run on the scorer thread, not in the generator's loop.
+                fut.add_done_callback(lambda f, g=group: self._scorer.submit(self._on_generated, g, f))
         except BaseException as e:  # noqa: BLE001 — surfaced to the trainer by get_batch
             self._fail(e)
 
     def _on_generated(self, group: Group, fut: Future) -> None:
-        """Generator thread: decode and hand the samples to the reward service."""
+        """Scorer thread: decode and hand the samples to the reward service."""
         try:
             completions = fut.result()
             scores = [self.rewards.submit(self.tokenizer.decode(c.output_tokens), **group.prompt.reward_kwargs)
@@ -168,7 +170,7 @@ class RolloutController:
         if late:
             raise RuntimeError(f"staleness: {len(late)} groups admitted at version ≤ {trainer_version} − η are left "
                                f"out of the batch (more than batch_size={batch_size} were admitted)")
-        worst = max(trainer_version - t.oldest_version for g in batch for t in g.trajectories if t.n_model_tokens)
+        worst = int(staleness_of(batch, trainer_version).max(initial=0))
         if worst > self.staleness.max_staleness:
             raise RuntimeError(f"staleness {worst} > η = {self.staleness.max_staleness} in the batch for version "
                                f"{trainer_version}")
@@ -194,6 +196,7 @@ class RolloutController:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=10)
+        self._scorer.shutdown(wait=False, cancel_futures=True)
         with self._cv:
             running, queued = len(self._running), len(self._queue)
         return {"submitted": self.stats.submitted, "trained": self.stats.trained, "filtered": self.stats.filtered,

@@ -172,7 +172,6 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                 "staleness_max": float(stale.max()), "staleness_mean": float(stale.mean()),
                 "queue_depth": controller.queue_depth(), "in_flight": controller.in_flight(),
                 "generated_tokens_per_s": (tokens - last_tokens) / (now - last_t),
-                "trained_tokens_per_s": m["tokens"] / (m["step_seconds"]),
                 "weight_sync_seconds": sync_s, "batch_wait_seconds": wait_s,
                 "generator_idle_share": idle / max(busy + idle, 1e-9),
                 "interrupts": gs.interrupts - last_stats.interrupts,

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import heapq
 import importlib
+import itertools
 import multiprocessing
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -54,37 +57,62 @@ class RewardService:
         resolve(fn)  # fail fast, in the caller's process, on a bad path
         self.fn, self.timeout, self.failure_reward = fn, timeout, failure_reward
         self.stats = RewardStats()
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._deadlines: list[tuple[float, int, Future]] = []  # heap: one watchdog thread serves every call
+        self._ids = itertools.count()
+        self._closed = False
         self._pool = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        self._watchdog = threading.Thread(target=self._watch, name="reward-watchdog", daemon=True)
+        self._watchdog.start()
 
     def submit(self, completion: str, **kwargs) -> Future:
         """Future of the reward of `completion` (kwargs go to the function, e.g. answer=...)."""
         out: Future = Future()
-        inner = self._pool.submit(_call, self.fn, completion, kwargs)
-        timer = threading.Timer(self.timeout, self._resolve, (out, None, "timeout"))
-        timer.daemon = True
-        timer.start()
+        with self._cv:
+            heapq.heappush(self._deadlines, (time.monotonic() + self.timeout, next(self._ids), out))
+            self._cv.notify()
 
         def done(f: Future) -> None:
-            timer.cancel()
             err = f.exception()
             self._resolve(out, None if err else f.result(), "failure" if err else None)
 
-        inner.add_done_callback(done)
+        self._pool.submit(_call, self.fn, completion, kwargs).add_done_callback(done)
         return out
 
+    def _watch(self) -> None:
+        with self._cv:
+            while not self._closed:
+                while self._deadlines and self._deadlines[0][2].done():
+                    heapq.heappop(self._deadlines)
+                if not self._deadlines:
+                    self._cv.wait()
+                    continue
+                deadline, _, out = self._deadlines[0]
+                if time.monotonic() < deadline:
+                    self._cv.wait(deadline - time.monotonic())
+                    continue
+                heapq.heappop(self._deadlines)
+                self._settle(out, None, "timeout")
+
     def _resolve(self, out: Future, value: float | None, problem: str | None) -> None:
-        with self._lock:
-            if out.done():
-                return
-            self.stats.calls += 1
-            if problem == "timeout":
-                self.stats.timeouts += 1
-            elif problem == "failure":
-                self.stats.failures += 1
-            out.set_result(self.failure_reward if value is None else value)
+        with self._cv:
+            self._settle(out, value, problem)
+
+    def _settle(self, out: Future, value: float | None, problem: str | None) -> None:
+        """Under the lock: the first of result / failure / timeout wins; the others are ignored."""
+        if out.done():
+            return
+        self.stats.calls += 1
+        if problem == "timeout":
+            self.stats.timeouts += 1
+        elif problem == "failure":
+            self.stats.failures += 1
+        out.set_result(self.failure_reward if value is None else value)
 
     def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "RewardService":

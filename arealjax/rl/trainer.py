@@ -191,8 +191,7 @@ class Trainer:
         return Model(self.model_cfg, self.graphdef, self.params)
 
     def _put(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: jax.device_put(v, self._b_sh) if self._b_sh is not None else jnp.asarray(v)
-                for k, v in arrays.items()}
+        return jax.device_put(arrays, self._b_sh)  # one transfer call per micro-batch
 
     def pack(self, trajectories: Sequence[Trajectory]) -> list[PackedBatch]:
         """The RL step's minibatches, packed into micro-batches."""
