@@ -23,7 +23,13 @@ def main(argv):
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # quiet "no TPU found" probes on CPU
     from arealjax import train
 
-    train.run(config, flags.FLAGS.workdir)
+    try:
+        train.run(config, flags.FLAGS.workdir)
+    except KeyboardInterrupt:
+        # train.run has already stopped the controller, the generator loop and the reward workers
+        logging.error("interrupted: generator, reward workers and controller stopped; metrics so far are in %s",
+                      flags.FLAGS.workdir)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ trained, filtered (all rewards equal), queued or in flight at stop. An error in 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
@@ -51,14 +52,21 @@ class ControllerStats:
     submitted: int = 0
     trained: int = 0
     filtered: int = 0
+    filtered_in_a_row: int = 0  # since the last group that reached the queue
     generated_tokens: int = 0
+    scored_samples: int = 0  # every scored sample, filtered groups included
+    reward_sum: float = 0.0  # over those samples: the policy's reward before filtering
 
 
 class RolloutController:
     def __init__(self, generator: Generator, rewards: RewardService, tokenizer: Tokenizer, prompts: Iterator[Prompt],
-                 staleness: StalenessManager, sampling: SamplingParams, advantage: AdvantageConfig):
+                 staleness: StalenessManager, sampling: SamplingParams, advantage: AdvantageConfig, *,
+                 max_filtered_in_a_row: int = 500):
+        """`max_filtered_in_a_row`: after this many groups dropped by dynamic filtering with none kept, the run
+        stops with an error instead of starving the trainer (0 = never)."""
         if sampling.n < 1:
             raise ValueError("sampling.n must be >= 1")
+        self.max_filtered_in_a_row = max_filtered_in_a_row
         self.generator, self.rewards, self.tokenizer = generator, rewards, tokenizer
         self.prompts, self.staleness, self.sampling, self.advantage = prompts, staleness, sampling, advantage
         self.stats = ControllerStats()
@@ -69,6 +77,7 @@ class RolloutController:
         self._stop = False
         self._error: BaseException | None = None
         self._exhausted = False
+        self._filtered_rewards: collections.deque[float] = collections.deque(maxlen=max(max_filtered_in_a_row, 1))
         self._thread = threading.Thread(target=self._submit_loop, name="rollout-controller", daemon=True)
         self._scorer = ThreadPoolExecutor(1, thread_name_prefix="rollout-scorer")
 
@@ -94,10 +103,17 @@ class RolloutController:
                     self._running[group.seq] = group
                     self.stats.submitted += 1
                 fut = self.generator.submit(prompt.tokens, self.sampling, request_id=f"{prompt.id}#{group.seq}")
-                # Decoding and reward submission run on the scorer thread, not in the generator's loop.
-                fut.add_done_callback(lambda f, g=group: self._scorer.submit(self._on_generated, g, f))
+                fut.add_done_callback(lambda f, g=group: self._to_scorer(g, f))
         except BaseException as e:  # noqa: BLE001 — surfaced to the trainer by get_batch
             self._fail(e)
+
+    def _to_scorer(self, group: Group, fut: Future) -> None:
+        """Decoding and reward submission run on the scorer thread, not in the generator's loop. After stop() the
+        group stays counted as in flight (the generator's close fails its future)."""
+        with self._cv:
+            if self._stop:
+                return
+            self._scorer.submit(self._on_generated, group, fut)
 
     def _on_generated(self, group: Group, fut: Future) -> None:
         """Scorer thread: decode and hand the samples to the reward service."""
@@ -131,13 +147,27 @@ class RolloutController:
         with self._cv:
             self._running.pop(group.seq, None)
             self.stats.generated_tokens += sum(len(c.output_tokens) for c in completions)
+            self.stats.scored_samples += len(rewards)
+            self.stats.reward_sum += float(sum(rewards))
             if kept:
                 self.staleness.on_accept()
                 self._queue.append(group)
+                self.stats.filtered_in_a_row = 0
             else:
                 self.staleness.on_reject()
                 self.stats.filtered += 1
+                self.stats.filtered_in_a_row += 1
+                self._filtered_rewards.append(rewards[0])
             self._cv.notify_all()
+            starved = 0 < self.max_filtered_in_a_row <= self.stats.filtered_in_a_row
+            mean = float(np.mean(self._filtered_rewards)) if starved else 0.0
+        if starved:
+            self._fail(RuntimeError(
+                f"dynamic filtering dropped {self.max_filtered_in_a_row} groups in a row (every sample of each got the same reward; "
+                f"mean of those rewards {mean:.3f}): no group carries a learning signal, so the trainer "
+                f"would wait forever. All-high rewards mean the task is solved or too easy, all-low that the policy "
+                f"collapsed or the task is too hard. Raise rl.group_size or rl.temperature, change the task, or set "
+                f"advantage.filter_uniform=False (rl.max_filtered_in_a_row={self.max_filtered_in_a_row})"))
 
     def _fail(self, e: BaseException) -> None:
         with self._cv:
@@ -195,8 +225,9 @@ class RolloutController:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=10)
-        self._scorer.shutdown(wait=False, cancel_futures=True)
+            self._scorer.shutdown(wait=False, cancel_futures=True)  # under the lock: no submit can race it
+        if self._thread.ident is not None:  # stop() also runs in cleanups before start()
+            self._thread.join(timeout=10)
         with self._cv:
             running, queued = len(self._running), len(self._queue)
         return {"submitted": self.stats.submitted, "trained": self.stats.trained, "filtered": self.stats.filtered,

@@ -35,8 +35,8 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_curves(path: str | Path, out: str | Path, keys: tuple[str, ...] = ("reward", "eval_accuracy",
-                                                                            "staleness_mean")) -> None:
+def plot_curves(path: str | Path, out: str | Path, keys: tuple[str, ...] = ("rollout_reward",
+                                                                            "eval_accuracy", "staleness_mean")) -> None:
     """One panel per key against the step, from metrics.jsonl."""
     import matplotlib
 

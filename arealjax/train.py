@@ -70,11 +70,12 @@ def trainer_config(c: Any, loss: str = "ppo", steps: int = 0) -> TrainerConfig:
 
 
 def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rules, workdir: Path) -> models.Model:
-    """SFT on imperfect demonstrations (carries dropped at `carry_error`), cached in workdir/sft by config."""
+    """SFT on imperfect demonstrations (carries dropped at `carry_error`), cached by config in `sft.cache_dir`
+    (default workdir/sft)."""
     s, t = config.sft, config.task
-    key = json.dumps({"sft": s.to_dict(), "model": config.model.to_dict(), "task": t.to_dict(),
-                      "seed": config.seed}, sort_keys=True)
-    out = workdir / "sft"
+    key = json.dumps({"sft": {k: v for k, v in s.to_dict().items() if k != "cache_dir"},
+                      "model": config.model.to_dict(), "task": t.to_dict(), "seed": config.seed}, sort_keys=True)
+    out = Path(s.cache_dir) if s.get("cache_dir") else workdir / "sft"
     if (out / "sft_config.json").is_file() and (out / "sft_config.json").read_text() == key:
         logging.info("SFT warm start: reusing %s", out)
         return models.load_pretrained(out, mesh=mesh, rules=rules)
@@ -90,7 +91,7 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
             prompt = encode_prompt(tokenizer, p.prompt)
             batch.append(Trajectory.from_completion(prompt, demo, np.zeros(len(demo)), np.zeros(len(demo))))
         m = trainer.train_step(batch)
-        bar.set_postfix(nll=f"{m['nll']:.3f}")
+        bar.set_postfix(nll=f"{m['nll']:.3f}", refresh=False)
     out.mkdir(parents=True, exist_ok=True)
     models.save_pretrained(trainer.model, out)
     (out / "sft_config.json").write_text(key)
@@ -137,7 +138,7 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                           max_prefill_batch=g.max_prefill_batch)
     rewards = RewardService(config.rewards.fn, workers=config.rewards.workers, timeout=config.rewards.timeout)
     controller = RolloutController(generator, rewards, tokenizer, train_prompts(config, tokenizer), staleness,
-                                   sampling, advantage)
+                                   sampling, advantage, max_filtered_in_a_row=rl.max_filtered_in_a_row)
     summary: dict[str, Any] = {}
     try:
         first = evaluate(generator, rewards, tokenizer, config)
@@ -146,7 +147,8 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
         controller.start()
         t_start = time.perf_counter()
         last_stats = dataclasses.replace(generator.stats)
-        last_tokens, last_t = 0, t_start
+        last_tokens, last_t, eval_s = 0, t_start, 0.0
+        last_scored = (0, 0.0)
         bar = tqdm(range(rl.steps), desc="async RL", mininterval=1)
         for step in bar:
             t0 = time.perf_counter()
@@ -165,29 +167,35 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
             now = time.perf_counter()
             gs = generator.stats
             busy, idle = gs.busy_seconds - last_stats.busy_seconds, gs.idle_seconds - last_stats.idle_seconds
-            tokens = controller.stats.generated_tokens
+            cs = controller.stats
+            tokens, scored = cs.generated_tokens, (cs.scored_samples, cs.reward_sum)
             rewards_flat = [tr.reward for grp in batch for tr in grp.trajectories]
             metrics = {
+                # rollout_reward: every sample scored since the last step; reward: the batch, after filtering
+                "rollout_reward": (scored[1] - last_scored[1]) / max(scored[0] - last_scored[0], 1),
                 "reward": float(np.mean(rewards_flat)), "accuracy": float(np.mean(np.array(rewards_flat) > 0.5)),
                 "staleness_max": float(stale.max()), "staleness_mean": float(stale.mean()),
                 "queue_depth": controller.queue_depth(), "in_flight": controller.in_flight(),
                 "generated_tokens_per_s": (tokens - last_tokens) / (now - last_t),
                 "weight_sync_seconds": sync_s, "batch_wait_seconds": wait_s,
-                "generator_idle_share": idle / max(busy + idle, 1e-9),
+                "generator_idle_share": idle / max(busy + idle, 1e-9), "generator_idle_seconds": idle,
+                "generator_busy_seconds": busy,
                 "interrupts": gs.interrupts - last_stats.interrupts,
                 "refill_tokens": gs.refill_tokens - last_stats.refill_tokens,
-                "filtered_groups": controller.stats.filtered, "version": trainer.version,
+                "filtered_groups": cs.filtered, "version": trainer.version,
                 "wall_seconds": now - t_start, **adv_stats,
                 **{k: v for k, v in m.items() if k not in ("version",)},
             }
-            last_stats, last_tokens, last_t = dataclasses.replace(gs), tokens, now
+            last_stats, last_tokens, last_t, last_scored = dataclasses.replace(gs), tokens, now, scored
             if rl.eval_every and (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
                 metrics.update(evaluate(generator, rewards, tokenizer, config))
+                eval_s += time.perf_counter() - now  # rates of the next step leave the evaluation out:
+                last_stats, last_t = dataclasses.replace(generator.stats), time.perf_counter()
             writer.write(step + 1, metrics)
-            bar.set_postfix(reward=f"{metrics['reward']:.2f}", stale=f"{metrics['staleness_mean']:.1f}",
+            bar.set_postfix(reward=f"{metrics['rollout_reward']:.2f}", stale=f"{metrics['staleness_mean']:.1f}",
                             tok_s=f"{metrics['generated_tokens_per_s']:.0f}",
-                            acc=f"{metrics.get('eval_accuracy', float('nan')):.2f}")
-        summary = {"steps": rl.steps, "wall_seconds": time.perf_counter() - t_start,
+                            acc=f"{metrics.get('eval_accuracy', float('nan')):.2f}", refresh=False)
+        summary = {"steps": rl.steps, "wall_seconds": time.perf_counter() - t_start, "eval_seconds": eval_s,
                    "eval_accuracy_start": first["eval_accuracy"], "eval_accuracy_end": metrics["eval_accuracy"],
                    "eval_greedy_accuracy_start": first["eval_greedy_accuracy"],
                    "eval_greedy_accuracy_end": metrics["eval_greedy_accuracy"]}

@@ -58,7 +58,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # SFT warm start on demonstrations that forget each carry with probability carry_error (0 steps = none).
     config.sft = ml_collections.ConfigDict()
-    config.sft.steps = 300
+    config.sft.steps = 600
+    config.sft.cache_dir = ""  # where the warm-started model is cached; empty = workdir/sft
     config.sft.batch_size = 64
     config.sft.carry_error = 0.7
     config.sft.max_tokens = 128
@@ -68,11 +69,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # Async RL: B prompts x n samples per step; admission keeps staleness <= max_staleness (0 = synchronous).
     config.rl = ml_collections.ConfigDict()
-    config.rl.steps = 80
+    config.rl.steps = 60
     config.rl.batch_size = 16
     config.rl.group_size = 8
     config.rl.max_staleness = 2
     config.rl.max_concurrent = 64  # prompts in flight
+    config.rl.max_filtered_in_a_row = 500  # stop with an error when dynamic filtering starves the trainer
     config.rl.temperature = 1.0
     config.rl.max_new_tokens = 40
     config.rl.eval_every = 10
@@ -92,10 +94,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # The interruptible generator (arealjax/generation): KV-cache slots, cache length, weight-swap mode.
     config.generator = ml_collections.ConfigDict()
-    config.generator.slots = 32
+    config.generator.slots = 128
     config.generator.max_len = 64  # prompt + output tokens per sequence
     config.generator.mode = "recompute"  # on a weight swap: re-prefill in-flight slots (AReaL) | "keep" stale KV
-    config.generator.decode_steps = 4  # decode steps per device call
+    config.generator.decode_steps = 8  # decode steps per device call
     config.generator.max_prefill_batch = 16
 
     config.eval = ml_collections.ConfigDict()

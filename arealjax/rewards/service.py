@@ -16,6 +16,7 @@ import heapq
 import importlib
 import itertools
 import multiprocessing
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -36,6 +37,11 @@ def resolve(path: str) -> Callable:
     if not callable(fn):
         raise ValueError(f"reward function '{path}' is not callable")
     return fn
+
+
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the parent, which shuts the pool down (no traceback from every worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _call(path: str, completion: str, kwargs: dict[str, Any]) -> float:
@@ -61,7 +67,8 @@ class RewardService:
         self._deadlines: list[tuple[float, int, Future]] = []  # heap: one watchdog thread serves every call
         self._ids = itertools.count()
         self._closed = False
-        self._pool = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        self._pool = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                              initializer=_ignore_sigint)
         self._watchdog = threading.Thread(target=self._watch, name="reward-watchdog", daemon=True)
         self._watchdog.start()
 
