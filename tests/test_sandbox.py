@@ -58,7 +58,7 @@ def test_call_based_tests_partial_credit_and_extraction():
 
 def test_adversarial_suite_scores_zero_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("AREALJAX_TEST_SECRET", "s3cret-env")
-    home_secret = Path("/root/.arealjax_test_secret")
+    home_secret = Path.home() / ".arealjax_test_secret"
     home_secret.write_text("s3cret-home")
     home_secret.chmod(0o600)
     run_secret = tmp_path / "credentials.json"  # a world-readable file in a run directory
