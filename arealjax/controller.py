@@ -13,13 +13,12 @@ trained, filtered (all rewards equal), queued or in flight at stop. An error in 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -44,7 +43,6 @@ class Group:
     admitted_at: int  # staleness-manager version at admission (≤ the version of every token)
     seq: int  # admission order
     trajectories: list[Trajectory]
-    done_at: float = 0.0
 
 
 @dataclasses.dataclass
@@ -77,7 +75,7 @@ class RolloutController:
         self._stop = False
         self._error: BaseException | None = None
         self._exhausted = False
-        self._filtered_rewards: collections.deque[float] = collections.deque(maxlen=max(max_filtered_in_a_row, 1))
+        self._filtered_reward_sum = 0.0  # over the current run of filtered groups (one reward each: all equal)
         self._thread = threading.Thread(target=self._submit_loop, name="rollout-controller", daemon=True)
         self._scorer = ThreadPoolExecutor(1, thread_name_prefix="rollout-scorer")
 
@@ -142,7 +140,6 @@ class RolloutController:
                                        group=group.prompt.id, info={"stop_reason": c.stop_reason,
                                                                     "interrupts": c.interrupts})
             for c, r in zip(completions, rewards)]
-        group.done_at = time.perf_counter()
         kept, _ = dynamic_filter([group.trajectories], self.advantage)
         with self._cv:
             self._running.pop(group.seq, None)
@@ -152,18 +149,18 @@ class RolloutController:
             if kept:
                 self.staleness.on_accept()
                 self._queue.append(group)
-                self.stats.filtered_in_a_row = 0
+                self.stats.filtered_in_a_row, self._filtered_reward_sum = 0, 0.0
             else:
                 self.staleness.on_reject()
                 self.stats.filtered += 1
                 self.stats.filtered_in_a_row += 1
-                self._filtered_rewards.append(rewards[0])
+                self._filtered_reward_sum += rewards[0]
             self._cv.notify_all()
             starved = 0 < self.max_filtered_in_a_row <= self.stats.filtered_in_a_row
-            mean = float(np.mean(self._filtered_rewards)) if starved else 0.0
+            mean = self._filtered_reward_sum / max(self.stats.filtered_in_a_row, 1)
         if starved:
             self._fail(RuntimeError(
-                f"dynamic filtering dropped {self.max_filtered_in_a_row} groups in a row (every sample of each got the same reward; "
+                f"dynamic filtering dropped {self.stats.filtered_in_a_row} groups in a row (every sample of each got the same reward; "
                 f"mean of those rewards {mean:.3f}): no group carries a learning signal, so the trainer "
                 f"would wait forever. All-high rewards mean the task is solved or too easy, all-low that the policy "
                 f"collapsed or the task is too hard. Raise rl.group_size or rl.temperature, change the task, or set "

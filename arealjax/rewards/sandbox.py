@@ -68,16 +68,12 @@ def isolation() -> dict[str, bool]:
     namespaces = bool(unshare) and subprocess.run(
         [unshare, *_UNSHARE, "true"], capture_output=True, timeout=30).returncode == 0
     out = {"namespaces": namespaces, "private_root": namespaces and sys.platform == "linux",
-           "unprivileged_uid": os.getuid() != 0 or _can_setuid()}
+           "unprivileged_uid": True}  # already, or as root by dropping to nobody
     missing = [k for k, v in out.items() if not v]
     if missing:
         logging.warning("code sandbox: running without %s (rlimits, timeouts and a scrubbed environment still "
                         "apply)", ", ".join(missing))
     return out
-
-
-def _can_setuid() -> bool:
-    return os.getuid() == 0  # root can always drop to nobody
 
 
 def _read_only_paths() -> list[str]:
@@ -105,9 +101,9 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> RunResu
     staging = tempfile.mkdtemp(prefix="arealjax-sandbox-")
     try:
         spec = {"python": python, "rlimits": rlimits, "env": env, "code": code, "work_mb": limits.work_mb,
-                "uid": NOBODY if iso["unprivileged_uid"] and os.getuid() == 0 else None,
+                "uid": NOBODY if os.getuid() == 0 else None,
                 "chroot": iso["private_root"], "root": staging, "read_only": _read_only_paths(),
-                "workdir": staging, "(isolation)": iso}
+                "workdir": staging}
         if not iso["private_root"]:
             Path(staging, "main.py").write_text(code)
             if spec["uid"] is not None:
@@ -129,7 +125,7 @@ def _run(cmd: list[str], stdin: str, limits: Limits) -> RunResult:
 
     def drain(name: str, pipe) -> None:
         buf = streams[name]
-        while chunk := pipe.read1(65536) if hasattr(pipe, "read1") else pipe.read(65536):
+        while chunk := pipe.read1(65536):
             room = limits.output_bytes - len(buf)
             buf += chunk[:max(room, 0)]
             if len(chunk) > room:
