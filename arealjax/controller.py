@@ -1,23 +1,25 @@
 """The rollout controller: the only component that talks to all the others.
 
-    dataset ──prompts──▶ controller ──submit (n samples)──▶ generator ──completions──▶ reward service
-                              ▲                                                         │ rewards
+    dataset ──prompts──▶ controller ──episodes (workflow × n)──▶ generator, reward service, sandbox
+                              ▲                                                         │ trajectories
                               └── staleness (admission) ◀── queue of scored groups ◀────┘
     trainer.get_batch() ◀── oldest groups first;  trainer params ──reshard──▶ generator.update_weights
 
-A submission thread admits prompts while the staleness manager has capacity. Completions are decoded and sent
-to the reward service as they finish (scorer thread), scored groups go through dynamic filtering into the
-queue (reward threads), and the trainer (main thread) takes batches. Every admitted prompt ends in exactly one of:
-trained, filtered (all rewards equal), queued or in flight at stop. An error in any thread stops the run.
+An asyncio loop on the controller's thread admits prompts while the staleness manager has capacity and runs, per
+admitted prompt, `n` episodes of the workflow concurrently (single-turn RLVR by default; see workflows/). Their
+trajectories form the prompt's group, which goes through dynamic filtering into the queue; the trainer (main
+thread) takes batches. Every admitted prompt ends in exactly one of: trained, filtered (all rewards equal, or every
+episode rejected), queued or in flight at stop. An error in any episode stops the run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
+import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -28,13 +30,9 @@ from arealjax.rl.advantages import AdvantageConfig, dynamic_filter
 from arealjax.rl.trajectory import Trajectory
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import Tokenizer
+from arealjax.workflows import RLVR, Episode, Prompt, Workflow
 
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    id: str
-    tokens: list[int]
-    reward_kwargs: dict  # passed to the reward function with the completion text, e.g. {"answer": "132"}
+__all__ = ["ControllerStats", "Group", "Prompt", "RolloutController", "staleness_of"]
 
 
 @dataclasses.dataclass
@@ -51,99 +49,120 @@ class ControllerStats:
     trained: int = 0
     filtered: int = 0
     filtered_in_a_row: int = 0  # since the last group that reached the queue
-    generated_tokens: int = 0
-    scored_samples: int = 0  # every scored sample, filtered groups included
-    reward_sum: float = 0.0  # over those samples: the policy's reward before filtering
+    rejected_episodes: int = 0  # episodes whose workflow returned None
+    generated_tokens: int = 0  # model tokens of finished episodes
+    scored_samples: int = 0  # every finished episode, filtered groups included
+    reward_sum: float = 0.0  # over those episodes: the policy's reward before filtering
 
 
 class RolloutController:
     def __init__(self, generator: Generator, rewards: RewardService, tokenizer: Tokenizer, prompts: Iterator[Prompt],
                  staleness: StalenessManager, sampling: SamplingParams, advantage: AdvantageConfig, *,
-                 max_filtered_in_a_row: int = 500):
-        """`max_filtered_in_a_row`: after this many groups dropped by dynamic filtering with none kept, the run
-        stops with an error instead of starving the trainer (0 = never)."""
+                 workflow: Workflow | None = None, max_filtered_in_a_row: int = 500):
+        """`sampling.n` episodes per prompt, each generating with `sampling` (n = 1). `max_filtered_in_a_row`:
+        after this many groups dropped by dynamic filtering with none kept, the run stops with an error instead of
+        starving the trainer (0 = never)."""
         if sampling.n < 1:
             raise ValueError("sampling.n must be >= 1")
         self.max_filtered_in_a_row = max_filtered_in_a_row
         self.generator, self.rewards, self.tokenizer = generator, rewards, tokenizer
         self.prompts, self.staleness, self.sampling, self.advantage = prompts, staleness, sampling, advantage
+        self.workflow = workflow if workflow is not None else RLVR()
         self.stats = ControllerStats()
         self._cv = threading.Condition()
         self._queue: list[Group] = []
-        self._running: dict[int, Group] = {}  # seq -> group admitted, not yet queued/filtered/failed
+        self._running: dict[int, Group] = {}  # seq -> group admitted, not yet queued/filtered
         self._seq = itertools.count()
         self._stop = False
         self._error: BaseException | None = None
         self._exhausted = False
         self._filtered_reward_sum = 0.0  # over the current run of filtered groups (one reward each: all equal)
-        self._thread = threading.Thread(target=self._submit_loop, name="rollout-controller", daemon=True)
-        self._scorer = ThreadPoolExecutor(1, thread_name_prefix="rollout-scorer")
+        self._loop = asyncio.new_event_loop()
+        self._wake = asyncio.Event()  # capacity may have changed (set on the loop's thread only)
+        self._thread = threading.Thread(target=self._run_loop, name="rollout-controller", daemon=True)
 
-    # ---- submission ----
+    # ---- the controller's thread: an asyncio loop ----
     def start(self) -> "RolloutController":
         self._thread.start()
         return self
 
-    def _submit_loop(self) -> None:
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._admit_loop())
+        finally:
+            tasks = asyncio.all_tasks(self._loop)
+            for t in tasks:
+                t.cancel()
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self._loop.close()
+
+    async def _admit_loop(self) -> None:
+        tasks: set[asyncio.Task] = set()
         try:
             while True:
+                self._wake.clear()
                 with self._cv:
-                    while not self._stop and self._error is None and self.staleness.capacity() <= 0:
-                        self._cv.wait(0.5)
                     if self._stop or self._error is not None:
                         return
-                    prompt = next(self.prompts, None)
-                    if prompt is None:
+                    has_room = self.staleness.capacity() > 0
+                    prompt = next(self.prompts, None) if has_room else None
+                    if has_room and prompt is None:
                         self._exhausted = True
                         self._cv.notify_all()
-                        return
-                    group = Group(prompt, self.staleness.on_submit(), next(self._seq), [])
-                    self._running[group.seq] = group
-                    self.stats.submitted += 1
-                fut = self.generator.submit(prompt.tokens, self.sampling, request_id=f"{prompt.id}#{group.seq}")
-                fut.add_done_callback(lambda f, g=group: self._to_scorer(g, f))
+                    if prompt is not None:
+                        group = Group(prompt, self.staleness.on_submit(), next(self._seq), [])
+                        self._running[group.seq] = group
+                        self.stats.submitted += 1
+                if prompt is not None:
+                    task = asyncio.create_task(self._run_group(group))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    continue
+                if self._exhausted:  # let the groups in flight finish
+                    await self._until_stopped()
+                    return
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
         except BaseException as e:  # noqa: BLE001 — surfaced to the trainer by get_batch
             self._fail(e)
 
-    def _to_scorer(self, group: Group, fut: Future) -> None:
-        """Decoding and reward submission run on the scorer thread, not in the generator's loop. After stop() the
-        group stays counted as in flight (the generator's close fails its future)."""
-        with self._cv:
-            if self._stop:
-                return
-            self._scorer.submit(self._on_generated, group, fut)
+    async def _until_stopped(self) -> None:
+        while not (self._stop or self._error is not None):
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
 
-    def _on_generated(self, group: Group, fut: Future) -> None:
-        """Scorer thread: decode and hand the samples to the reward service."""
+    async def _run_group(self, group: Group) -> None:
+        episodes = [Episode(group.prompt, j, f"{group.prompt.id}#{group.seq}/{j}", self.generator, self.rewards,
+                            self.tokenizer, dataclasses.replace(self.sampling, n=1), self.generator.engine.max_len)
+                    for j in range(self.sampling.n)]
         try:
-            completions = fut.result()
-            scores = [self.rewards.submit(self.tokenizer.decode(c.output_tokens), **group.prompt.reward_kwargs)
-                      for c in completions]
+            results = await asyncio.gather(*(self.workflow.run(ep) for ep in episodes))
+        except asyncio.CancelledError:
+            raise
         except BaseException as e:  # noqa: BLE001
-            self._fail(e)
+            if not self._stop:
+                self._fail(RuntimeError(f"workflow {type(self.workflow).__name__} failed on prompt "
+                                        f"'{group.prompt.id}': {e!r}"))
             return
-        pending = [len(scores)]
+        self._on_scored(group, results)
+        self._wake.set()
 
-        def scored(_: Future) -> None:
-            with self._cv:
-                pending[0] -= 1
-                if pending[0]:
-                    return
-            self._on_scored(group, completions, [s.result() for s in scores])
-
-        for s in scores:
-            s.add_done_callback(scored)
-
-    def _on_scored(self, group: Group, completions: list, rewards: list[float]) -> None:
-        group.trajectories = [
-            Trajectory.from_completion(c.prompt_tokens, c.output_tokens, c.logprobs, c.versions, reward=r,
-                                       group=group.prompt.id, info={"stop_reason": c.stop_reason,
-                                                                    "interrupts": c.interrupts})
-            for c, r in zip(completions, rewards)]
-        kept, _ = dynamic_filter([group.trajectories], self.advantage)
+    def _on_scored(self, group: Group, results: list[Trajectory | None]) -> None:
+        group.trajectories = [t for t in results if t is not None]
+        for t in group.trajectories:
+            t.group = group.prompt.id
+        rewards = [t.reward for t in group.trajectories]
+        kept, _ = dynamic_filter([group.trajectories], self.advantage) if group.trajectories else ([], None)
         with self._cv:
             self._running.pop(group.seq, None)
-            self.stats.generated_tokens += sum(len(c.output_tokens) for c in completions)
+            self.stats.rejected_episodes += len(results) - len(group.trajectories)
+            self.stats.generated_tokens += sum(t.n_model_tokens for t in group.trajectories)
             self.stats.scored_samples += len(rewards)
             self.stats.reward_sum += float(sum(rewards))
             if kept:
@@ -154,7 +173,7 @@ class RolloutController:
                 self.staleness.on_reject()
                 self.stats.filtered += 1
                 self.stats.filtered_in_a_row += 1
-                self._filtered_reward_sum += rewards[0]
+                self._filtered_reward_sum += rewards[0] if rewards else 0.0
             self._cv.notify_all()
             starved = 0 < self.max_filtered_in_a_row <= self.stats.filtered_in_a_row
             mean = self._filtered_reward_sum / max(self.stats.filtered_in_a_row, 1)
@@ -171,6 +190,14 @@ class RolloutController:
             if self._error is None:
                 self._error = e
             self._cv.notify_all()
+        self._poke()
+
+    def _poke(self) -> None:
+        """Wakes the admission loop from any thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:  # the loop is closed: nothing to wake
+            pass
 
     # ---- the trainer's side ----
     def get_batch(self, batch_size: int, trainer_version: int, timeout: float | None = None) -> list[Group]:
@@ -208,6 +235,7 @@ class RolloutController:
         with self._cv:
             self.staleness.set_version(version)
             self._cv.notify_all()
+        self._poke()
 
     def queue_depth(self) -> int:
         with self._cv:
@@ -222,7 +250,7 @@ class RolloutController:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-            self._scorer.shutdown(wait=False, cancel_futures=True)  # under the lock: no submit can race it
+        self._poke()
         if self._thread.ident is not None:  # stop() also runs in cleanups before start()
             self._thread.join(timeout=10)
         with self._cv:

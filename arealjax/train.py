@@ -32,6 +32,7 @@ from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes, tree_shardings
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
+from arealjax.workflows import load_workflow
 
 
 def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, models.Model]:
@@ -136,9 +137,12 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     writer = MetricsWriter(workdir)
     generator = Generator(engine, gen_model.params, mode=g.mode, decode_steps=g.decode_steps,
                           max_prefill_batch=g.max_prefill_batch)
-    rewards = RewardService(config.rewards.fn, workers=config.rewards.workers, timeout=config.rewards.timeout)
+    r = config.rewards
+    rewards = RewardService(r.fn, workers=r.workers, timeout=r.timeout, retries=r.retries,
+                            failure_reward=r.failure_reward)
     controller = RolloutController(generator, rewards, tokenizer, train_prompts(config, tokenizer), staleness,
-                                   sampling, advantage, max_filtered_in_a_row=rl.max_filtered_in_a_row)
+                                   sampling, advantage, max_filtered_in_a_row=rl.max_filtered_in_a_row,
+                                   workflow=load_workflow(config.workflow.path, config.workflow.kwargs))
     summary: dict[str, Any] = {}
     try:
         first = evaluate(generator, rewards, tokenizer, config)
@@ -182,7 +186,9 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                 "generator_busy_seconds": busy,
                 "interrupts": gs.interrupts - last_stats.interrupts,
                 "refill_tokens": gs.refill_tokens - last_stats.refill_tokens,
-                "filtered_groups": cs.filtered, "version": trainer.version,
+                "filtered_groups": cs.filtered, "rejected_episodes": cs.rejected_episodes,
+                "reward_failures": rewards.stats.failed, "reward_timeouts": rewards.stats.timeouts,
+                "version": trainer.version,
                 "wall_seconds": now - t_start, **adv_stats,
                 **{k: v for k, v in m.items() if k not in ("version",)},
             }

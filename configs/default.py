@@ -83,7 +83,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rewards = ml_collections.ConfigDict()
     config.rewards.fn = "arealjax.data.arithmetic:reward"  # any "module:function(completion, **kwargs)"
     config.rewards.workers = 2
-    config.rewards.timeout = 10.0
+    config.rewards.timeout = 10.0  # per attempt; a stuck worker is killed and replaced
+    config.rewards.retries = 1  # attempts after a failure (raised, timed out, worker died)
+    config.rewards.failure_reward = 0.0  # the reward of a call that failed every attempt
+
+    # One dataset sample -> one trajectory (arealjax/workflows): "arealjax.workflows:RLVR" (single turn),
+    # "arealjax.workflows:MultiTurn" (answer -> feedback -> retry), "arealjax.workflows:ToolCalls" (code in the
+    # sandbox), or any "module:Class" with `async def run(self, episode)`.
+    config.workflow = ml_collections.ConfigDict()
+    config.workflow.path = "arealjax.workflows:RLVR"
+    config.workflow.kwargs = {}
 
     config.trainer = ml_collections.ConfigDict()
     config.trainer.max_tokens = 128  # packed row length

@@ -1,5 +1,6 @@
 """The interruptible generator: engine correctness, continuous batching, weight swaps, abort / pause / failure."""
 
+import dataclasses
 import threading
 import time
 
@@ -132,6 +133,25 @@ def test_stop_tokens_n_samples_and_max_len():
     assert [c.sample for c in group] == [0, 1, 2, 3]
     assert len({tuple(c.output_tokens) for c in group}) > 1  # independent samples
     assert long.stop_reason == "length" and len(p) + len(long.output_tokens) == MAX_LEN
+
+
+def test_one_sample_requests_draw_what_one_request_of_n_draws_and_share_the_prefill():
+    """Workflows submit one sample per episode: numbered by `first_sample`, they draw exactly the samples of one
+    request of n, and requests with the same prompt admitted together are prefilled once."""
+    p = prompts(1, seed=3)[0]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=4)
+    with Generator(engine(), MODEL_A.params, start=False) as gen:
+        group = gen.submit(p, dataclasses.replace(sampling, n=4))
+        gen._thread.start()
+        group = group.result(timeout=60)
+    with Generator(engine(), MODEL_A.params, start=False) as gen:
+        singles = [gen.submit(p, sampling, request_id=f"e{j}", first_sample=j) for j in range(4)]
+        gen._thread.start()
+        singles = [f.result(timeout=60)[0] for f in singles]
+        assert gen.stats.prefill_tokens == len(p)  # one prefill for the four requests
+    for a, b in zip(group, singles):
+        assert a.sample == b.sample and a.output_tokens == b.output_tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
 
 
 def _swap_run(mode, decode_steps=1):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from arealjax.rewards.code import code_reward, extract_code
+from arealjax.rewards.service import RewardService
 from arealjax.rewards.sandbox import NOBODY, Limits, isolation, run_python
 
 ADD = [{"input": "1 2\n", "output": "3\n"}, {"input": "40 2", "output": "42"}]
@@ -98,10 +99,11 @@ def test_adversarial_suite_scores_zero_and_leaves_nothing(tmp_path, monkeypatch)
         "prints 1 GB": ("import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.write(chunk)",
                         ADD),
     }
+    service = RewardService("arealjax.rewards.code:code_reward", workers=1, timeout=30.0, retries=0)
     try:
         for name, (code, tests) in attacks.items():
             t0 = time.perf_counter()
-            assert code_reward(block(code), tests, timeout=2.0, total_timeout=10.0) == 0.0, name
+            assert service.submit(block(code), tests=tests, timeout=2.0, total_timeout=10.0).result() == 0.0, name
             assert time.perf_counter() - t0 < 15, name
             deadline = time.monotonic() + 5
             while sandbox_processes() and time.monotonic() < deadline:
@@ -113,9 +115,11 @@ def test_adversarial_suite_scores_zero_and_leaves_nothing(tmp_path, monkeypatch)
             assert not list(Path("/tmp").glob("arealjax-sandbox-*")), name
             # the service keeps serving at normal latency right after
             t0 = time.perf_counter()
-            assert code_reward(block("a, b = map(int, input().split())\nprint(a + b)"), ADD) == 1.0, name
+            assert service.submit(block("a, b = map(int, input().split())\nprint(a + b)"), tests=ADD).result() == 1.0
             assert time.perf_counter() - t0 < 3, name
+        assert service.stats.ok == 2 * len(attacks) and service.stats.restarts == 0  # no worker was lost
     finally:
+        service.close()
         decoy.kill()
         server.close()
         home_secret.unlink()

@@ -63,6 +63,7 @@ class _Request:
     sampling: SamplingParams
     future: Future
     results: list[Completion | None]
+    first_sample: int = 0
     aborted: bool = False
 
 
@@ -118,8 +119,10 @@ class Generator:
         return self._version
 
     def submit(self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
-               request_id: str | None = None) -> Future:
-        """Queues `sampling.n` samples of one prompt; the future resolves to their Completions, in sample order."""
+               request_id: str | None = None, first_sample: int = 0) -> Future:
+        """Queues `sampling.n` samples of one prompt; the future resolves to their Completions, in sample order.
+        Samples are numbered from `first_sample` (the index that, with the seed, picks their random draws): n
+        requests of one sample each, numbered 0..n-1, draw exactly what one request of n samples draws."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt")
@@ -130,9 +133,9 @@ class Generator:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id '{rid}' is already in flight")
-            req = _Request(rid, prompt, sampling, Future(), [None] * sampling.n)
+            req = _Request(rid, prompt, sampling, Future(), [None] * sampling.n, first_sample)
             self._requests[rid] = req
-            self._queue.extend(_Seq(req, j) for j in range(sampling.n))
+            self._queue.extend(_Seq(req, first_sample + j) for j in range(sampling.n))
             self._cv.notify_all()
         return req.future
 
@@ -269,11 +272,12 @@ class Generator:
             fut.set_result(time.perf_counter() - requested_at)
 
     def _admit(self, seqs: list[_Seq], free: list[int]) -> None:
-        """Prefills each distinct prompt once and inserts one slot per sample."""
-        by_req: dict[str, list[_Seq]] = collections.defaultdict(list)
+        """Prefills each distinct prompt once (samples of one request, or requests with the same prompt) and
+        inserts one slot per sample."""
+        by_prompt: dict[tuple[int, ...], list[_Seq]] = collections.defaultdict(list)
         for seq in seqs:
-            by_req[seq.request.id].append(seq)
-        groups = [(reqs[0].request.prompt, reqs) for reqs in by_req.values()]
+            by_prompt[tuple(seq.request.prompt)].append(seq)
+        groups = [(reqs[0].request.prompt, reqs) for reqs in by_prompt.values()]
         slot_iter = iter(free)
         for batch in self._batches(groups, lambda item: len(item[0])):
             prompts = [p for p, _ in batch]
@@ -329,7 +333,7 @@ class Generator:
     def _finish(self, seq: _Seq, reason: str) -> None:
         """Records a finished sample; resolves its request's future when all samples are in (holds the lock)."""
         req = seq.request
-        req.results[seq.sample] = Completion(
+        req.results[seq.sample - req.first_sample] = Completion(
             req.id, seq.sample, list(req.prompt), list(seq.tokens), np.asarray(seq.logprobs, np.float32),
             np.asarray(seq.versions, np.int32), reason, seq.interrupts)
         if reason == "abort":

@@ -15,6 +15,7 @@ uid when started as root, so RLIMIT_NPROC binds and a fork bomb stays bounded.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import json
@@ -31,7 +32,14 @@ import time
 from pathlib import Path
 
 NOBODY = 65534
+PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
+# A sandboxed run gets SIGKILL when the thread that started it dies, so a reward worker killed on a timeout (or a
+# killed training job) takes its runs along; with namespaces, everything inside dies with its init. setpriv sets
+# it without a preexec_fn, which would run Python in a fork of a multithreaded (JAX) process.
+_SETPRIV = [shutil.which("setpriv"), "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
 _INIT = str(Path(__file__).with_name("sandbox_init.py"))
+_STAGING = "arealjax-sandbox-"  # + pid of the process that runs the sandbox
 _UNSHARE = ["--net", "--pid", "--ipc", "--uts", "--mount", "--fork", "--kill-child"]
 
 
@@ -98,7 +106,8 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> RunResu
                "RLIMIT_NOFILE": limits.open_files, "RLIMIT_CORE": 0}
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/sandbox", "PYTHONDONTWRITEBYTECODE": "1",
            "PYTHONHASHSEED": "0"}
-    staging = tempfile.mkdtemp(prefix="arealjax-sandbox-")
+    _sweep()
+    staging = tempfile.mkdtemp(prefix=f"{_STAGING}{os.getpid()}-")
     try:
         spec = {"python": python, "rlimits": rlimits, "env": env, "code": code, "work_mb": limits.work_mb,
                 "uid": NOBODY if os.getuid() == 0 else None,
@@ -111,15 +120,24 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> RunResu
         cmd = [python, "-I", "-S", _INIT, json.dumps(spec)]
         if iso["namespaces"]:
             cmd = [shutil.which("unshare"), *_UNSHARE, *cmd]
-        return _run(cmd, stdin, limits)
+        return _run(_SETPRIV + cmd, stdin, limits)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _sweep() -> None:
+    """Removes the staging directories of processes that died mid-run (a reward worker killed on a timeout)."""
+    for d in Path(tempfile.gettempdir()).glob(f"{_STAGING}*"):
+        pid = d.name[len(_STAGING):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _run(cmd: list[str], stdin: str, limits: Limits) -> RunResult:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, close_fds=True, env={})
+                            start_new_session=True, close_fds=True, env={},
+                            preexec_fn=None if _SETPRIV else _die_with_parent)
     streams: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
     exceeded = threading.Event()
 
@@ -152,6 +170,11 @@ def _run(cmd: list[str], stdin: str, limits: Limits) -> RunResult:
         r.join(timeout=5)
     return RunResult(streams["stdout"].decode(errors="replace"), streams["stderr"].decode(errors="replace"),
                      None if timed_out else proc.returncode, timed_out, exceeded.is_set(), time.perf_counter() - t0)
+
+
+def _die_with_parent() -> None:
+    """In the forked child, where setpriv is missing: see _SETPRIV."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -11,8 +11,10 @@ import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 
+PR_SET_PDEATHSIG = 1
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -78,6 +80,9 @@ def main():
         os.setgroups([])
         os.setgid(spec["uid"])
         os.setuid(spec["uid"])
+    # Dying with the parent (unshare --kill-child, or sandbox.py's own) is cleared by the uid change: set it again,
+    # so a reward worker killed on a timeout takes this process, and with it the pid namespace, along.
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     os.execve(spec["python"], [spec["python"], "-I", "-S", "-B", "main.py"], spec["env"])
 
 

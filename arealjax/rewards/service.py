@@ -1,129 +1,239 @@
 """The reward service: scores completions in worker processes, off the generator and trainer threads.
 
-    service = RewardService("arealjax.data.arithmetic:reward", workers=2, timeout=10.0)
-    future = service.submit("7+5=12;12", answer="12")     # -> Future[float]
+    service = RewardService("arealjax.rewards.math:math_reward", workers=4, timeout=10.0, retries=1)
+    future = service.submit(completion, answer="12")        # -> Future[float]
+    reward = await service.score(completion, answer="12")   # the same, for asyncio code (workflows)
 
 The reward function is named by import path ("module:function"), so user functions plug in from config and the
-workers (spawned, not forked: the parent runs JAX threads) import it themselves. A call that raises or runs past
-`timeout` resolves to `failure_reward` and is counted; the service keeps serving.
+workers (spawned, not forked: the parent runs JAX threads) import it themselves. At most `workers` calls run at
+once, one per worker process; the rest wait in order. A call that raises, runs past `timeout` (its worker is
+killed, with whatever it started) or loses its worker (a crash: the worker is replaced) is tried again up to
+`retries` times, on a fresh worker where it had to be killed; after that it resolves to `failure_reward`. Every
+outcome is counted in `stats`, and the service keeps serving.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import asyncio
 import dataclasses
-import heapq
 import importlib
-import itertools
+import logging
 import multiprocessing
+import multiprocessing.connection
+import queue
 import signal
 import threading
 import time
+import traceback
 from concurrent.futures import Future
 from typing import Any, Callable
 
-_FN_CACHE: dict[str, Callable] = {}
+_STOP = object()
+_MAX_LOGGED = 5  # per kind of problem: the rest only counts
 
 
-def resolve(path: str) -> Callable:
+def resolve(path: str, what: str = "reward function") -> Callable:
     """'package.module:function' -> the function, with an error naming what was not found."""
     module, _, name = path.partition(":")
     if not module or not name:
-        raise ValueError(f"reward function '{path}': expected 'package.module:function'")
+        raise ValueError(f"{what} '{path}': expected 'package.module:function'")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward function '{path}' cannot be imported: {e}") from e
+        raise ValueError(f"{what} '{path}' cannot be imported: {e}") from e
     if not callable(fn):
-        raise ValueError(f"reward function '{path}' is not callable")
+        raise ValueError(f"{what} '{path}' is not callable")
     return fn
 
 
-def _ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the parent, which shuts the pool down (no traceback from every worker)."""
+def _worker(path: str, conn: multiprocessing.connection.Connection) -> None:
+    """Worker process: imports the function, then answers (completion, kwargs) with ("ok", reward) or
+    ("error", traceback) until the pipe closes. Ctrl-C is left to the parent, which stops the workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _call(path: str, completion: str, kwargs: dict[str, Any]) -> float:
-    fn = _FN_CACHE.get(path)
-    if fn is None:
-        fn = _FN_CACHE[path] = resolve(path)
-    return float(fn(completion, **kwargs))
+    try:
+        fn = resolve(path)
+    except ValueError as e:
+        conn.send(("fatal", str(e)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            completion, kwargs = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            conn.send(("ok", float(fn(completion, **kwargs))))
+        except Exception:  # noqa: BLE001 — the parent counts it and decides
+            conn.send(("error", traceback.format_exc(limit=4)))
 
 
 @dataclasses.dataclass
 class RewardStats:
-    calls: int = 0
-    failures: int = 0  # the function raised
-    timeouts: int = 0
+    calls: int = 0  # resolved calls
+    ok: int = 0  # resolved with the function's value
+    failed: int = 0  # resolved to failure_reward after the last attempt
+    errors: int = 0  # attempts in which the function raised
+    timeouts: int = 0  # attempts that ran past the timeout (worker killed and replaced)
+    crashes: int = 0  # attempts whose worker died (replaced)
+    retries: int = 0  # attempts after the first
+    restarts: int = 0  # worker processes started after the first ones
+
+
+@dataclasses.dataclass
+class _Job:
+    future: Future
+    completion: str
+    kwargs: dict[str, Any]
+    attempt: int = 0
 
 
 class RewardService:
-    def __init__(self, fn: str, *, workers: int = 2, timeout: float = 10.0, failure_reward: float = 0.0):
+    def __init__(self, fn: str, *, workers: int = 2, timeout: float = 10.0, retries: int = 1,
+                 failure_reward: float = 0.0):
+        if workers < 1 or timeout <= 0 or retries < 0:
+            raise ValueError(f"RewardService: need workers >= 1, timeout > 0, retries >= 0 (got workers={workers}, "
+                             f"timeout={timeout}, retries={retries})")
         resolve(fn)  # fail fast, in the caller's process, on a bad path
-        self.fn, self.timeout, self.failure_reward = fn, timeout, failure_reward
+        self.fn, self.timeout, self.retries, self.failure_reward = fn, timeout, retries, failure_reward
         self.stats = RewardStats()
-        self._cv = threading.Condition()
-        self._deadlines: list[tuple[float, int, Future]] = []  # heap: one watchdog thread serves every call
-        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue = queue.Queue()
         self._closed = False
-        self._pool = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                              initializer=_ignore_sigint)
-        self._watchdog = threading.Thread(target=self._watch, name="reward-watchdog", daemon=True)
-        self._watchdog.start()
+        self._fatal: str | None = None
+        self._ctx = multiprocessing.get_context("spawn")
+        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"reward-worker-{i}", daemon=True)
+                         for i in range(workers)]
+        self._started = 0
+        for t in self._threads:
+            t.start()
 
+    # ---- callers (any thread) ----
     def submit(self, completion: str, **kwargs) -> Future:
         """Future of the reward of `completion` (kwargs go to the function, e.g. answer=...)."""
-        out: Future = Future()
-        with self._cv:
-            heapq.heappush(self._deadlines, (time.monotonic() + self.timeout, next(self._ids), out))
-            self._cv.notify()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("reward service closed")
+            if self._fatal:
+                raise RuntimeError(self._fatal)
+            job = _Job(Future(), completion, kwargs)
+            self._jobs.put(job)
+        return job.future
 
-        def done(f: Future) -> None:
-            err = f.exception()
-            self._resolve(out, None if err else f.result(), "failure" if err else None)
-
-        self._pool.submit(_call, self.fn, completion, kwargs).add_done_callback(done)
-        return out
-
-    def _watch(self) -> None:
-        with self._cv:
-            while not self._closed:
-                while self._deadlines and self._deadlines[0][2].done():
-                    heapq.heappop(self._deadlines)
-                if not self._deadlines:
-                    self._cv.wait()
-                    continue
-                deadline, _, out = self._deadlines[0]
-                if time.monotonic() < deadline:
-                    self._cv.wait(deadline - time.monotonic())
-                    continue
-                heapq.heappop(self._deadlines)
-                self._settle(out, None, "timeout")
-
-    def _resolve(self, out: Future, value: float | None, problem: str | None) -> None:
-        with self._cv:
-            self._settle(out, value, problem)
-
-    def _settle(self, out: Future, value: float | None, problem: str | None) -> None:
-        """Under the lock: the first of result / failure / timeout wins; the others are ignored."""
-        if out.done():
-            return
-        self.stats.calls += 1
-        if problem == "timeout":
-            self.stats.timeouts += 1
-        elif problem == "failure":
-            self.stats.failures += 1
-        out.set_result(self.failure_reward if value is None else value)
+    async def score(self, completion: str, **kwargs) -> float:
+        """The reward, awaited from asyncio code without blocking its event loop."""
+        return await asyncio.wrap_future(self.submit(completion, **kwargs))
 
     def close(self) -> None:
-        with self._cv:
+        """Stops the workers; calls not yet resolved fail with RuntimeError('reward service closed')."""
+        with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            self._cv.notify()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._threads:
+            self._jobs.put(_STOP)
+        for t in self._threads:
+            t.join(timeout=10)
+        self._drain(RuntimeError("reward service closed"))
 
     def __enter__(self) -> "RewardService":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # ---- one thread per worker process ----
+    def _spawn(self) -> tuple[Any, multiprocessing.connection.Connection]:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker, args=(self.fn, child), daemon=True, name="arealjax-reward")
+        proc.start()
+        child.close()
+        with self._lock:
+            self._started += 1
+            if self._started > len(self._threads):
+                self.stats.restarts += 1
+        try:
+            msg = parent.recv() if parent.poll(60) else ("fatal", "no answer in 60 s")
+        except (EOFError, OSError):
+            proc.join(5)
+            msg = ("fatal", f"it exited with code {proc.exitcode}")
+        if msg[0] != "ready":
+            _kill(proc)
+            raise RuntimeError(f"reward worker for '{self.fn}' did not start: {msg[1]}")
+        return proc, parent
+
+    def _serve(self, index: int) -> None:
+        proc = conn = None
+        try:
+            proc, conn = self._spawn()
+            while True:
+                job = self._jobs.get()
+                if job is _STOP:
+                    return
+                if job.attempt == 0 and not job.future.set_running_or_notify_cancel():
+                    continue  # cancelled while waiting (its episode was cancelled at stop)
+                problem, value, detail = self._attempt(proc, conn, job)
+                if problem in ("timeout", "crash"):  # replaced at once, before the retry or the next call
+                    _kill(proc)
+                    proc, conn = self._spawn()
+                self._settle(job, problem, value, detail)
+        except BaseException as e:  # noqa: BLE001 — a worker that cannot start: every call must learn why
+            with self._lock:
+                self._fatal = self._fatal or f"reward service failed: {e}"
+            logging.error("%s", self._fatal)
+            self._drain(RuntimeError(self._fatal))
+        finally:
+            if proc is not None:
+                conn.close()
+                _kill(proc)
+
+    def _attempt(self, proc, conn, job: _Job) -> tuple[str | None, float | None, str]:
+        try:
+            conn.send((job.completion, job.kwargs))
+        except (BrokenPipeError, OSError):
+            return "crash", None, "the worker was gone before the call"
+        ready = multiprocessing.connection.wait([conn, proc.sentinel], self.timeout)
+        if not ready:
+            return "timeout", None, f"no reward within {self.timeout}s"
+        try:
+            kind, value = conn.recv()
+        except (EOFError, OSError):
+            proc.join(1)
+            return "crash", None, f"the worker died (exit code {proc.exitcode})"
+        return (None, value, "") if kind == "ok" else ("error", None, value)
+
+    def _settle(self, job: _Job, problem: str | None, value: float | None, detail: str) -> None:
+        with self._lock:
+            if problem is not None:
+                count = {"error": "errors", "timeout": "timeouts", "crash": "crashes"}[problem]
+                setattr(self.stats, count, getattr(self.stats, count) + 1)
+                if getattr(self.stats, count) <= _MAX_LOGGED:
+                    logging.warning("reward call %s (attempt %d of %d): %s", problem, job.attempt + 1,
+                                    self.retries + 1, detail)
+                if job.attempt < self.retries and not self._closed:
+                    job.attempt += 1
+                    self.stats.retries += 1
+                    self._jobs.put(job)
+                    return
+            self.stats.calls += 1
+            if problem is None:
+                self.stats.ok += 1
+            else:
+                self.stats.failed += 1
+        job.future.set_result(self.failure_reward if problem is not None else value)
+
+    def _drain(self, error: BaseException) -> None:
+        """Fails every call still waiting for a worker."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not _STOP and not job.future.done():
+                job.future.set_exception(error)
+
+
+def _kill(proc) -> None:
+    """SIGKILL: a stuck worker gets no chance to hang on. Sandboxed runs it started die with it (PDEATHSIG)."""
+    if proc.is_alive():
+        proc.kill()
+    proc.join(5)

@@ -1,0 +1,84 @@
+"""Prompts from a converted dataset (builders.py), streamed with grain: seeded shuffle (a new order every epoch),
+epochs, sharding by JAX process, a checkpointable position, and prompt formatting with a length filter.
+
+    stream = PromptStream("/data/tfds/gsm8k/1.0.0", "train", tokenizer, seed=0, template="chat")
+    prompt = next(stream)                 # Prompt(id, tokens, reward_kwargs={"answer": ...} or {"tests": [...]})
+    state = stream.get_state()            # JSON-able; PromptStream(...).set_state(state) continues exactly there
+
+Prompts longer than `max_prompt_tokens` are skipped and counted (`stream.too_long`); they still advance the
+position, so a restored stream skips them again and yields the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import tensorflow_datasets as tfds
+
+from arealjax.tokenizer import Tokenizer
+from arealjax.workflows import Prompt
+
+
+def load_split(path: str | Path, split: str):
+    """Random-access source of a converted dataset directory (…/<name>/<version>); no TensorFlow needed."""
+    path = Path(path)
+    if not (path / "dataset_info.json").is_file():
+        raise FileNotFoundError(f"{path}: not a converted dataset (no dataset_info.json); run "
+                                f"arealjax.data.builders.convert first")
+    builder = tfds.builder_from_directory(str(path))
+    if split not in builder.info.splits:
+        raise ValueError(f"{path}: no split '{split}'; it has {sorted(builder.info.splits)}")
+    return builder.as_data_source(split=split)
+
+
+def format_prompt(tokenizer: Tokenizer, text: str, template: str) -> list[int]:
+    """'chat': the tokenizer's chat template with one user message (plus BOS if the model has one); any other
+    string is a Python format template with {prompt}, e.g. 'Question: {prompt}\\nAnswer:'."""
+    if template == "chat":
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+    else:
+        ids = tokenizer.encode(template.format(prompt=text))
+    return ids if tokenizer.bos_id is None else [tokenizer.bos_id, *ids]
+
+
+class PromptStream:
+    def __init__(self, path: str | Path, split: str, tokenizer: Tokenizer, *, seed: int = 0,
+                 epochs: int | None = None, shuffle: bool = True, template: str = "chat",
+                 max_prompt_tokens: int = 512, process_index: int | None = None, process_count: int | None = None):
+        """`epochs` None = endless. Each process reads its own 1/process_count of the records (JAX processes by
+        default)."""
+        if template != "chat" and "{prompt}" not in template:
+            raise ValueError(f"prompt template {template!r}: expected 'chat' or a string containing {{prompt}}")
+        self.tokenizer, self.template, self.max_prompt_tokens = tokenizer, template, max_prompt_tokens
+        index = jax.process_index() if process_index is None else process_index
+        count = jax.process_count() if process_count is None else process_count
+        ds = grain.MapDataset.source(load_split(path, split))[index::count]
+        if shuffle:
+            ds = ds.seed(seed).shuffle()
+        self._dataset = ds.repeat(epochs)
+        self._iter = iter(self._dataset.to_iter_dataset())
+        self.too_long = 0
+
+    def __iter__(self) -> "PromptStream":
+        return self
+
+    def __next__(self) -> Prompt:
+        while True:
+            rec = {k: v.decode() if isinstance(v, bytes) else v for k, v in next(self._iter).items()}
+            tokens = format_prompt(self.tokenizer, rec["prompt"], self.template)
+            if len(tokens) > self.max_prompt_tokens:
+                self.too_long += 1
+                continue
+            kwargs = {"tests": json.loads(rec["tests"])} if rec["tests"] else {"answer": rec["answer"]}
+            return Prompt(rec["id"], tokens, kwargs)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"grain": self._iter.get_state(), "too_long": self.too_long}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._iter.set_state(state["grain"])
+        self.too_long = state["too_long"]

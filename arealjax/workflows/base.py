@@ -1,0 +1,135 @@
+"""The workflow API: a workflow turns one dataset sample into one trajectory (or None = reject) by talking to the
+generator, the reward service and, for tools, the code sandbox, through an `Episode`.
+
+    class MyWorkflow:
+        async def run(self, ep: Episode) -> Trajectory | None:
+            turns = Turns(ep.prompt.tokens)
+            c = await ep.generate(turns.tokens)          # one model turn (a Completion)
+            turns.model(c)                               # model tokens: trained, with logprobs and versions
+            turns.env(ep.tokenizer.encode("..."))        # environment tokens: in the context, not trained
+            return turns.build(reward=await ep.reward(ep.tokenizer.decode(c.output_tokens)))
+
+The controller runs `group_size` episodes of each admitted prompt concurrently on its asyncio loop (episode index
+j = sample j of the group) and trains on the trajectories they return. Config names the workflow by import path
+(`workflow.path = "package.module:Class"`, `workflow.kwargs = {...}`), so user workflows plug in like rewards do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from arealjax.generation import Completion, Generator, SamplingParams
+from arealjax.rewards.sandbox import Limits, RunResult, run_python
+from arealjax.rewards.service import RewardService, resolve
+from arealjax.rl.trajectory import Trajectory
+from arealjax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    id: str
+    tokens: list[int]
+    reward_kwargs: dict  # passed to the reward function with the completion text, e.g. {"answer": "132"}
+
+
+class Workflow(Protocol):
+    async def run(self, ep: "Episode") -> Trajectory | None: ...
+
+
+@dataclasses.dataclass
+class Episode:
+    """One episode's view of the system. Generation calls are numbered so request ids stay unique; every call
+    samples as sample `index` of its prompt, so episode j of a group draws what sample j of one n-sample request
+    would (and η = 0 stays reproducible)."""
+
+    prompt: Prompt
+    index: int
+    request_id: str
+    generator: Generator
+    rewards: RewardService
+    tokenizer: Tokenizer
+    sampling: SamplingParams  # n = 1; max_new_tokens caps each call
+    max_len: int  # the generator's cache length: context + new tokens of one call
+    _calls: int = 0
+
+    def room(self, tokens: Sequence[int]) -> int:
+        """How many tokens one more call may add after `tokens`."""
+        return min(self.sampling.max_new_tokens, self.max_len - len(tokens))
+
+    async def generate(self, tokens: Sequence[int], **overrides: Any) -> Completion:
+        """One model turn continuing `tokens`; `overrides` replace sampling fields (e.g. stop_token_ids)."""
+        room = self.room(tokens)
+        if room < 1:
+            raise ValueError(f"episode {self.request_id}: {len(tokens)} tokens leave no room in max_len={self.max_len}")
+        sampling = dataclasses.replace(self.sampling, **{**overrides, "n": 1})
+        sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
+        self._calls += 1
+        fut = self.generator.submit(tokens, sampling, request_id=f"{self.request_id}.{self._calls}",
+                                    first_sample=self.index)
+        return (await asyncio.wrap_future(fut))[0]
+
+    async def reward(self, text: str, **kwargs: Any) -> float:
+        """The reward service's score of `text`, with the prompt's reward kwargs (overridable)."""
+        return await self.rewards.score(text, **{**self.prompt.reward_kwargs, **kwargs})
+
+    async def run_code(self, code: str, stdin: str = "", limits: Limits = Limits()) -> RunResult:
+        """Runs model-written code in the sandbox, off the event loop."""
+        return await asyncio.to_thread(run_python, code, stdin, limits)
+
+
+class Turns:
+    """Builds a multi-turn trajectory: prompt, then model turns (trained) and environment turns (not trained)."""
+
+    def __init__(self, prompt_tokens: Sequence[int]):
+        n = len(prompt_tokens)
+        self.tokens = [int(t) for t in prompt_tokens]
+        self._mask, self._logprobs, self._versions = [False] * n, [0.0] * n, [-1] * n
+        self.model_turns = 0
+
+    def model(self, c: Completion) -> None:
+        self.tokens += c.output_tokens
+        self._mask += [True] * len(c.output_tokens)
+        self._logprobs += [float(x) for x in c.logprobs]
+        self._versions += [int(v) for v in c.versions]
+        self.model_turns += 1
+
+    def env(self, tokens: Sequence[int]) -> None:
+        self.tokens += [int(t) for t in tokens]
+        n = len(tokens)
+        self._mask += [False] * n
+        self._logprobs += [0.0] * n
+        self._versions += [-1] * n
+
+    def build(self, reward: float, **info: Any) -> Trajectory:
+        return Trajectory(np.array(self.tokens), np.array(self._mask), np.array(self._logprobs),
+                          np.array(self._versions), reward=reward, info={"turns": self.model_turns, **info})
+
+
+def user_turn(tokenizer: Tokenizer, text: str, after_eos: bool) -> list[int]:
+    """Tokens that close the model's turn, add a user message `text` and open the next assistant turn, rendered
+    through the tokenizer's chat template. `after_eos`: the model's turn already ended with its end-of-turn token
+    (kept as its last output), so the template's copy of it is left out."""
+    mark = "\x00TURN\x00"
+    history = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
+    full = tokenizer.apply_chat_template(history + [{"role": "user", "content": text}], add_generation_prompt=True)
+    tail = full[full.index(mark) + len(mark):]
+    eos_text = tokenizer.decode(tokenizer.eos_ids[:1], skip_special_tokens=False) if tokenizer.eos_ids else ""
+    if after_eos and eos_text and tail.startswith(eos_text):
+        tail = tail[len(eos_text):]
+    return tokenizer.encode(tail)
+
+
+def load_workflow(path: str, kwargs: dict[str, Any] | None = None) -> Workflow:
+    """'package.module:Class' (or a factory) called with `kwargs`; must give an object with `async run(ep)`."""
+    factory = resolve(path, what="workflow")
+    try:
+        workflow = factory(**(kwargs or {}))
+    except TypeError as e:
+        raise ValueError(f"workflow '{path}' with kwargs {kwargs}: {e}") from e
+    if not asyncio.iscoroutinefunction(getattr(workflow, "run", None)):
+        raise ValueError(f"workflow '{path}': expected an object with 'async def run(self, ep)'; got {workflow!r}")
+    return workflow

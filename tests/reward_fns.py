@@ -1,0 +1,61 @@
+"""Reward functions for tests/test_service.py: importable by the spawned worker processes (tests/ is on sys.path)."""
+
+import os
+import time
+from pathlib import Path
+
+from arealjax.rewards.sandbox import Limits, run_python
+
+
+def length(completion: str) -> float:
+    return float(len(completion))
+
+
+def raises(completion: str) -> float:
+    raise ValueError(f"cannot score {completion!r}")
+
+
+def sleeps(completion: str, seconds: float) -> float:
+    time.sleep(seconds)
+    return 1.0
+
+
+def pid_then_sleep(completion: str, pid_file: str, seconds: float) -> float:
+    """Publishes the worker's pid (one line per attempt), then works for a while: the test kills it meanwhile."""
+    with open(pid_file, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(seconds)
+    return 1.0
+
+
+def fails_first(completion: str, marker: str) -> float:
+    """Raises on the first attempt, scores on the next (a transient failure)."""
+    if not Path(marker).exists():
+        Path(marker).touch()
+        raise RuntimeError("transient")
+    return 1.0
+
+
+def interval(completion: str, out_dir: str, seconds: float) -> float:
+    """Records when it ran, to measure how many calls overlap."""
+    start = time.time()
+    time.sleep(seconds)
+    Path(out_dir, f"{os.getpid()}-{start}").write_text(f"{start} {time.time()}")
+    return 1.0
+
+
+def sandboxed_sleep(completion: str) -> float:
+    """Stuck inside a sandboxed run: the service's timeout must kill the run along with the worker."""
+    return float(run_python("import time\ntime.sleep(120)", limits=Limits(timeout=120, cpu_seconds=120)).ok)
+
+
+def zero(completion: str, **kwargs) -> float:
+    return 0.0
+
+
+def right_from_second_call(completion: str, marker: str) -> float:
+    """0 the first time, 1 afterwards: the second turn of a multi-turn episode is right."""
+    if not Path(marker).exists():
+        Path(marker).touch()
+        return 0.0
+    return 1.0

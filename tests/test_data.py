@@ -1,0 +1,116 @@
+"""Data: each layout converts (JSONL and Parquet) to an array_record tfds dataset and streams through grain;
+malformed rows and unknown layouts give errors naming file and line; skip mode counts; the stream's position
+round-trips exactly (shuffle, epochs, process shards, too-long prompts)."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from arealjax.data.builders import RowError, convert
+from arealjax.data.pipeline import PromptStream
+from arealjax.tokenizer import CharTokenizer
+
+TOK = CharTokenizer("0123456789+-*=?.,:;#$\\{}()[]_/' abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n")
+
+ROWS = {
+    "gsm8k": [{"question": f"what is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}
+              for i in range(12)],
+    "math": [{"problem": "solve x+1=2", "answer": "1"},
+             {"problem": "what is 1/2 + 1/2?", "solution": "it is \\boxed{1}"}],  # DeepScaleR / MATH forms
+    "code": [{"question": "add two numbers", "tests": [{"input": "1 2", "output": "3"}]},
+             {"prompt": "double", "tests": json.dumps([{"fn_name": "f", "args": [2], "expected": 4}])},
+             {"question": "apps style", "input_output": json.dumps({"inputs": ["1\n"], "outputs": ["2\n"]})},
+             {"question": "lcb style", "public_test_cases": json.dumps([{"input": "a", "output": "b",
+                                                                         "testtype": "stdin"}])}],
+    "arithmetic": [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(5)],
+}
+
+
+def write_jsonl(path, rows, raw_lines=()):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "".join(raw_lines))
+    return path
+
+
+def test_every_layout_converts_and_streams(tmp_path):
+    for layout, rows in ROWS.items():
+        src = write_jsonl(tmp_path / f"{layout}.jsonl", rows)
+        out = convert({"train": [src]}, tmp_path / "tfds")
+        assert out == tmp_path / "tfds" / layout / "1.0.0"
+        prompts = list(PromptStream(out, "train", TOK, epochs=1, template="{prompt}"))
+        texts = [r.get("question") or r.get("prompt") or r.get("problem") for r in rows]
+        assert sorted(p.id for p in prompts) == sorted(f"{layout}:{i + 1}" for i in range(len(rows)))
+        assert all(TOK.decode(p.tokens) == texts[int(p.id.split(":")[1]) - 1] for p in prompts)
+    by_id = {p.id: p for p in PromptStream(tmp_path / "tfds/gsm8k/1.0.0", "train", TOK, epochs=1)}
+    assert by_id["gsm8k:3"].reward_kwargs == {"answer": "4"}  # the #### line
+    assert TOK.decode(by_id["gsm8k:3"].tokens[1:]) == "u:what is 2 plus 2?\na:"  # chat template (+ BOS)
+    math = {p.id: p.reward_kwargs for p in PromptStream(tmp_path / "tfds/math/1.0.0", "train", TOK, epochs=1)}
+    assert math == {"math:1": {"answer": "1"}, "math:2": {"answer": "1"}}
+    code = {p.id: p.reward_kwargs["tests"] for p in PromptStream(tmp_path / "tfds/code/1.0.0", "train", TOK,
+                                                                    epochs=1)}
+    assert code["code:1"] == [{"input": "1 2", "output": "3"}]
+    assert code["code:2"] == [{"fn_name": "f", "args": [2], "expected": 4}]
+    assert code["code:3"] == [{"input": "1\n", "output": "2\n"}]
+    assert code["code:4"] == [{"input": "a", "output": "b"}]
+
+
+def test_parquet_and_splits(tmp_path):
+    rows = ROWS["math"]
+    pq.write_table(pa.Table.from_pylist([{"problem": r["problem"], "answer": r.get("answer"),
+                                          "solution": r.get("solution")} for r in rows]), tmp_path / "m.parquet")
+    write_jsonl(tmp_path / "t.jsonl", rows[:1])
+    out = convert({"train": [tmp_path / "m.parquet"], "test": [tmp_path / "t.jsonl"]}, tmp_path / "tfds")
+    assert sorted(p.reward_kwargs["answer"] for p in PromptStream(out, "train", TOK, epochs=1)) == ["1", "1"]
+    assert len(list(PromptStream(out, "test", TOK, epochs=1))) == 1
+    with pytest.raises(ValueError, match="no split 'validation'; it has \\['test', 'train'\\]"):
+        PromptStream(out, "validation", TOK)
+
+
+def test_malformed_rows_name_file_and_line_or_are_skipped_and_counted(tmp_path):
+    good = ROWS["gsm8k"][:3]
+    cases = {
+        "bad_json.jsonl": (good, ['{"question": "x", "answer"\n'], r"bad_json.jsonl:4: invalid JSON"),
+        "no_hashes.jsonl": (good + [{"question": "q", "answer": "42"}], [],
+                            r"no_hashes.jsonl:4: key 'answer' has no '#### <final answer>' line \(layout 'gsm8k'"),
+        "missing.jsonl": (good + [{"question": "q"}], [], r"missing.jsonl:4: missing key 'answer'"),
+        "wrong_type.jsonl": (good + [{"question": 3, "answer": "#### 3"}], [],
+                             r"wrong_type.jsonl:4: key 'question' must be a non-empty string, got int"),
+    }
+    for name, (rows, raw, message) in cases.items():
+        src = write_jsonl(tmp_path / name, rows, raw)
+        with pytest.raises(RowError, match=message):
+            convert({"train": [src]}, tmp_path / f"tfds_{name}", layout="gsm8k")
+        out = convert({"train": [src]}, tmp_path / f"skip_{name}", layout="gsm8k", on_error="skip")
+        assert json.loads((out / "skipped.json").read_text())["counts"] == {"train": 1}
+        assert len(list(PromptStream(out, "train", TOK, epochs=1))) == 3
+    bad_code = write_jsonl(tmp_path / "code.jsonl", [{"question": "q", "tests": [{"stdin": "1"}]}])
+    with pytest.raises(RowError, match=r"code.jsonl:1: test 0 is .*expected \{'input': str, 'output': str\}"):
+        convert({"train": [bad_code]}, tmp_path / "tfds_code")
+
+
+def test_unknown_layout_lists_the_known_ones(tmp_path):
+    src = write_jsonl(tmp_path / "odd.jsonl", [{"text": "hello", "label": 1}])
+    with pytest.raises(ValueError, match=r"odd.jsonl:1: unknown dataset layout \(keys \['label', 'text'\]\); "
+                                         r"known layouts — code: .*gsm8k: .*math: .*arithmetic: "):
+        convert({"train": [src]}, tmp_path / "tfds")
+    with pytest.raises(ValueError, match="unknown dataset layout 'alpaca'; known layouts — code"):
+        convert({"train": [src]}, tmp_path / "tfds", layout="alpaca")
+
+
+def test_stream_state_round_trips_shuffles_per_epoch_and_shards(tmp_path):
+    rows = ROWS["gsm8k"] + [{"question": "x" * 200, "answer": "#### 1"}]  # one prompt over the limit
+    out = convert({"train": [write_jsonl(tmp_path / "g.jsonl", rows)]}, tmp_path / "tfds")
+    kw = dict(seed=3, epochs=2, template="{prompt}", max_prompt_tokens=100)
+    ids = [p.id for p in PromptStream(out, "train", TOK, **kw)]
+    assert len(ids) == 24 and sorted(ids[:12]) == sorted(ids[12:]) and ids[:12] != ids[12:]  # reshuffled
+    stream = PromptStream(out, "train", TOK, **kw)
+    head = [next(stream).id for _ in range(7)]
+    state = json.loads(json.dumps(stream.get_state()))  # JSON-able
+    resumed = PromptStream(out, "train", TOK, **kw)
+    resumed.set_state(state)
+    assert head + [p.id for p in resumed] == ids
+    assert resumed.too_long == 2  # the long prompt, once per epoch, counted across the restore
+    shards = [[p.id for p in PromptStream(out, "train", TOK, epochs=1, template="{prompt}", max_prompt_tokens=100,
+                                          process_index=i, process_count=2)] for i in range(2)]
+    assert not set(shards[0]) & set(shards[1]) and sorted(shards[0] + shards[1]) == sorted(ids[:12])

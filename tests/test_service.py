@@ -1,0 +1,120 @@
+"""The reward service: bounded concurrency, timeouts that kill the stuck worker (and the sandboxed run it
+started), retries, crash isolation (a worker killed mid-call is replaced), every outcome counted; asyncio access."""
+
+import asyncio
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from arealjax.rewards.sandbox import run_python
+from arealjax.rewards.service import RewardService
+from test_sandbox import sandbox_processes
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_scores_in_workers_and_counts():
+    with RewardService("reward_fns:length", workers=2) as service:
+        futures = [service.submit("x" * i) for i in range(10)]
+        assert [f.result(30) for f in futures] == [float(i) for i in range(10)]
+        assert (service.stats.calls, service.stats.ok, service.stats.failed, service.stats.restarts) == (10, 10, 0, 0)
+
+
+def test_async_interface():
+    async def main(service):
+        return await asyncio.gather(*(service.score("ab" * i) for i in range(4)))
+
+    with RewardService("reward_fns:length", workers=2) as service:
+        assert asyncio.run(main(service)) == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_worker_killed_mid_call_is_replaced_and_the_call_retried(tmp_path):
+    pid_file = tmp_path / "pids"
+    with RewardService("reward_fns:pid_then_sleep", workers=1, retries=1, timeout=30) as service:
+        fut = service.submit("", pid_file=str(pid_file), seconds=1.0)
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip())
+        first = int(pid_file.read_text().split()[0])
+        os.kill(first, signal.SIGKILL)
+        assert fut.result(60) == 1.0  # the retry ran on a fresh worker
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert len(pids) == 2 and pids[1] != first
+        s = service.stats
+        assert (s.crashes, s.retries, s.restarts, s.ok, s.failed) == (1, 1, 1, 1, 0)
+
+    pid_file.unlink()
+    with RewardService("reward_fns:pid_then_sleep", workers=1, retries=0, failure_reward=-1.0) as service:
+        fut = service.submit("", pid_file=str(pid_file), seconds=5.0)
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip())
+        os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+        assert fut.result(60) == -1.0  # no retries left: the configured failure reward
+        s = service.stats
+        assert (s.crashes, s.retries, s.failed, s.calls) == (1, 0, 1, 1)
+        t0 = time.perf_counter()  # and it keeps serving
+        assert service.submit("", pid_file=str(pid_file), seconds=0.0).result(60) == 1.0
+        assert service.stats.restarts == 1 and time.perf_counter() - t0 < 30
+
+
+def test_timeouts_kill_the_worker_and_are_counted_with_retries():
+    with RewardService("reward_fns:sleeps", workers=1, timeout=0.5, retries=2, failure_reward=-1.0) as service:
+        t0 = time.perf_counter()
+        assert service.submit("", seconds=60).result(60) == -1.0
+        assert time.perf_counter() - t0 < 30  # three attempts of 0.5 s (+ worker starts), not 60 s
+        s = service.stats
+        assert (s.timeouts, s.retries, s.restarts, s.failed, s.ok) == (3, 2, 3, 1, 0)
+        assert service.submit("", seconds=0).result(60) == 1.0  # serving on a fresh worker
+
+
+def test_a_stuck_sandboxed_run_dies_with_its_worker():
+    with RewardService("reward_fns:sandboxed_sleep", workers=1, timeout=2.0, retries=0) as service:
+        fut = service.submit("")
+        wait_for(lambda: sandbox_processes(), timeout=10)  # the sandboxed sleep is running
+        assert fut.result(60) == 0.0 and service.stats.timeouts == 1
+        wait_for(lambda: not sandbox_processes(), timeout=10)
+    run_python("pass")  # the next run sweeps the staging directory the killed worker left
+    assert not list(Path(tempfile.gettempdir()).glob("arealjax-sandbox-*"))
+
+
+def test_errors_are_retried_then_counted(tmp_path):
+    with RewardService("reward_fns:fails_first", workers=1, retries=1) as service:
+        assert service.submit("", marker=str(tmp_path / "m")).result(30) == 1.0
+        s = service.stats
+        assert (s.errors, s.retries, s.ok, s.failed, s.restarts) == (1, 1, 1, 0, 0)  # an error keeps its worker
+    with RewardService("reward_fns:raises", workers=1, retries=0, failure_reward=-2.0) as service:
+        assert service.submit("x").result(30) == -2.0
+        assert (service.stats.errors, service.stats.failed) == (1, 1)
+
+
+def test_concurrency_is_bounded_by_workers(tmp_path):
+    with RewardService("reward_fns:interval", workers=2) as service:
+        [f.result(60) for f in [service.submit("", out_dir=str(tmp_path), seconds=0.05) for _ in range(2)]]  # warm
+        for p in tmp_path.iterdir():
+            p.unlink()
+        futures = [service.submit("", out_dir=str(tmp_path), seconds=0.3) for _ in range(6)]
+        assert all(f.result(60) == 1.0 for f in futures)
+    spans = [tuple(map(float, p.read_text().split())) for p in tmp_path.iterdir()]
+    overlap = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+    assert overlap == 2
+
+
+def test_bad_function_path_and_closed_service():
+    with pytest.raises(ValueError, match="cannot be imported"):
+        RewardService("reward_fns:nope")
+    with pytest.raises(ValueError, match="expected 'package.module:function'"):
+        RewardService("reward_fns.length")
+    service = RewardService("reward_fns:sleeps", workers=1)
+    running = service.submit("", seconds=0.5)
+    waiting = service.submit("", seconds=0.5)
+    time.sleep(0.2)
+    service.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        service.submit("")
+    assert running.done() and waiting.done()
