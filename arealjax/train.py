@@ -9,6 +9,7 @@ moves on once the generator serves them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import time
@@ -22,6 +23,7 @@ from tqdm import tqdm
 from arealjax import models
 from arealjax.controller import Prompt, RolloutController, staleness_of
 from arealjax.data import arithmetic
+from arealjax.data.pipeline import PromptStream, format_prompt
 from arealjax.generation import Engine, Generator, SamplingParams
 from arealjax.metrics import MetricsWriter, plot_curves
 from arealjax.rewards.service import RewardService
@@ -45,19 +47,39 @@ def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, model
     return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
-    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-    return ids if tokenizer.bos_id is None else [tokenizer.bos_id, *ids]
-
-
 def train_prompts(config: Any, tokenizer: Tokenizer) -> Iterator[Prompt]:
+    """The converted dataset at `data.path` (grain: shuffled, sharded by process, checkpointable) or, when empty,
+    an endless seeded stream of the synthetic task."""
+    d = config.data
+    if d.path:
+        return PromptStream(d.path, d.split, tokenizer, seed=d.seed, epochs=d.epochs or None, template=d.template,
+                            max_prompt_tokens=d.max_prompt_tokens)
+    return _synthetic_prompts(config, tokenizer)
+
+
+def _synthetic_prompts(config: Any, tokenizer: Tokenizer) -> Iterator[Prompt]:
     t = config.task
     i = 0
-    while True:  # an endless seeded stream, chunked
+    while True:  # chunked
         for p in arithmetic.sample_problems(1024, seed=t.seed + 1000 * (i + 1), min_digits=t.min_digits,
                                             max_digits=t.max_digits):
-            yield Prompt(f"train-{i}", encode_prompt(tokenizer, p.prompt), {"answer": p.answer})
+            yield Prompt(f"train-{i}", format_prompt(tokenizer, p.prompt, config.data.template),
+                         {"answer": p.answer})
             i += 1
+
+
+def eval_prompts(config: Any, tokenizer: Tokenizer) -> list[Prompt]:
+    """`eval.num_problems` held-out prompts: the first of `data.eval_split` (unshuffled), or synthetic problems
+    from a seed never trained on."""
+    d, n = config.data, config.eval.num_problems
+    if d.path:
+        stream = PromptStream(d.path, d.eval_split, tokenizer, shuffle=False, epochs=1, template=d.template,
+                              max_prompt_tokens=d.max_prompt_tokens)
+        return list(itertools.islice(stream, n))
+    t = config.task
+    return [Prompt(f"eval-{i}", format_prompt(tokenizer, p.prompt, d.template), {"answer": p.answer})
+            for i, p in enumerate(arithmetic.sample_problems(n, seed=t.seed + 7, min_digits=t.min_digits,
+                                                             max_digits=t.max_digits))]
 
 
 def trainer_config(c: Any, loss: str = "ppo", steps: int = 0) -> TrainerConfig:
@@ -89,7 +111,7 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
         batch = []
         for p in problems[step * s.batch_size:(step + 1) * s.batch_size]:
             demo = tokenizer.encode(arithmetic.demonstration(p, rng, s.carry_error)) + [tokenizer.eos_ids[0]]
-            prompt = encode_prompt(tokenizer, p.prompt)
+            prompt = format_prompt(tokenizer, p.prompt, config.data.template)
             batch.append(Trajectory.from_completion(prompt, demo, np.zeros(len(demo)), np.zeros(len(demo))))
         m = trainer.train_step(batch)
         bar.set_postfix(nll=f"{m['nll']:.3f}", refresh=False)
@@ -99,18 +121,16 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
     return trainer.model
 
 
-def evaluate(generator: Generator, rewards: RewardService, tokenizer: Tokenizer, config: Any) -> dict[str, float]:
-    """Held-out accuracy (pass@1 at the training temperature) and greedy accuracy, on problems never trained on."""
-    e, t = config.eval, config.task
-    problems = arithmetic.sample_problems(e.num_problems, seed=t.seed + 7, min_digits=t.min_digits,
-                                          max_digits=t.max_digits)
+def evaluate(generator: Generator, rewards: RewardService, tokenizer: Tokenizer, prompts: list[Prompt],
+             config: Any) -> dict[str, float]:
+    """Held-out accuracy (pass@1 at the training temperature) and greedy accuracy."""
     out = {}
     for name, temperature in (("eval_accuracy", config.rl.temperature), ("eval_greedy_accuracy", 0.0)):
         sampling = SamplingParams(temperature=temperature, max_new_tokens=config.rl.max_new_tokens,
                                   stop_token_ids=tuple(tokenizer.eos_ids), seed=config.seed + 99)
-        futs = [generator.submit(encode_prompt(tokenizer, p.prompt), sampling) for p in problems]
+        futs = [generator.submit(p.tokens, sampling) for p in prompts]
         texts = [tokenizer.decode(f.result()[0].output_tokens) for f in futs]
-        scores = [rewards.submit(x, answer=p.answer) for x, p in zip(texts, problems)]
+        scores = [rewards.submit(x, **p.reward_kwargs) for x, p in zip(texts, prompts)]
         out[name] = float(np.mean([s.result() for s in scores]))
     return out
 
@@ -145,7 +165,8 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                                    workflow=load_workflow(config.workflow.path, config.workflow.kwargs))
     summary: dict[str, Any] = {}
     try:
-        first = evaluate(generator, rewards, tokenizer, config)
+        held_out = eval_prompts(config, tokenizer)
+        first = evaluate(generator, rewards, tokenizer, held_out, config)
         writer.write(0, first)
         logging.info("after warm start: %s", first)
         controller.start()
@@ -194,10 +215,12 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
             }
             last_stats, last_tokens, last_t, last_scored = dataclasses.replace(gs), tokens, now, scored
             if rl.eval_every and (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
-                metrics.update(evaluate(generator, rewards, tokenizer, config))
+                metrics.update(evaluate(generator, rewards, tokenizer, held_out, config))
                 eval_s += time.perf_counter() - now  # rates of the next step leave the evaluation out:
                 last_stats, last_t = dataclasses.replace(generator.stats), time.perf_counter()
             writer.write(step + 1, metrics)
+            with open(workdir / "trained_prompts.jsonl", "a") as f:  # the audit trail: which prompts each step used
+                f.write(json.dumps({"step": step + 1, "ids": [grp.prompt.id for grp in batch]}) + "\n")
             bar.set_postfix(reward=f"{metrics['rollout_reward']:.2f}", stale=f"{metrics['staleness_mean']:.1f}",
                             tok_s=f"{metrics['generated_tokens_per_s']:.0f}",
                             acc=f"{metrics.get('eval_accuracy', float('nan')):.2f}", refresh=False)

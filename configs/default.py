@@ -56,6 +56,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.min_digits = 2
     config.task.max_digits = 3
 
+    # A converted dataset (python -m arealjax.data.convert; see README "Data"); empty = the synthetic task above.
+    config.data = ml_collections.ConfigDict()
+    config.data.path = ""  # e.g. /data/tfds/gsm8k/1.0.0
+    config.data.split = "train"
+    config.data.eval_split = "test"  # eval.num_problems held-out prompts from it
+    config.data.seed = 0  # shuffle
+    config.data.epochs = 0  # 0 = endless
+    config.data.template = "chat"  # the tokenizer's chat template, or a string with {prompt}
+    config.data.max_prompt_tokens = 32  # longer prompts are skipped and counted
+
     # SFT warm start on demonstrations that forget each carry with probability carry_error (0 steps = none).
     config.sft = ml_collections.ConfigDict()
     config.sft.steps = 600

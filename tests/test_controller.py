@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from arealjax import train
+from arealjax.data.pipeline import format_prompt
 from arealjax.controller import RolloutController
 from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig
@@ -76,7 +77,7 @@ def test_generator_scores_like_the_trainer_after_a_sync():
     trainer = Trainer(model, train.trainer_config(c.trainer), mesh=meshes["trainer"], rules=rules)
     gen_model = model.to_mesh(meshes["generator"], rules)
     shard = LogicalSharding(meshes["generator"], rules)
-    prompt = train.encode_prompt(tokenizer, "12+34=")
+    prompt = format_prompt(tokenizer, "12+34=")
     rng = np.random.RandomState(0)
     trajs = [Trajectory.from_completion(prompt, rng.randint(3, 40, 8), rng.normal(-3, 0.1, 8), np.zeros(8),
                                         advantage=rng.normal()) for _ in range(8)]

@@ -114,3 +114,24 @@ def test_stream_state_round_trips_shuffles_per_epoch_and_shards(tmp_path):
     shards = [[p.id for p in PromptStream(out, "train", TOK, epochs=1, template="{prompt}", max_prompt_tokens=100,
                                           process_index=i, process_count=2)] for i in range(2)]
     assert not set(shards[0]) & set(shards[1]) and sorted(shards[0] + shards[1]) == sorted(ids[:12])
+
+
+@pytest.mark.slow
+def test_the_job_trains_on_a_converted_dataset(tmp_path):
+    """main's job reads prompts from a converted dataset: every trained prompt id comes from the train split, none
+    twice within an epoch, and evaluation uses the test split."""
+    from arealjax import train
+    from arealjax.data import arithmetic
+    from test_controller import small_config
+
+    problems = arithmetic.sample_problems(40, seed=1)
+    rows = [{"id": f"p{i}", "prompt": p.prompt, "answer": p.answer} for i, p in enumerate(problems)]
+    out = convert({"train": [write_jsonl(tmp_path / "train.jsonl", rows[:32])],
+                   "test": [write_jsonl(tmp_path / "test.jsonl", rows[32:])]}, tmp_path / "tfds")
+    c = small_config(0, steps=3)
+    c.data.update(path=str(out), epochs=1)
+    summary = train.run(c, str(tmp_path / "run"))
+    steps = [json.loads(x) for x in (tmp_path / "run" / "trained_prompts.jsonl").read_text().splitlines()]
+    ids = [i for s in steps for i in s["ids"]]
+    assert [s["step"] for s in steps] == [1, 2, 3] and len(ids) == 12 == summary["prompts"]["trained"]
+    assert len(set(ids)) == 12 and set(ids) <= {f"p{i}" for i in range(32)}

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from arealjax import train
+from arealjax.data.pipeline import format_prompt
 from arealjax.controller import Prompt, RolloutController
 from arealjax.generation import Completion, Engine, Generator, SamplingParams
 from arealjax.rewards.service import RewardService
@@ -57,7 +58,7 @@ def test_multi_turn_masks_logprobs_and_versions(tmp_path):
     rules, meshes, tokenizer, model, gen_model, shard = setup(c)
     trainer = Trainer(model, train.trainer_config(c.trainer), mesh=meshes["trainer"], rules=rules)
     params_v0 = jax.tree.map(np.asarray, trainer.params)
-    prompt = Prompt("p", train.encode_prompt(tokenizer, "12+34="), {})
+    prompt = Prompt("p", format_prompt(tokenizer, "12+34="), {})
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=tuple(tokenizer.eos_ids), seed=3)
     feedback = user_turn(tokenizer, "wrong. again.", after_eos=True)
     assert tokenizer.decode(feedback) == "\nu:wrong. again.\na:"
@@ -97,7 +98,7 @@ def test_multi_turn_masks_logprobs_and_versions(tmp_path):
 def test_turn_discount_and_workflows_by_import_path(tmp_path):
     c = small_config(1)
     rules, meshes, tokenizer, model, gen_model, shard = setup(c)
-    prompt = Prompt("p", train.encode_prompt(tokenizer, "1+1="), {"marker": str(tmp_path / "m")})
+    prompt = Prompt("p", format_prompt(tokenizer, "1+1="), {"marker": str(tmp_path / "m")})
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=tuple(tokenizer.eos_ids))
     workflow = load_workflow("arealjax.workflows:MultiTurn", {"max_turns": 4, "turn_discount": 0.5})
     with Generator(Engine(gen_model, slots=2, max_len=64, shard=shard), gen_model.params) as generator, \
@@ -119,7 +120,7 @@ def tool_demonstrations(tokenizer):
     """Prompt, the model's tool call, the tool's output (untrained), the model's answer."""
     out = []
     for question, code, answer in PROBLEMS:
-        t = Turns(train.encode_prompt(tokenizer, question))
+        t = Turns(format_prompt(tokenizer, question))
         for kind, text in (("model", f"<code>{code}</code>"), ("env", f"<out>{answer}\n</out>"),
                            ("model", answer)):
             ids = tokenizer.encode(text) + ([tokenizer.eos_ids[0]] if text == answer else [])
@@ -147,7 +148,7 @@ def test_tool_call_episode_end_to_end_on_a_tiny_model():
     trainer = Trainer(sft.model, train.trainer_config(c.trainer), mesh=meshes["trainer"], rules=rules)
     gen_model = sft.model.to_mesh(meshes["generator"], rules)
 
-    prompts = iter([Prompt(f"q{i}", train.encode_prompt(tokenizer, q), {"answer": a})
+    prompts = iter([Prompt(f"q{i}", format_prompt(tokenizer, q), {"answer": a})
                     for i, (q, _, a) in enumerate(PROBLEMS)])
     sampling = SamplingParams(temperature=0.0, max_new_tokens=40, n=2, stop_token_ids=tuple(tokenizer.eos_ids))
     with Generator(Engine(gen_model, slots=4, max_len=96, shard=shard), gen_model.params) as generator, \

@@ -35,7 +35,7 @@ def load_split(path: str | Path, split: str):
     return builder.as_data_source(split=split)
 
 
-def format_prompt(tokenizer: Tokenizer, text: str, template: str) -> list[int]:
+def format_prompt(tokenizer: Tokenizer, text: str, template: str = "chat") -> list[int]:
     """'chat': the tokenizer's chat template with one user message (plus BOS if the model has one); any other
     string is a Python format template with {prompt}, e.g. 'Question: {prompt}\\nAnswer:'."""
     if template == "chat":
