@@ -10,6 +10,8 @@ from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "A config file with get_config().", lock_config=True)
 flags.DEFINE_string("workdir", "/tmp/arealjax", "Directory for outputs (checkpoints, metrics, exported model).")
+flags.DEFINE_string("export_to", "", "Instead of training: write the latest checkpoint's params to this directory "
+                    "as a Hugging Face checkpoint (safetensors + config.json + tokenizer) for serving.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -23,6 +25,9 @@ def main(argv):
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # quiet "no TPU found" probes on CPU
     from arealjax import train
 
+    if flags.FLAGS.export_to:
+        train.export(config, flags.FLAGS.workdir, flags.FLAGS.export_to)
+        return
     try:
         train.run(config, flags.FLAGS.workdir)
     except KeyboardInterrupt:

@@ -237,6 +237,24 @@ class RolloutController:
             self._cv.notify_all()
         self._poke()
 
+    def checkpoint_state(self) -> dict:
+        """A consistent snapshot for a checkpoint: the prompt source's position, the prompts admitted and not yet
+        trained (queued or in flight, to be re-issued on resume, in admission order) and the counters."""
+        with self._cv:  # admission takes a prompt and registers its group under this lock
+            pending = sorted([*self._running.values(), *self._queue], key=lambda g: g.seq)
+            return {"prompts": self.prompts.get_state(), "pending": [dataclasses.asdict(g.prompt) for g in pending],
+                    "stats": dataclasses.asdict(self.stats)}
+
+    def restore(self, state: dict, version: int) -> None:
+        """Before start(): continue from `checkpoint_state()` output, the generator serving `version`."""
+        self.prompts.set_state(state["prompts"], admitted=state["pending"])
+        stats = dict(state["stats"])
+        stats["submitted"] -= len(state["pending"])  # they are submitted again
+        self.stats = ControllerStats(**stats)
+        self.staleness.version = version
+        self.staleness.accepted, self.staleness.rejected = self.stats.trained, self.stats.filtered
+        self.staleness.submitted = self.stats.submitted
+
     def queue_depth(self) -> int:
         with self._cv:
             return len(self._queue)

@@ -23,7 +23,8 @@ from tqdm import tqdm
 from arealjax import models
 from arealjax.controller import Prompt, RolloutController, staleness_of
 from arealjax.data import arithmetic
-from arealjax.data.pipeline import PromptStream, format_prompt
+from arealjax.checkpoint import Checkpointer
+from arealjax.data.pipeline import PromptStream, ReissueFirst, format_prompt
 from arealjax.generation import Engine, Generator, SamplingParams
 from arealjax.metrics import MetricsWriter, plot_curves
 from arealjax.rewards.service import RewardService
@@ -47,25 +48,43 @@ def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, model
     return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)
 
 
-def train_prompts(config: Any, tokenizer: Tokenizer) -> Iterator[Prompt]:
-    """The converted dataset at `data.path` (grain: shuffled, sharded by process, checkpointable) or, when empty,
-    an endless seeded stream of the synthetic task."""
+def train_prompts(config: Any, tokenizer: Tokenizer) -> ReissueFirst:
+    """The converted dataset at `data.path` (grain: shuffled, sharded by process) or, when empty, an endless
+    seeded stream of the synthetic task; either way checkpointable, with prompts to re-issue after a resume."""
     d = config.data
     if d.path:
-        return PromptStream(d.path, d.split, tokenizer, seed=d.seed, epochs=d.epochs or None, template=d.template,
-                            max_prompt_tokens=d.max_prompt_tokens)
-    return _synthetic_prompts(config, tokenizer)
+        return ReissueFirst(PromptStream(d.path, d.split, tokenizer, seed=d.seed, epochs=d.epochs or None,
+                                         template=d.template, max_prompt_tokens=d.max_prompt_tokens))
+    return ReissueFirst(SyntheticPrompts(config, tokenizer))
 
 
-def _synthetic_prompts(config: Any, tokenizer: Tokenizer) -> Iterator[Prompt]:
-    t = config.task
-    i = 0
-    while True:  # chunked
-        for p in arithmetic.sample_problems(1024, seed=t.seed + 1000 * (i + 1), min_digits=t.min_digits,
-                                            max_digits=t.max_digits):
-            yield Prompt(f"train-{i}", format_prompt(tokenizer, p.prompt, config.data.template),
-                         {"answer": p.answer})
-            i += 1
+class SyntheticPrompts:
+    """An endless seeded stream of the synthetic task, generated in chunks; its position is its state."""
+
+    CHUNK = 1024
+
+    def __init__(self, config: Any, tokenizer: Tokenizer):
+        self.task, self.template, self.tokenizer = config.task, config.data.template, tokenizer
+        self.next_index, self._chunk = 0, (-1, [])
+
+    def __iter__(self) -> "SyntheticPrompts":
+        return self
+
+    def __next__(self) -> Prompt:
+        i, t = self.next_index, self.task
+        c = i // self.CHUNK
+        if self._chunk[0] != c:
+            self._chunk = (c, arithmetic.sample_problems(self.CHUNK, seed=t.seed + 1000 * (c * self.CHUNK + 1),
+                                                         min_digits=t.min_digits, max_digits=t.max_digits))
+        p = self._chunk[1][i % self.CHUNK]
+        self.next_index += 1
+        return Prompt(f"train-{i}", format_prompt(self.tokenizer, p.prompt, self.template), {"answer": p.answer})
+
+    def get_state(self) -> dict[str, int]:
+        return {"next_index": self.next_index}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self.next_index = state["next_index"]
 
 
 def eval_prompts(config: Any, tokenizer: Tokenizer) -> list[Prompt]:
@@ -135,19 +154,40 @@ def evaluate(generator: Generator, rewards: RewardService, tokenizer: Tokenizer,
     return out
 
 
+def truncate_jsonl(path: Path, max_step: int) -> None:
+    """Keeps the rows of steps ≤ max_step (all of them gone when starting afresh)."""
+    if path.is_file():
+        rows = [x for x in path.read_text().splitlines() if x and json.loads(x)["step"] <= max_step]
+        path.write_text("".join(r + "\n" for r in rows))
+
+
 def run(config: Any, workdir: str) -> dict[str, Any]:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     rules = normalize_rules(config.sharding_rules)
     meshes = role_meshes(config.mesh)
     tokenizer, model = build(config, meshes["trainer"], rules)
-    if config.sft.steps:
+    c = config.checkpoint
+    ckpt = Checkpointer(c.dir or workdir / "checkpoints", every_steps=c.every_steps, every_seconds=c.every_seconds,
+                        max_to_keep=c.max_to_keep)
+    if config.sft.steps and not (config.resume and ckpt.latest_step() is not None):
         model = warm_start(config, tokenizer, model, meshes["trainer"], rules, workdir)
     rl = config.rl
     trainer = Trainer(model, trainer_config(config.trainer), mesh=meshes["trainer"], rules=rules)
+    if not config.resume and ckpt.latest_step() is not None:
+        raise ValueError(f"{ckpt.manager.directory} holds checkpoints (latest step {ckpt.latest_step()}): pass "
+                         f"--config.resume=True to continue that run, or use a new workdir")
+    restored = ckpt.restore_latest(trainer) if config.resume else None
+    start_step = 0 if restored is None else restored[0]
+    if start_step >= rl.steps:
+        raise ValueError(f"the checkpoint is at step {start_step} and rl.steps={rl.steps}: nothing to train; raise "
+                         f"--config.rl.steps to go on")
+    for name in ("metrics.jsonl", "trained_prompts.jsonl"):  # rows a killed run wrote after its checkpoint go
+        truncate_jsonl(workdir / name, start_step)
 
     gen_model = model.to_mesh(meshes["generator"], rules)
     gen_shardings = tree_shardings(gen_model.params, LogicalSharding(meshes["generator"], rules))
+    gen_params = jax.device_put(trainer.params, gen_shardings, may_alias=False) if restored else gen_model.params
     g = config.generator
     engine = Engine(gen_model, slots=g.slots, max_len=g.max_len, shard=LogicalSharding(meshes["generator"], rules))
     sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, n=rl.group_size,
@@ -155,7 +195,7 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     advantage = AdvantageConfig(**config.advantage.to_dict())
     staleness = StalenessManager(rl.batch_size, rl.max_staleness, rl.max_concurrent)
     writer = MetricsWriter(workdir)
-    generator = Generator(engine, gen_model.params, mode=g.mode, decode_steps=g.decode_steps,
+    generator = Generator(engine, gen_params, version=trainer.version, mode=g.mode, decode_steps=g.decode_steps,
                           max_prefill_batch=g.max_prefill_batch)
     r = config.rewards
     rewards = RewardService(r.fn, workers=r.workers, timeout=r.timeout, retries=r.retries,
@@ -163,18 +203,26 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     controller = RolloutController(generator, rewards, tokenizer, train_prompts(config, tokenizer), staleness,
                                    sampling, advantage, max_filtered_in_a_row=rl.max_filtered_in_a_row,
                                    workflow=load_workflow(config.workflow.path, config.workflow.kwargs))
+    if restored:
+        controller.restore(restored[1]["controller"], trainer.version)
+        logging.info("resumed from checkpoint %d (version %d; %d prompts re-issued)", start_step, trainer.version,
+                     len(restored[1]["controller"]["pending"]))
     summary: dict[str, Any] = {}
     try:
         held_out = eval_prompts(config, tokenizer)
-        first = evaluate(generator, rewards, tokenizer, held_out, config)
-        writer.write(0, first)
-        logging.info("after warm start: %s", first)
+        if restored:
+            first = restored[1]["first_eval"]
+        else:
+            first = evaluate(generator, rewards, tokenizer, held_out, config)
+            writer.write(0, first)
+            logging.info("after warm start: %s", first)
         controller.start()
         t_start = time.perf_counter()
         last_stats = dataclasses.replace(generator.stats)
         last_tokens, last_t, eval_s = 0, t_start, 0.0
         last_scored = (0, 0.0)
-        bar = tqdm(range(rl.steps), desc="async RL", mininterval=1)
+        bar = tqdm(range(start_step, rl.steps), desc="async RL", mininterval=1, initial=start_step,
+                   total=rl.steps)
         for step in bar:
             t0 = time.perf_counter()
             batch = controller.get_batch(rl.batch_size, trainer.version)
@@ -221,6 +269,10 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
             writer.write(step + 1, metrics)
             with open(workdir / "trained_prompts.jsonl", "a") as f:  # the audit trail: which prompts each step used
                 f.write(json.dumps({"step": step + 1, "ids": [grp.prompt.id for grp in batch]}) + "\n")
+            ckpt.maybe_save(step + 1, trainer, {
+                "version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
+                "skipped_steps": trainer.skipped_steps, "first_eval": first,
+                "controller": controller.checkpoint_state()}, force=step + 1 == rl.steps)
             bar.set_postfix(reward=f"{metrics['rollout_reward']:.2f}", stale=f"{metrics['staleness_mean']:.1f}",
                             tok_s=f"{metrics['generated_tokens_per_s']:.0f}",
                             acc=f"{metrics.get('eval_accuracy', float('nan')):.2f}", refresh=False)
@@ -230,6 +282,7 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                    "eval_greedy_accuracy_end": metrics["eval_greedy_accuracy"]}
     finally:
         summary["prompts"] = controller.stop()
+        ckpt.close()
         generator.close()
         rewards.close()
         writer.close()
@@ -240,3 +293,21 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return summary
+
+
+def export(config: Any, workdir: str, out: str) -> int:
+    """The latest checkpoint's params as a Hugging Face directory (config.json, safetensors, tokenizer) for
+    serving; returns its step."""
+    rules = normalize_rules(config.sharding_rules)
+    mesh = role_meshes(config.mesh)["trainer"]
+    tokenizer, model = build(config, mesh, rules)
+    trainer = Trainer(model, trainer_config(config.trainer), mesh=mesh, rules=rules)
+    ckpt = Checkpointer(config.checkpoint.dir or Path(workdir) / "checkpoints")
+    restored = ckpt.restore_latest(trainer)
+    if restored is None:
+        raise FileNotFoundError(f"no complete checkpoint in {ckpt.manager.directory}")
+    models.save_pretrained(trainer.model, out)
+    if isinstance(tokenizer, CharTokenizer):
+        tokenizer.save(out)
+    logging.info("exported checkpoint %d (version %d) to %s", restored[0], trainer.version, out)
+    return restored[0]

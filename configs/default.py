@@ -119,6 +119,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.generator.decode_steps = 8  # decode steps per device call
     config.generator.max_prefill_batch = 16
 
+    # orbax checkpoints of the whole RL state (see arealjax/checkpoint.py); resume continues the latest one.
+    config.resume = False
+    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint.dir = ""  # empty = workdir/checkpoints; gs://bucket/run works too
+    config.checkpoint.every_steps = 20
+    config.checkpoint.every_seconds = 0.0  # also save when this much time has passed (0 = off)
+    config.checkpoint.max_to_keep = 3
+
     config.eval = ml_collections.ConfigDict()
     config.eval.num_problems = 256
     return config

@@ -1,9 +1,16 @@
 """Shared fixtures. Eight fake CPU devices for mesh tests: set before anything imports jax."""
 
 import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# gcsfs probes a bucket's layout over gRPC first, which the GCS emulator does not serve (a 60 s timeout each).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -62,3 +69,36 @@ def hf_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokens():
     return np.random.RandomState(0).randint(0, 96, (2, 37)).astype(np.int32)
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket():
+    """A real local GCS emulator (gcp-storage-emulator, in memory; see gcs_emulator.py) on 127.0.0.1; gcsfs,
+    tensorstore and every subprocess are pointed at it. Yields the bucket's gs:// URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("gcs_emulator.py")), "start", "--host",
+                             "127.0.0.1", "--port", str(port), "--default-bucket", "arealjax-test", "--in-memory", "-q"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "the GCS emulator did not start"
+            time.sleep(0.1)
+    url = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")}
+    os.environ.update(STORAGE_EMULATOR_HOST=url, TENSORSTORE_GCS_HTTP_URL=url)
+    try:
+        yield "gs://arealjax-test"
+    finally:
+        proc.kill()
+        proc.wait()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

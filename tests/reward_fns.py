@@ -59,3 +59,8 @@ def right_from_second_call(completion: str, marker: str) -> float:
         Path(marker).touch()
         return 0.0
     return 1.0
+
+
+def digits(completion: str, **kwargs) -> float:
+    """The share of digits in the completion: a dense signal even a random model gets different values of."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)

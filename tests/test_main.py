@@ -31,8 +31,8 @@ def test_default_job_then_reload_exported_model(tmp_path):
     assert summary["steps"] == 3 and summary["prompts"]["trained"] == 3 * 16
     assert (tmp_path / "a/sft/sft_config.json").is_file() and (tmp_path / "a/curves.png").is_file()
 
-    # Same workdir again: the SFT warm start is reused, not redone.
-    again = run_main(f"--workdir={tmp_path / 'a'}", *SMALL)
+    # Another run with the same SFT cache: the warm start is reused, not redone.
+    again = run_main(f"--workdir={tmp_path / 'c'}", f"--config.sft.cache_dir={tmp_path / 'a/sft'}", *SMALL)
     assert again.returncode == 0 and "SFT warm start: reusing" in again.stderr, again.stderr[-3000:]
 
     # The exported directory is a HF checkpoint + tokenizer: RL from it, colocated on one device.

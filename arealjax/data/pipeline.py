@@ -11,6 +11,8 @@ position, so a restored stream skips them again and yields the same prompts.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -82,3 +84,25 @@ class PromptStream:
     def set_state(self, state: dict[str, Any]) -> None:
         self._iter.set_state(state["grain"])
         self.too_long = state["too_long"]
+
+
+class ReissueFirst:
+    """Prompts to issue again (admitted before a checkpoint but not trained), then the stream. Its state holds
+    both, so a checkpoint taken while re-issued prompts are still waiting keeps them."""
+
+    def __init__(self, stream, reissue: list[Prompt] = ()):
+        self.stream, self._reissue = stream, collections.deque(reissue)
+
+    def __iter__(self) -> "ReissueFirst":
+        return self
+
+    def __next__(self) -> Prompt:
+        return self._reissue.popleft() if self._reissue else next(self.stream)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"stream": self.stream.get_state(), "reissue": [dataclasses.asdict(p) for p in self._reissue]}
+
+    def set_state(self, state: dict[str, Any], admitted: list[dict] = ()) -> None:
+        """`admitted`: prompts admitted but not trained at the checkpoint; they go first, in admission order."""
+        self.stream.set_state(state["stream"])
+        self._reissue = collections.deque(Prompt(**p) for p in [*admitted, *state["reissue"]])

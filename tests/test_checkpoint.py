@@ -1,0 +1,133 @@
+"""Checkpoints: a run killed with SIGKILL at a random moment after checkpoint k and resumed trains exactly the
+prompts the uninterrupted run trains (none twice, none missing) and, with η = 0, ends with the same params; a kill
+during a save leaves the previous checkpoint restorable."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config=configs/default.py", "--config.sft.steps=0", "--config.rl.steps=16", "--config.rl.max_staleness=0",
+        "--config.rl.eval_every=0", "--config.eval.num_problems=4", "--config.advantage.filter_uniform=False",
+        "--config.checkpoint.every_steps=4", "--config.model.num_layers=1", "--config.model.hidden_size=32",
+        "--config.model.intermediate_size=64", "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
+        "--config.model.head_dim=16", "--config.rl.batch_size=4", "--config.rl.group_size=2",
+        "--config.generator.slots=16", "--config.rewards.fn=tests.reward_fns:digits"]
+
+
+def main_py(workdir: Path, *extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen([sys.executable, "main.py", *TINY, f"--workdir={workdir}", *extra], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def trained(workdir: Path) -> list[list[str]]:
+    return [json.loads(x)["ids"] for x in (workdir / "trained_prompts.jsonl").read_text().splitlines()]
+
+
+def params(workdir: Path) -> dict[str, np.ndarray]:
+    return {k: v for f in sorted((workdir / "model").glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    workdir = tmp_path_factory.mktemp("full")
+    full = main_py(workdir)
+    out, _ = full.communicate(timeout=600)
+    assert full.returncode == 0, out[-3000:]
+    return workdir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_kill_minus_9_after_a_checkpoint_then_resume_is_exact(tmp_path, uninterrupted, where, request):
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    run = tmp_path / "killed"
+    ckpt_dir = str(run / "checkpoints") if where == "local" else f"{request.getfixturevalue('gcs_bucket')}/{tmp_path.name}"
+    proc = main_py(run, f"--config.checkpoint.dir={ckpt_dir}")
+    deadline = time.monotonic() + 600
+    while not (epath.Path(ckpt_dir) / "4").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(read_only=True))
+    while (manager.reload() or manager.latest_step() or 0) < 4:  # checkpoint 4 is complete (orbax's own test)
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    delay = random.uniform(0, 0.6)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = len(trained(run))
+    assert killed_at < 16, f"the run finished before the kill ({delay:.2f} s after checkpoint 4)"
+
+    resumed = main_py(run, f"--config.checkpoint.dir={ckpt_dir}", "--config.resume=True")
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    assert "resumed from checkpoint" in out
+    ids, want = trained(run), trained(uninterrupted)
+    assert ids == want  # the same prompts, step by step
+    flat = [i for step in ids for i in step]
+    assert len(flat) == len(set(flat)) == 16 * 4  # none twice, none missing
+    rows = [json.loads(x) for x in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["grad_norm"] > 0 for r in rows if r["step"] > 0)  # the params move at every step
+    a, b = params(run), params(uninterrupted)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    if where == "local":  # the last checkpoint exported for serving: the same params as the run's own export
+        export = main_py(run, "--export_to=" + str(tmp_path / "served"))
+        out, _ = export.communicate(timeout=600)
+        assert export.returncode == 0, out[-3000:]
+        served = {k: v for f in sorted((tmp_path / "served").glob("*.safetensors")) for k, v in load_file(f).items()}
+        assert served.keys() == a.keys() and all(np.array_equal(served[k], a[k]) for k in a)
+        assert (tmp_path / "served" / "config.json").is_file()
+
+
+SAVE_THEN_DIE = """
+import os, signal, sys
+from types import SimpleNamespace
+import jax.numpy as jnp
+from arealjax.checkpoint import Checkpointer
+
+ckpt = Checkpointer(sys.argv[1], every_steps=1)
+meta = {"version": 1, "optimizer_steps": 1, "skipped_steps": 0}
+ckpt.maybe_save(1, SimpleNamespace(params={"w": jnp.ones(8)}, opt_state={"m": jnp.zeros(8)}), meta)
+ckpt.manager.wait_until_finished()
+big = SimpleNamespace(params={"w": jnp.full(8, 2.0), "big": jnp.ones(64 << 20)}, opt_state={"m": jnp.ones(8)})
+ckpt.maybe_save(2, big, {**meta, "version": 2})  # returns once the arrays are on the host; writing goes on
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from arealjax.checkpoint import Checkpointer
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", SAVE_THEN_DIE, str(tmp_path / "ckpt")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    leftovers = [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("2")]
+    assert leftovers and all("tmp" in name for name in leftovers), leftovers  # step 2 was cut off mid-save
+    trainer = SimpleNamespace(params={"w": jnp.zeros(8)}, opt_state={"m": jnp.ones(8)}, version=0)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    assert ckpt.latest_step() == 1
+    step, meta = ckpt.restore_latest(trainer)
+    assert step == 1 and meta["version"] == 1 and trainer.version == 1
+    np.testing.assert_array_equal(trainer.params["w"], np.ones(8))
+    np.testing.assert_array_equal(trainer.opt_state["m"], np.zeros(8))
+    ckpt.close()
