@@ -4,13 +4,15 @@
     ckpt.maybe_save(step, trainer, meta)        # async where orbax allows; a step's save is atomic
     step, meta = ckpt.restore_latest(trainer)   # params + optimizer state into the trainer; meta as saved
 
-A checkpoint holds the trainer's params and optimizer state (sharded arrays, `state/`) and, as JSON (`meta/`): the
-policy version and optimizer-step counters, the prompt stream's position, the prompts admitted but not yet trained,
-the controller's counters and the metrics step. Prompts in flight or queued at save time are *re-issued* on resume,
-in admission order, before the stream continues: their trajectories are generated again (with η = 0, from the
-same weights and the same sampling keys, so identically), and no prompt is trained twice or skipped. Orbax writes
-each step to a temporary directory and renames it when complete, so a save that is interrupted never replaces
-the previous checkpoint; `latest_step()` only sees complete ones.
+A checkpoint holds, as sharded arrays (`state/`), the trainer's params and optimizer state (and the reference
+policy when a KL penalty uses one) and, as JSON (`meta/`), the policy version and optimizer-step counters, the
+prompt stream's position, the prompts admitted but not yet trained, the controller's counters and the metrics
+step. There is no RNG state to keep: sampling keys derive from (seed, sample, position). Prompts in flight or
+queued at save time are *re-issued* on resume, in admission order, before the stream continues: their
+trajectories are generated again (with η = 0, from the same weights and the same sampling keys, so identically),
+and no prompt is trained twice or skipped. Orbax commits a step only once it is complete (a rename on local disk,
+a commit marker on GCS), so a save that is interrupted never replaces the previous checkpoint; `latest_step()`
+only sees complete ones.
 """
 
 from __future__ import annotations
@@ -46,9 +48,8 @@ class Checkpointer:
         if not (force or self.due(step)) or step in self.manager.all_steps():
             return False
         t0 = time.perf_counter()
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"params": trainer.params, "opt_state": trainer.opt_state}),
-            meta=ocp.args.JsonSave(meta)))
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(trainer)),
+                                                        meta=ocp.args.JsonSave(meta)))
         self._last = time.monotonic()
         logging.info("checkpoint %d: saving (%.2fs blocking)", step, time.perf_counter() - t0)
         return True
@@ -61,12 +62,13 @@ class Checkpointer:
         step = self.manager.latest_step()
         if step is None:
             return None
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                              {"params": trainer.params, "opt_state": trainer.opt_state})
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(trainer))
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                                  meta=ocp.args.JsonRestore()))
         meta = out["meta"]
         trainer.params, trainer.opt_state = out["state"]["params"], out["state"]["opt_state"]
+        if "ref_params" in out["state"]:
+            trainer.ref_params = out["state"]["ref_params"]
         trainer.version = meta["version"]
         trainer.optimizer_steps, trainer.skipped_steps = meta["optimizer_steps"], meta["skipped_steps"]
         return step, meta
@@ -75,3 +77,11 @@ class Checkpointer:
         """Waits for a save in progress to complete."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _state(trainer: Trainer) -> dict[str, Any]:
+    """The arrays of a checkpoint: params, optimizer state and, with a KL penalty, the reference policy."""
+    state = {"params": trainer.params, "opt_state": trainer.opt_state}
+    if getattr(trainer, "ref_params", None) is not None:
+        state["ref_params"] = trainer.ref_params
+    return state

@@ -256,6 +256,7 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                 "interrupts": gs.interrupts - last_stats.interrupts,
                 "refill_tokens": gs.refill_tokens - last_stats.refill_tokens,
                 "filtered_groups": cs.filtered, "rejected_episodes": cs.rejected_episodes,
+                "prompts_too_long": getattr(controller.prompts.stream, "too_long", 0),
                 "reward_failures": rewards.stats.failed, "reward_timeouts": rewards.stats.timeouts,
                 "version": trainer.version,
                 "wall_seconds": now - t_start, **adv_stats,

@@ -131,3 +131,32 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     np.testing.assert_array_equal(trainer.params["w"], np.ones(8))
     np.testing.assert_array_equal(trainer.opt_state["m"], np.zeros(8))
     ckpt.close()
+
+
+def test_the_kl_reference_policy_is_checkpointed(tmp_path):
+    """With a KL penalty the reference policy is part of the state: a resumed trainer (built from a fresh random
+    init) must get the run's reference back, not its own init."""
+    import jax
+
+    from arealjax import train
+    from arealjax.checkpoint import Checkpointer
+    from arealjax.rl.trainer import Trainer
+    from arealjax.sharding import normalize_rules, role_meshes
+    from test_controller import small_config
+
+    c = small_config(0)
+    c.trainer.ppo.kl_coef = 0.1
+    rules, mesh = normalize_rules(c.sharding_rules), role_meshes(c.mesh)["trainer"]
+
+    def trainer(seed):
+        c.seed = seed
+        return Trainer(train.build(c, mesh, rules)[1], train.trainer_config(c.trainer), mesh=mesh, rules=rules)
+
+    first = trainer(0)
+    ckpt = Checkpointer(tmp_path, every_steps=1)
+    ckpt.maybe_save(1, first, {"version": 0, "optimizer_steps": 0, "skipped_steps": 0})
+    ckpt.close()
+    resumed = trainer(1)
+    Checkpointer(tmp_path).restore_latest(resumed)
+    for a, b in zip(jax.tree.leaves(resumed.ref_params), jax.tree.leaves(first.ref_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
