@@ -23,6 +23,7 @@ def main(argv):
 
     runtime.setup(config)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # quiet "no TPU found" probes on CPU
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every step of every save at INFO
     from arealjax import train
 
     if flags.FLAGS.export_to:

@@ -135,3 +135,14 @@ def test_the_job_trains_on_a_converted_dataset(tmp_path):
     ids = [i for s in steps for i in s["ids"]]
     assert [s["step"] for s in steps] == [1, 2, 3] and len(ids) == 12 == summary["prompts"]["trained"]
     assert len(set(ids)) == 12 and set(ids) <= {f"p{i}" for i in range(32)}
+
+
+def test_convert_command_line(tmp_path, capsys):
+    from arealjax.data.convert import main
+
+    good = write_jsonl(tmp_path / "g.jsonl", ROWS["gsm8k"][:2])
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"question": "q"}])
+    assert main([f"--out={tmp_path / 'tfds'}", f"--train={good}", f"--test={good}"]) == 0
+    assert len(list(PromptStream(tmp_path / "tfds/gsm8k/1.0.0", "test", TOK, epochs=1))) == 2
+    assert main([f"--out={tmp_path / 'bad'}", f"--train={bad}", "--layout=gsm8k"]) == 2
+    assert "b.jsonl:1: missing key 'answer'" in capsys.readouterr().err
