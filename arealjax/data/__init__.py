@@ -1,1 +1,2 @@
-"""Datasets: the synthetic task of the default job (and, with the data issue, tfds builders + grain)."""
+"""Datasets: local files → tfds array_record (builders.py, convert.py), streamed with grain (pipeline.py); the
+default job's synthetic task (arithmetic.py)."""
