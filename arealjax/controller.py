@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import logging
 import threading
 import time
 from typing import Iterator, Sequence

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np

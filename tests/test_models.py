@@ -11,7 +11,7 @@ from flax import nnx
 
 from arealjax.models import (ModelConfig, decode_step, forward, from_config, init_cache, insert, load_pretrained,
                              prefill, save_pretrained)
-from conftest import HF_CONFIGS, hf_logits, make_hf_model
+from conftest import HF_CONFIGS, hf_logits
 
 TOL = 1e-4
 

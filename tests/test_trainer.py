@@ -8,7 +8,6 @@ import pytest
 
 from arealjax.models import ModelConfig, forward, from_config
 from arealjax.rl.losses import PPOConfig
-from arealjax.rl.packing import pack
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, make_schedule
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import make_mesh

@@ -23,7 +23,6 @@ import multiprocessing.connection
 import queue
 import signal
 import threading
-import time
 import traceback
 from concurrent.futures import Future
 from typing import Any, Callable
