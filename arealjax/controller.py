@@ -104,7 +104,7 @@ class RolloutController:
                 with self._cv:
                     if self._stop or self._error is not None:
                         return
-                    has_room = self.staleness.capacity() > 0
+                    has_room = not self._exhausted and self.staleness.capacity() > 0
                     prompt = next(self.prompts, None) if has_room else None
                     if has_room and prompt is None:
                         self._exhausted = True
@@ -118,23 +118,12 @@ class RolloutController:
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     continue
-                if self._exhausted:  # let the groups in flight finish
-                    await self._until_stopped()
-                    return
-                try:
+                try:  # until capacity may have changed (or, once exhausted, until stop; groups in flight finish)
                     await asyncio.wait_for(self._wake.wait(), 0.5)
                 except asyncio.TimeoutError:
                     pass
         except BaseException as e:  # noqa: BLE001 — surfaced to the trainer by get_batch
             self._fail(e)
-
-    async def _until_stopped(self) -> None:
-        while not (self._stop or self._error is not None):
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
 
     async def _run_group(self, group: Group) -> None:
         episodes = [Episode(group.prompt, j, f"{group.prompt.id}#{group.seq}/{j}", self.generator, self.rewards,

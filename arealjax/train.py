@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from arealjax import models
 from arealjax.controller import Prompt, RolloutController, staleness_of
-from arealjax.data import arithmetic
 from arealjax.checkpoint import Checkpointer
+from arealjax.data import arithmetic
 from arealjax.data.pipeline import PromptStream, ReissueFirst, format_prompt
 from arealjax.generation import Engine, Generator, SamplingParams
 from arealjax.metrics import MetricsWriter, plot_curves
@@ -170,14 +170,15 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     c = config.checkpoint
     ckpt = Checkpointer(c.dir or workdir / "checkpoints", every_steps=c.every_steps, every_seconds=c.every_seconds,
                         max_to_keep=c.max_to_keep)
-    if config.sft.steps and not (config.resume and ckpt.latest_step() is not None):
+    latest = ckpt.latest_step()
+    if latest is not None and not config.resume:  # refused before any work (the warm start takes minutes)
+        raise ValueError(f"{ckpt.manager.directory} holds checkpoints (latest step {latest}): pass "
+                         f"--config.resume=True to continue that run, or use a new workdir")
+    if config.sft.steps and latest is None:
         model = warm_start(config, tokenizer, model, meshes["trainer"], rules, workdir)
     rl = config.rl
     trainer = Trainer(model, trainer_config(config.trainer), mesh=meshes["trainer"], rules=rules)
-    if not config.resume and ckpt.latest_step() is not None:
-        raise ValueError(f"{ckpt.manager.directory} holds checkpoints (latest step {ckpt.latest_step()}): pass "
-                         f"--config.resume=True to continue that run, or use a new workdir")
-    restored = ckpt.restore_latest(trainer) if config.resume else None
+    restored = ckpt.restore_latest(trainer) if latest is not None else None
     start_step = 0 if restored is None else restored[0]
     if start_step >= rl.steps:
         raise ValueError(f"the checkpoint is at step {start_step} and rl.steps={rl.steps}: nothing to train; raise "
@@ -219,8 +220,9 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
         controller.start()
         t_start = time.perf_counter()
         last_stats = dataclasses.replace(generator.stats)
-        last_tokens, last_t, eval_s = 0, t_start, 0.0
-        last_scored = (0, 0.0)
+        last_t, eval_s = t_start, 0.0
+        cs = controller.stats  # after a resume, the checkpoint's counts: rates start from them
+        last_tokens, last_scored = cs.generated_tokens, (cs.scored_samples, cs.reward_sum)
         bar = tqdm(range(start_step, rl.steps), desc="async RL", mininterval=1, initial=start_step,
                    total=rl.steps)
         for step in bar:
@@ -288,12 +290,17 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
         rewards.close()
         writer.close()
     plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
-    models.save_pretrained(trainer.model, workdir / "model")
-    if isinstance(tokenizer, CharTokenizer):
-        tokenizer.save(workdir / "model")
+    save_model(trainer, tokenizer, workdir / "model")
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return summary
+
+
+def save_model(trainer: Trainer, tokenizer: Tokenizer, out: str | Path) -> None:
+    """The trainer's params as a Hugging Face directory, with the tokenizer when it is our own."""
+    models.save_pretrained(trainer.model, out)
+    if isinstance(tokenizer, CharTokenizer):
+        tokenizer.save(out)
 
 
 def export(config: Any, workdir: str, out: str) -> int:
@@ -307,8 +314,6 @@ def export(config: Any, workdir: str, out: str) -> int:
     restored = ckpt.restore_latest(trainer)
     if restored is None:
         raise FileNotFoundError(f"no complete checkpoint in {ckpt.manager.directory}")
-    models.save_pretrained(trainer.model, out)
-    if isinstance(tokenizer, CharTokenizer):
-        tokenizer.save(out)
+    save_model(trainer, tokenizer, out)
     logging.info("exported checkpoint %d (version %d) to %s", restored[0], trainer.version, out)
     return restored[0]

@@ -100,9 +100,8 @@ class RewardService:
         self._closed = False
         self._fatal: str | None = None
         self._ctx = multiprocessing.get_context("spawn")
-        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"reward-worker-{i}", daemon=True)
+        self._threads = [threading.Thread(target=self._serve, name=f"reward-worker-{i}", daemon=True)
                          for i in range(workers)]
-        self._started = 0
         for t in self._threads:
             t.start()
 
@@ -146,10 +145,6 @@ class RewardService:
         proc = self._ctx.Process(target=_worker, args=(self.fn, child), daemon=True, name="arealjax-reward")
         proc.start()
         child.close()
-        with self._lock:
-            self._started += 1
-            if self._started > len(self._threads):
-                self.stats.restarts += 1
         try:
             msg = parent.recv() if parent.poll(60) else ("fatal", "no answer in 60 s")
         except (EOFError, OSError):
@@ -160,7 +155,7 @@ class RewardService:
             raise RuntimeError(f"reward worker for '{self.fn}' did not start: {msg[1]}")
         return proc, parent
 
-    def _serve(self, index: int) -> None:
+    def _serve(self) -> None:
         proc = conn = None
         try:
             proc, conn = self._spawn()
@@ -172,8 +167,11 @@ class RewardService:
                     continue  # cancelled while waiting (its episode was cancelled at stop)
                 problem, value, detail = self._attempt(proc, conn, job)
                 if problem in ("timeout", "crash"):  # replaced at once, before the retry or the next call
+                    conn.close()
                     _kill(proc)
                     proc, conn = self._spawn()
+                    with self._lock:
+                        self.stats.restarts += 1
                 self._settle(job, problem, value, detail)
         except BaseException as e:  # noqa: BLE001 — a worker that cannot start: every call must learn why
             with self._lock:
