@@ -32,9 +32,9 @@ def test_notebook_runs(path, tmp_path, request):
     assert code.strip(), f"{path} has no code cells"
     script = tmp_path / "nb.py"
     script.write_text(code)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if path.name == "checkpoint_inspection.ipynb":  # against the GCS emulator
-        env.update(request.getfixturevalue("gs_run"))
+    run = request.getfixturevalue("gs_run") if path.name == "checkpoint_inspection.ipynb" else {}  # the emulator
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # (its address is in os.environ once started)
+    env.update(run)
     res = subprocess.run([sys.executable, str(script)], cwd=path.parent, env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
