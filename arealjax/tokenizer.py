@@ -10,9 +10,10 @@ import datetime
 import functools
 import json
 import os
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -131,7 +132,8 @@ class CharTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         n = len(self.SPECIALS)
-        return "".join(self.alphabet[i - n] if i >= n else ("" if skip_special_tokens else self.SPECIALS[i]) for i in ids)
+        special = lambda i: "" if skip_special_tokens else self.SPECIALS[i]  # noqa: E731
+        return "".join(self.alphabet[i - n] if i >= n else special(i) for i in ids)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return render_chat(self.chat_template, messages, add_generation_prompt)

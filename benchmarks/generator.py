@@ -97,7 +97,8 @@ def run_tunix(path, hf_cfg, prompts, lens, batch, cache_size, repeats):
     cfg = tmodel.ModelConfig(num_layers=hf_cfg.num_hidden_layers, vocab_size=hf_cfg.vocab_size,
                              embed_dim=hf_cfg.hidden_size, hidden_dim=hf_cfg.intermediate_size,
                              num_heads=hf_cfg.num_attention_heads, head_dim=hf_cfg.head_dim,
-                             num_kv_heads=hf_cfg.num_key_value_heads, rope_theta=int(hf_cfg.rope_parameters["rope_theta"]),
+                             num_kv_heads=hf_cfg.num_key_value_heads,
+                             rope_theta=int(hf_cfg.rope_parameters["rope_theta"]),
                              norm_eps=hf_cfg.rms_norm_eps, use_tied_embedding=hf_cfg.tie_word_embeddings)
     model = tparams.create_model_from_safe_tensors(str(path), cfg)
     s = tsampler.Sampler(model, IdTokenizer(), tsampler.CacheConfig(cache_size=cache_size, num_layers=cfg.num_layers,

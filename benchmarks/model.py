@@ -34,8 +34,9 @@ def timeit(fn, repeats: int) -> float:
 
 
 def parity() -> dict:
-    from conftest import HF_CONFIGS, hf_logits, make_hf_model
     import numpy as np
+    from conftest import HF_CONFIGS, hf_logits, make_hf_model
+
     from arealjax.models import load_pretrained
 
     out = {}
@@ -54,6 +55,7 @@ def throughput(quick: bool) -> dict:
     import numpy as np
     import torch
     import transformers
+
     from arealjax.models import decode_step, init_cache, insert, load_pretrained, prefill
 
     torch.set_num_threads(os.cpu_count())
@@ -103,6 +105,7 @@ def reshard_child() -> dict:
     """Runs in a subprocess with 8 fake CPU devices."""
     import jax
     import numpy as np
+
     from arealjax.models import ModelConfig, from_config
     from arealjax.sharding import LogicalSharding, reshard, role_meshes, tree_shardings
 

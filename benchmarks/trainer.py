@@ -43,7 +43,7 @@ def matmul_peak(repeats: int) -> tuple[float, int]:
         a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
         b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
         f = jax.jit(jnp.matmul)
-        t = best_of(lambda: f(a, b).block_until_ready(), repeats)
+        t = best_of(lambda f=f, a=a, b=b: f(a, b).block_until_ready(), repeats)
         best = max(best, (2 * n**3 / t, n))
     return best
 
@@ -100,7 +100,7 @@ def main():
                                                optim=OptimConfig(lr=1e-6)))
         metrics = {}
 
-        def step():
+        def step(trainer=trainer, metrics=metrics):
             metrics.update(trainer.train_step(trajs))
             jax.block_until_ready(trainer.params)
 

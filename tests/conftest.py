@@ -78,8 +78,9 @@ def gcs_bucket():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("gcs_emulator.py")), "start", "--host",
-                             "127.0.0.1", "--port", str(port), "--default-bucket", "arealjax-test", "--in-memory", "-q"],
+    emulator = str(Path(__file__).with_name("gcs_emulator.py"))
+    proc = subprocess.Popen([sys.executable, emulator, "start", "--host", "127.0.0.1", "--port", str(port),
+                             "--default-bucket", "arealjax-test", "--in-memory", "-q"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while True:

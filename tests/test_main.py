@@ -1,4 +1,5 @@
-"""main.py as a user runs it: the default job (shortened), a rerun reusing its warm start, then RL from the\nexported model through --config.model_path."""
+"""main.py as a user runs it: the default job (shortened), a rerun reusing its warm start, then RL from the
+exported model through --config.model_path."""
 
 import json
 import os

@@ -7,8 +7,17 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from arealjax.models import ModelConfig, decode_step, from_config, init_cache, insert, load_pretrained, prefill
-from arealjax.sharding import (DEFAULT_RULES, LogicalSharding, logical_to_spec, make_mesh, normalize_rules, reshard,
-                               role_meshes, split_devices, tree_shardings)
+from arealjax.sharding import (
+    DEFAULT_RULES,
+    LogicalSharding,
+    logical_to_spec,
+    make_mesh,
+    normalize_rules,
+    reshard,
+    role_meshes,
+    split_devices,
+    tree_shardings,
+)
 
 CFG = ModelConfig.make(family="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16)
@@ -43,7 +52,8 @@ def test_role_meshes_disjoint_and_colocated():
 
 def test_logical_rules():
     mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
-    assert logical_to_spec(("embed", "heads", "head_dim"), DEFAULT_RULES, mesh, (64, 4, 16)) == P("fsdp", "tensor", None)
+    spec = logical_to_spec(("embed", "heads", "head_dim"), DEFAULT_RULES, mesh, (64, 4, 16))
+    assert spec == P("fsdp", "tensor", None)
     # activations: batch takes fsdp first, so embed may not reuse it
     assert logical_to_spec(("batch", "length", "embed"), DEFAULT_RULES, mesh, (8, 5, 64)) == P("fsdp", None, None)
     # a dimension the mesh axis does not divide stays replicated instead of failing

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import tensorflow_datasets as tfds
 
@@ -124,7 +125,7 @@ LAYOUTS = {layout.name: layout for layout in (
 
 
 def known_layouts() -> str:
-    return "; ".join(f"{l.name}: {l.keys}" for l in LAYOUTS.values())
+    return "; ".join(f"{layout.name}: {layout.keys}" for layout in LAYOUTS.values())
 
 
 def read_rows(file: str | Path) -> Iterator[tuple[str, dict | RowError]]:
@@ -255,7 +256,7 @@ def convert(files: dict[str, Sequence[str | Path]], data_dir: str | Path, layout
         return out
     builder.download_and_prepare()
     skipped = {split: len(v) for split, v in builder.skipped.items()}
-    for split, rows in builder.skipped.items():
+    for rows in builder.skipped.values():
         for loc in rows[:5]:
             logging.warning("skipped %s", loc)
     (out / "skipped.json").write_text(json.dumps({"counts": skipped, "rows": builder.skipped}, indent=1))

@@ -45,7 +45,7 @@ class Model:
     def dtype(self) -> jnp.dtype:
         return jax.tree.leaves(self.params)[0].dtype
 
-    def to_mesh(self, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> "Model":
+    def to_mesh(self, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> Model:
         """The same weights resharded onto `mesh` (e.g. the generator's slice), with a graphdef for that mesh."""
         shard = LogicalSharding(mesh, rules)
         graphdef, abstract = _abstract(self.cfg, self.dtype, shard)

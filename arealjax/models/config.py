@@ -8,7 +8,8 @@ distinguish them; everything else is explicit.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 FAMILIES = {
     # family -> (HF architecture name, switches that define the family)
@@ -32,7 +33,8 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    # Extra RoPE parameters as sorted (key, value) pairs, e.g. Llama 3's (('factor', 8.0), ..., ('rope_type', 'llama3')).
+    # Extra RoPE parameters as sorted (key, value) pairs, e.g. Llama 3's
+    # (('factor', 8.0), ..., ('rope_type', 'llama3')).
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
@@ -56,7 +58,7 @@ class ModelConfig:
             raise ValueError(f"rope_type '{rope_type}' is not supported; supported: {ROPE_TYPES}")
 
     @classmethod
-    def make(cls, **kw: Any) -> "ModelConfig":
+    def make(cls, **kw: Any) -> ModelConfig:
         """A config from keyword arguments: family switches filled in, `head_dim` defaulting to hidden/heads.
 
         Unknown keys raise an error that names them and lists the valid ones.

@@ -100,7 +100,8 @@ def weight_map(path: str | os.PathLike) -> dict[str, Path]:
     return out
 
 
-def load_params(path: str | os.PathLike, abstract: nnx.State, cfg: ModelConfig, dtype, shardings: Any = None) -> nnx.State:
+def load_params(path: str | os.PathLike, abstract: nnx.State, cfg: ModelConfig, dtype,
+                shardings: Any = None) -> nnx.State:
     """Reads every tensor that `abstract` (an nnx.State of ShapeDtypeStructs) needs, converted and placed.
 
     With `shardings` each array is built shard by shard, so a host only uploads the slices its devices hold.

@@ -130,10 +130,12 @@ def attend_causal(q: Array, k: Array, v: Array, mask: Array, block: int = CAUSAL
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = Linear((d,), (h, hd), ("embed",), ("heads", "head_dim"), use_bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear((d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), use_bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear((d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), use_bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear((h, hd), (d,), ("heads", "head_dim"), ("embed",), use_bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        qkv = dict(use_bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear((d,), (h, hd), ("embed",), ("heads", "head_dim"), **qkv)
+        self.k_proj = Linear((d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), **qkv)
+        self.v_proj = Linear((d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), **qkv)
+        self.o_proj = Linear((h, hd), (d,), ("heads", "head_dim"), ("embed",), use_bias=cfg.o_bias, dtype=dtype,
+                             rngs=rngs)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 

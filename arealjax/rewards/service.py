@@ -24,8 +24,9 @@ import queue
 import signal
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 _STOP = object()
 _MAX_LOGGED = 5  # per kind of problem: the rest only counts
@@ -133,7 +134,7 @@ class RewardService:
             t.join(timeout=10)
         self._drain(RuntimeError("reward service closed"))
 
-    def __enter__(self) -> "RewardService":
+    def __enter__(self) -> RewardService:
         return self
 
     def __exit__(self, *exc) -> None:
