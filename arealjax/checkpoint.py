@@ -7,7 +7,8 @@
 A checkpoint holds, as sharded arrays (`state/`), the trainer's params and optimizer state (and the reference
 policy when a KL penalty uses one) and, as JSON (`meta/`), the policy version and optimizer-step counters, the
 prompt stream's position, the prompts admitted but not yet trained, the controller's counters and the metrics
-step. There is no RNG state to keep: sampling keys derive from (seed, sample, position). Prompts in flight or
+step. There is no RNG state to keep: sampling keys derive from (the prompt's seed, sample, position), and a prompt's
+seed from (run seed, prompt id, epoch), which the pending prompts carry. Prompts in flight or
 queued at save time are *re-issued* on resume, in admission order, before the stream continues: their
 trajectories are generated again (with η = 0, from the same weights and the same sampling keys, so identically),
 and no prompt is trained twice or skipped. Orbax commits a step only once it is complete (a rename on local disk,

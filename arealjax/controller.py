@@ -3,7 +3,7 @@
     dataset ──prompts──▶ controller ──episodes (workflow × n)──▶ generator, reward service, sandbox
                               ▲                                                         │ trajectories
                               └── staleness (admission) ◀── queue of scored groups ◀────┘
-    trainer.get_batch() ◀── oldest groups first;  trainer params ──reshard──▶ generator.update_weights
+    trainer.get_batch() ◀── earliest deadlines first;  trainer params ──reshard──▶ generator.update_weights
 
 An asyncio loop on the controller's thread admits prompts while the staleness manager has capacity and runs, per
 admitted prompt, `n` episodes of the workflow concurrently (single-turn RLVR by default; see workflows/). Their
@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import threading
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -31,14 +30,14 @@ from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import Tokenizer
 from arealjax.workflows import RLVR, Episode, Prompt, Workflow
 
-__all__ = ["ControllerStats", "Group", "Prompt", "RolloutController", "staleness_of"]
+__all__ = ["ControllerStats", "Group", "Prompt", "RolloutController", "staleness_of", "token_staleness"]
 
 
 @dataclasses.dataclass
 class Group:
     prompt: Prompt
     admitted_at: int  # staleness-manager version at admission (≤ the version of every token)
-    seq: int  # admission order
+    seq: int  # admission order (the staleness manager's sequence number)
     trajectories: list[Trajectory]
 
 
@@ -69,9 +68,8 @@ class RolloutController:
         self.workflow = workflow if workflow is not None else RLVR()
         self.stats = ControllerStats()
         self._cv = threading.Condition()
-        self._queue: list[Group] = []
+        self._queue: dict[int, Group] = {}  # seq -> scored group waiting for a batch
         self._running: dict[int, Group] = {}  # seq -> group admitted, not yet queued/filtered
-        self._seq = itertools.count()
         self._stop = False
         self._error: BaseException | None = None
         self._exhausted = False
@@ -81,7 +79,7 @@ class RolloutController:
         self._thread = threading.Thread(target=self._run_loop, name="rollout-controller", daemon=True)
 
     # ---- the controller's thread: an asyncio loop ----
-    def start(self) -> "RolloutController":
+    def start(self) -> RolloutController:
         self._thread.start()
         return self
 
@@ -110,8 +108,8 @@ class RolloutController:
                         self._exhausted = True
                         self._cv.notify_all()
                     if prompt is not None:
-                        group = Group(prompt, self.staleness.on_submit(), next(self._seq), [])
-                        self._running[group.seq] = group
+                        seq, version = self.staleness.on_submit()
+                        group = self._running[seq] = Group(prompt, version, seq, [])
                         self.stats.submitted += 1
                 if prompt is not None:
                     task = asyncio.create_task(self._run_group(group))
@@ -120,14 +118,15 @@ class RolloutController:
                     continue
                 try:  # until capacity may have changed (or, once exhausted, until stop; groups in flight finish)
                     await asyncio.wait_for(self._wake.wait(), 0.5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         except BaseException as e:  # noqa: BLE001 — surfaced to the trainer by get_batch
             self._fail(e)
 
     async def _run_group(self, group: Group) -> None:
+        sampling = dataclasses.replace(self.sampling, n=1, seed=group.prompt.sampling_seed(self.sampling.seed))
         episodes = [Episode(group.prompt, j, f"{group.prompt.id}#{group.seq}/{j}", self.generator, self.rewards,
-                            self.tokenizer, dataclasses.replace(self.sampling, n=1), self.generator.engine.max_len)
+                            self.tokenizer, sampling, self.generator.engine.max_len)
                     for j in range(self.sampling.n)]
         try:
             results = await asyncio.gather(*(self.workflow.run(ep) for ep in episodes))
@@ -154,11 +153,11 @@ class RolloutController:
             self.stats.scored_samples += len(rewards)
             self.stats.reward_sum += float(sum(rewards))
             if kept:
-                self.staleness.on_accept()
-                self._queue.append(group)
+                self.staleness.on_accept(group.seq)
+                self._queue[group.seq] = group
                 self.stats.filtered_in_a_row, self._filtered_reward_sum = 0, 0.0
             else:
-                self.staleness.on_reject()
+                self.staleness.on_reject(group.seq)
                 self.stats.filtered += 1
                 self.stats.filtered_in_a_row += 1
                 self._filtered_reward_sum += rewards[0] if rewards else 0.0
@@ -167,7 +166,8 @@ class RolloutController:
             mean = self._filtered_reward_sum / max(self.stats.filtered_in_a_row, 1)
         if starved:
             self._fail(RuntimeError(
-                f"dynamic filtering dropped {self.stats.filtered_in_a_row} groups in a row (every sample of each got the same reward; "
+                f"dynamic filtering dropped {self.stats.filtered_in_a_row} groups in a row (every sample of each got "
+                f"the same reward; "
                 f"mean of those rewards {mean:.3f}): no group carries a learning signal, so the trainer "
                 f"would wait forever. All-high rewards mean the task is solved or too easy, all-low that the policy "
                 f"collapsed or the task is too hard. Raise rl.group_size or rl.temperature, change the task, or set "
@@ -188,30 +188,31 @@ class RolloutController:
             pass
 
     # ---- the trainer's side ----
-    def get_batch(self, batch_size: int, trainer_version: int, timeout: float | None = None) -> list[Group]:
-        """The oldest `batch_size` scored groups for the step from `trainer_version`, once every group that this
-        step must include (see staleness.py) has been scored. Checks the staleness bound on every trajectory."""
+    def get_batch(self, trainer_version: int, timeout: float | None = None) -> list[Group]:
+        """The batch for the step from `trainer_version`: the B scored groups with the earliest staleness deadlines,
+        as soon as taking them leaves every other admitted group able to meet its own (staleness.py); until then
+        it waits. Checks the staleness bound on every trajectory."""
         deadline = None if timeout is None else time.perf_counter() + timeout
         with self._cv:
             while True:
                 if self._error is not None:
                     raise RuntimeError(f"rollout failed: {self._error!r}") from self._error
-                waiting = any(self.staleness.must_train(trainer_version, g.admitted_at)
-                              for g in self._running.values())
-                if len(self._queue) >= batch_size and not waiting:
+                seqs = self.staleness.take_batch(trainer_version)
+                if seqs is not None:
                     break
-                if self._stop or (self._exhausted and not self._running and len(self._queue) < batch_size):
+                if self.staleness.stuck(trainer_version):
+                    s = self.staleness
+                    raise RuntimeError(f"staleness: no batch for version {trainer_version} can keep every queued "
+                                       f"group within η = {s.max_staleness} ({len(s.queued)} queued, none running): "
+                                       f"the admission counts are inconsistent")
+                exhausted = self._exhausted and not self._running and len(self._queue) < self.staleness.batch_size
+                if self._stop or exhausted:
                     raise StopIteration("no more batches: the controller stopped or the dataset is exhausted")
                 if deadline is not None and time.perf_counter() > deadline:
-                    raise TimeoutError(f"no batch of {batch_size} groups within {timeout}s")
+                    raise TimeoutError(f"no batch for version {trainer_version} within {timeout}s")
                 self._cv.wait(0.5)
-            self._queue.sort(key=lambda g: (g.admitted_at, g.seq))
-            batch, self._queue = self._queue[:batch_size], self._queue[batch_size:]
-            late = [g for g in self._queue if self.staleness.must_train(trainer_version, g.admitted_at)]
+            batch = [self._queue.pop(s) for s in seqs]
             self.stats.trained += len(batch)
-        if late:
-            raise RuntimeError(f"staleness: {len(late)} groups admitted at version ≤ {trainer_version} − η are left "
-                               f"out of the batch (more than batch_size={batch_size} were admitted)")
         worst = int(staleness_of(batch, trainer_version).max(initial=0))
         if worst > self.staleness.max_staleness:
             raise RuntimeError(f"staleness {worst} > η = {self.staleness.max_staleness} in the batch for version "
@@ -229,7 +230,7 @@ class RolloutController:
         """A consistent snapshot for a checkpoint: the prompt source's position, the prompts admitted and not yet
         trained (queued or in flight, to be re-issued on resume, in admission order) and the counters."""
         with self._cv:  # admission takes a prompt and registers its group under this lock
-            pending = sorted([*self._running.values(), *self._queue], key=lambda g: g.seq)
+            pending = sorted([*self._running.values(), *self._queue.values()], key=lambda g: g.seq)
             return {"prompts": self.prompts.get_state(), "pending": [dataclasses.asdict(g.prompt) for g in pending],
                     "stats": dataclasses.asdict(self.stats)}
 
@@ -240,7 +241,7 @@ class RolloutController:
         stats["submitted"] -= len(state["pending"])  # they are submitted again
         self.stats = ControllerStats(**stats)
         self.staleness.version = version
-        self.staleness.accepted, self.staleness.rejected = self.stats.trained, self.stats.filtered
+        self.staleness.trained, self.staleness.rejected = self.stats.trained, self.stats.filtered
         self.staleness.submitted = self.stats.submitted
 
     def queue_depth(self) -> int:
@@ -268,3 +269,9 @@ class RolloutController:
 def staleness_of(batch: Sequence[Group], trainer_version: int) -> np.ndarray:
     """Per trajectory: trainer version − version of its oldest model token."""
     return np.array([trainer_version - t.oldest_version for g in batch for t in g.trajectories if t.n_model_tokens])
+
+
+def token_staleness(batch: Sequence[Group], trainer_version: int) -> np.ndarray:
+    """Per model token: trainer version − the version that sampled it."""
+    return np.concatenate([trainer_version - t.versions[t.loss_mask] for g in batch for t in g.trajectories] or
+                          [np.zeros(0, np.int32)])

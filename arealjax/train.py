@@ -21,9 +21,9 @@ import numpy as np
 from tqdm import tqdm
 
 from arealjax import models
-from arealjax.controller import Prompt, RolloutController, staleness_of
 from arealjax.checkpoint import Checkpointer
-from arealjax.data import arithmetic
+from arealjax.controller import Prompt, RolloutController, staleness_of, token_staleness
+from arealjax.data import arithmetic, remainder
 from arealjax.data.pipeline import PromptStream, ReissueFirst, format_prompt
 from arealjax.generation import Engine, Generator, SamplingParams
 from arealjax.metrics import MetricsWriter, plot_curves
@@ -48,6 +48,17 @@ def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, model
     return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)
 
 
+TASKS = {"addition": arithmetic, "remainder": remainder}  # config.task.name -> the synthetic task's module
+
+
+def task_problems(task: Any, n: int, seed: int) -> list:
+    """`n` problems of the synthetic task `task.name`, its other keys (but seed) passed to `sample_problems`."""
+    if task.name not in TASKS:
+        raise ValueError(f"config.task.name = '{task.name}'; expected one of {sorted(TASKS)}")
+    kwargs = {k: v for k, v in task.items() if k not in ("name", "seed")}
+    return TASKS[task.name].sample_problems(n, seed=seed, **kwargs)
+
+
 def train_prompts(config: Any, tokenizer: Tokenizer) -> ReissueFirst:
     """The converted dataset at `data.path` (grain: shuffled, sharded by process) or, when empty, an endless
     seeded stream of the synthetic task; either way checkpointable, with prompts to re-issue after a resume."""
@@ -67,15 +78,14 @@ class SyntheticPrompts:
         self.task, self.template, self.tokenizer = config.task, config.data.template, tokenizer
         self.next_index, self._chunk = 0, (-1, [])
 
-    def __iter__(self) -> "SyntheticPrompts":
+    def __iter__(self) -> SyntheticPrompts:
         return self
 
     def __next__(self) -> Prompt:
         i, t = self.next_index, self.task
         c = i // self.CHUNK
         if self._chunk[0] != c:
-            self._chunk = (c, arithmetic.sample_problems(self.CHUNK, seed=t.seed + 1000 * (c * self.CHUNK + 1),
-                                                         min_digits=t.min_digits, max_digits=t.max_digits))
+            self._chunk = (c, task_problems(t, self.CHUNK, seed=t.seed + 1000 * (c * self.CHUNK + 1)))
         p = self._chunk[1][i % self.CHUNK]
         self.next_index += 1
         return Prompt(f"train-{i}", format_prompt(self.tokenizer, p.prompt, self.template), {"answer": p.answer})
@@ -97,8 +107,7 @@ def eval_prompts(config: Any, tokenizer: Tokenizer) -> list[Prompt]:
         return list(itertools.islice(stream, n))
     t = config.task
     return [Prompt(f"eval-{i}", format_prompt(tokenizer, p.prompt, d.template), {"answer": p.answer})
-            for i, p in enumerate(arithmetic.sample_problems(n, seed=t.seed + 7, min_digits=t.min_digits,
-                                                             max_digits=t.max_digits))]
+            for i, p in enumerate(task_problems(t, n, seed=t.seed + 7))]
 
 
 def trainer_config(c: Any, loss: str = "ppo", steps: int = 0) -> TrainerConfig:
@@ -112,8 +121,9 @@ def trainer_config(c: Any, loss: str = "ppo", steps: int = 0) -> TrainerConfig:
 
 
 def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rules, workdir: Path) -> models.Model:
-    """SFT on imperfect demonstrations (carries dropped at `carry_error`), cached by config in `sft.cache_dir`
-    (default workdir/sft)."""
+    """SFT on imperfect demonstrations of the synthetic task (each step wrong with probability `sft.demo_error`;
+    demonstrations longer than `sft.max_tokens` left out), cached by config in `sft.cache_dir` (default
+    workdir/sft)."""
     s, t = config.sft, config.task
     key = json.dumps({"sft": {k: v for k, v in s.to_dict().items() if k != "cache_dir"},
                       "model": config.model.to_dict(), "task": t.to_dict(), "seed": config.seed}, sort_keys=True)
@@ -123,14 +133,15 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
         return models.load_pretrained(out, mesh=mesh, rules=rules)
     trainer = Trainer(model, trainer_config(s, loss="sft", steps=s.steps), mesh=mesh, rules=rules)
     rng = np.random.RandomState(config.seed)
-    problems = arithmetic.sample_problems(s.steps * s.batch_size, seed=t.seed, min_digits=t.min_digits,
-                                          max_digits=t.max_digits)
+    problems = task_problems(t, s.steps * s.batch_size, seed=t.seed)
     bar = tqdm(range(s.steps), desc="SFT warm start", mininterval=2)
     for step in bar:
         batch = []
         for p in problems[step * s.batch_size:(step + 1) * s.batch_size]:
-            demo = tokenizer.encode(arithmetic.demonstration(p, rng, s.carry_error)) + [tokenizer.eos_ids[0]]
+            demo = tokenizer.encode(TASKS[t.name].demonstration(p, rng, s.demo_error)) + [tokenizer.eos_ids[0]]
             prompt = format_prompt(tokenizer, p.prompt, config.data.template)
+            if len(prompt) + len(demo) > s.max_tokens:
+                continue
             batch.append(Trajectory.from_completion(prompt, demo, np.zeros(len(demo)), np.zeros(len(demo))))
         m = trainer.train_step(batch)
         bar.set_postfix(nll=f"{m['nll']:.3f}", refresh=False)
@@ -142,16 +153,28 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
 
 def evaluate(generator: Generator, rewards: RewardService, tokenizer: Tokenizer, prompts: list[Prompt],
              config: Any) -> dict[str, float]:
-    """Held-out accuracy (pass@1 at the training temperature) and greedy accuracy."""
+    """Held-out accuracy (pass@1 at the training temperature) and greedy accuracy, and the percentiles of the
+    sampled outputs' lengths in tokens."""
     out = {}
     for name, temperature in (("eval_accuracy", config.rl.temperature), ("eval_greedy_accuracy", 0.0)):
-        sampling = SamplingParams(temperature=temperature, max_new_tokens=config.rl.max_new_tokens,
-                                  stop_token_ids=tuple(tokenizer.eos_ids), seed=config.seed + 99)
-        futs = [generator.submit(p.tokens, sampling) for p in prompts]
-        texts = [tokenizer.decode(f.result()[0].output_tokens) for f in futs]
-        scores = [rewards.submit(x, **p.reward_kwargs) for x, p in zip(texts, prompts)]
+        futs = [generator.submit(p.tokens, SamplingParams(
+            temperature=temperature, max_new_tokens=config.rl.max_new_tokens, stop_token_ids=tuple(tokenizer.eos_ids),
+            seed=p.sampling_seed(config.seed + 99))) for p in prompts]
+        outputs = [f.result()[0].output_tokens for f in futs]
+        scores = [rewards.submit(tokenizer.decode(x), **p.reward_kwargs) for x, p in zip(outputs, prompts)]
         out[name] = float(np.mean([s.result() for s in scores]))
+        if temperature:
+            lengths = [len(x) for x in outputs]
+            out.update(eval_length_p50=float(np.percentile(lengths, 50)),
+                       eval_length_p99=float(np.percentile(lengths, 99)), eval_length_max=float(max(lengths)))
     return out
+
+
+def rollout_reward(scored: tuple[int, float], last: tuple[int, float]) -> dict[str, float]:
+    """The mean reward of every sample scored since the last step, from cumulative (count, reward sum); no value
+    (not 0) for a step in which nothing was scored."""
+    n = scored[0] - last[0]
+    return {"rollout_reward": (scored[1] - last[1]) / n} if n else {}
 
 
 def truncate_jsonl(path: Path, max_step: int) -> None:
@@ -223,13 +246,15 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
         last_t, eval_s = t_start, 0.0
         cs = controller.stats  # after a resume, the checkpoint's counts: rates start from them
         last_tokens, last_scored = cs.generated_tokens, (cs.scored_samples, cs.reward_sum)
+        last_reward, last_acc = float("nan"), first["eval_accuracy"]  # what the progress bar shows between updates
         bar = tqdm(range(start_step, rl.steps), desc="async RL", mininterval=1, initial=start_step,
                    total=rl.steps)
         for step in bar:
             t0 = time.perf_counter()
-            batch = controller.get_batch(rl.batch_size, trainer.version)
+            batch = controller.get_batch(trainer.version)
             wait_s = time.perf_counter() - t0
             stale = staleness_of(batch, trainer.version)
+            tokens_by_staleness = np.bincount(token_staleness(batch, trainer.version), minlength=rl.max_staleness + 1)
             adv_stats = assign_advantages([grp.trajectories for grp in batch], advantage)
             m = trainer.train_step([tr for grp in batch for tr in grp.trajectories])
             t1 = time.perf_counter()
@@ -246,10 +271,9 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
             tokens, scored = cs.generated_tokens, (cs.scored_samples, cs.reward_sum)
             rewards_flat = [tr.reward for grp in batch for tr in grp.trajectories]
             metrics = {
-                # rollout_reward: every sample scored since the last step; reward: the batch, after filtering
-                "rollout_reward": (scored[1] - last_scored[1]) / max(scored[0] - last_scored[0], 1),
                 "reward": float(np.mean(rewards_flat)), "accuracy": float(np.mean(np.array(rewards_flat) > 0.5)),
                 "staleness_max": float(stale.max()), "staleness_mean": float(stale.mean()),
+                **{f"staleness_tokens_{k}": int(n) for k, n in enumerate(tokens_by_staleness)},
                 "queue_depth": controller.queue_depth(), "in_flight": controller.in_flight(),
                 "generated_tokens_per_s": (tokens - last_tokens) / (now - last_t),
                 "weight_sync_seconds": sync_s, "batch_wait_seconds": wait_s,
@@ -264,6 +288,8 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                 "wall_seconds": now - t_start, **adv_stats,
                 **{k: v for k, v in m.items() if k not in ("version",)},
             }
+            metrics.update(rollout_reward(scored, last_scored))
+            last_reward = metrics.get("rollout_reward", last_reward)
             last_stats, last_tokens, last_t, last_scored = dataclasses.replace(gs), tokens, now, scored
             if rl.eval_every and (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
                 metrics.update(evaluate(generator, rewards, tokenizer, held_out, config))
@@ -276,9 +302,9 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                 "version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
                 "skipped_steps": trainer.skipped_steps, "first_eval": first,
                 "controller": controller.checkpoint_state()}, force=step + 1 == rl.steps)
-            bar.set_postfix(reward=f"{metrics['rollout_reward']:.2f}", stale=f"{metrics['staleness_mean']:.1f}",
-                            tok_s=f"{metrics['generated_tokens_per_s']:.0f}",
-                            acc=f"{metrics.get('eval_accuracy', float('nan')):.2f}", refresh=False)
+            last_acc = metrics.get("eval_accuracy", last_acc)
+            bar.set_postfix(reward=f"{last_reward:.2f}", stale=f"{metrics['staleness_mean']:.1f}",
+                            tok_s=f"{metrics['generated_tokens_per_s']:.0f}", acc=f"{last_acc:.2f}", refresh=False)
         summary = {"steps": rl.steps, "wall_seconds": time.perf_counter() - t_start, "eval_seconds": eval_s,
                    "eval_accuracy_start": first["eval_accuracy"], "eval_accuracy_end": metrics["eval_accuracy"],
                    "eval_greedy_accuracy_start": first["eval_greedy_accuracy"],

@@ -1,12 +1,15 @@
-"""Asynchronous vs synchronous RL, side by side in one run: the default job at η = 0 and at η = 4.
+"""Asynchronous vs synchronous RL, side by side in one run: the same job at several η, η = 0 first.
 
-  python benchmarks/async_vs_sync.py                     # 40 RL steps each; --steps, --etas, extra --config.* flags
+  python benchmarks/async_vs_sync.py                                   # default job, η = 0 and 4, 40 RL steps
+  python benchmarks/async_vs_sync.py --config=configs/longtail.py --etas=0,1,2,4,8
 
 Each η runs `main.py` in its own process (same config, seed and SFT warm start, cached once in the output
 directory), so neither inherits the other's compiled code. Timed: the wall-clock of RL steps (warmup, steps]
-from the run's metrics (no evaluation inside that window: eval_every = 0). Printed per η: seconds per step, the
-speedup over the first η, the share of that wall-clock spent resharding weights to the generator, the share the
-generator sat idle, generated tokens/s and the staleness of trained tokens.
+from the run's metrics (no evaluation inside that window: eval_every = 0; the held-out evaluation after the last
+step is outside it). Printed per η: seconds per step and the speedup over the first η, the shares of that
+wall-clock spent resharding weights to the generator and with the generator idle, generated tokens/s, the trainer's
+step and wait, the staleness of trained tokens (mean, max and histogram, token-weighted), rollout reward and the
+held-out accuracy after the last step (pass@1 at the training temperature).
 """
 
 import argparse
@@ -39,6 +42,10 @@ def run(eta: int, args, out: Path) -> dict:
     wall = steps[args.steps]["wall_seconds"] - steps[args.warmup]["wall_seconds"]
     idle = sum(r["generator_idle_seconds"] for r in window)
     busy = sum(r["generator_busy_seconds"] for r in window)
+    hist = np.zeros(eta + 1)
+    for r in window:
+        hist += [r.get(f"staleness_tokens_{k}", 0) for k in range(eta + 1)]
+    summary = json.loads((workdir / "summary.json").read_text())
     return {
         "eta": eta, "steps_timed": len(window), "wall_seconds": wall, "seconds_per_step": wall / len(window),
         "weight_sync_share": sum(r["weight_sync_seconds"] for r in window) / wall,
@@ -46,9 +53,11 @@ def run(eta: int, args, out: Path) -> dict:
         "generated_tokens_per_s": float(np.mean([r["generated_tokens_per_s"] for r in window])),
         "trainer_step_seconds": float(np.mean([r["step_seconds"] for r in window])),
         "batch_wait_seconds": float(np.mean([r["batch_wait_seconds"] for r in window])),
-        "staleness_mean": float(np.mean([r["staleness_mean"] for r in window])),
+        "staleness_mean": float(np.dot(np.arange(eta + 1), hist) / max(hist.sum(), 1)),
         "staleness_max": max(r["staleness_max"] for r in window),
-        "rollout_reward": float(np.mean([r["rollout_reward"] for r in window])),
+        "staleness_histogram": (hist / max(hist.sum(), 1)).tolist(),
+        "rollout_reward": float(np.mean([r["rollout_reward"] for r in window if "rollout_reward" in r])),
+        "eval_accuracy_start": summary["eval_accuracy_start"], "eval_accuracy_end": summary["eval_accuracy_end"],
     }
 
 
@@ -58,7 +67,7 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the timing (compilation)")
     p.add_argument("--etas", default="0,4")
-    p.add_argument("--eval-problems", type=int, default=16)
+    p.add_argument("--eval-problems", type=int, default=256)
     p.add_argument("--out", default="/tmp/arealjax_async_vs_sync")
     p.add_argument("--json", default="", help="also write the results here")
     args, args.extra = p.parse_known_args()
@@ -70,14 +79,17 @@ def main():
     base = results[0]
     print(f"\n{args.config}, RL steps {args.warmup + 1}..{args.steps} timed, {os.cpu_count()} CPU cores"
           + (f", extra flags: {' '.join(args.extra)}" if args.extra else ""))
-    print("\n| η | s / step | speedup vs η=" + str(base["eta"]) + " | weight-sync share | generator idle share | "
-          "generated tok/s | trainer step s | trainer waits for batch s | staleness mean / max | rollout reward |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| η | s / step | speedup vs η = {base['eta']} | weight-sync share | generator idle share | generated "
+          "tok/s | trainer step s | trainer waits for batch s | staleness mean / max | trained tokens by staleness "
+          "0, 1, … | rollout reward | held-out accuracy (start → end) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        hist = " / ".join(f"{100 * x:.0f}%" for x in r["staleness_histogram"])
         print(f"| {r['eta']} | {r['seconds_per_step']:.2f} | {base['seconds_per_step'] / r['seconds_per_step']:.2f}x "
               f"| {100 * r['weight_sync_share']:.2f}% | {100 * r['generator_idle_share']:.1f}% "
               f"| {r['generated_tokens_per_s']:,.0f} | {r['trainer_step_seconds']:.2f} | {r['batch_wait_seconds']:.2f} "
-              f"| {r['staleness_mean']:.2f} / {r['staleness_max']:.0f} | {r['rollout_reward']:.2f} |")
+              f"| {r['staleness_mean']:.2f} / {r['staleness_max']:.0f} | {hist} | {r['rollout_reward']:.2f} "
+              f"| {r['eval_accuracy_start']:.2f} → {r['eval_accuracy_end']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

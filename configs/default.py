@@ -52,6 +52,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # The task: "47+85=" -> "7+5=12,4+8+1=13;132" (arealjax/data/arithmetic.py), answers checked exactly.
     config.task = ml_collections.ConfigDict()
+    config.task.name = "addition"  # or "remainder", the long-tail task (configs/longtail.py)
     config.task.seed = 0
     config.task.min_digits = 2
     config.task.max_digits = 3
@@ -66,12 +67,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.template = "chat"  # the tokenizer's chat template, or a string with {prompt}
     config.data.max_prompt_tokens = 32  # longer prompts are skipped and counted
 
-    # SFT warm start on demonstrations that forget each carry with probability carry_error (0 steps = none).
+    # SFT warm start on demonstrations that forget each carry with probability demo_error (0 steps = none).
     config.sft = ml_collections.ConfigDict()
     config.sft.steps = 600
     config.sft.cache_dir = ""  # where the warm-started model is cached; empty = workdir/sft
     config.sft.batch_size = 64
-    config.sft.carry_error = 0.7
+    config.sft.demo_error = 0.7
     config.sft.max_tokens = 128
     config.sft.micro_rows = 32
     config.sft.optim = dict(lr=3e-3, schedule="cosine", warmup_steps=20, total_steps=0,  # 0 = sft.steps

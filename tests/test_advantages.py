@@ -3,35 +3,84 @@
 import numpy as np
 import pytest
 
-from arealjax.rl.advantages import (AdvantageConfig, assign_advantages, dynamic_filter, group_advantages,
-                                    overlong_penalty, shape_rewards)
+from arealjax.rl.advantages import AdvantageConfig, assign_advantages, dynamic_filter, overlong_penalty, shape_rewards
 from arealjax.rl.trajectory import Trajectory
 
-REWARDS = np.array([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0], [5.0, -5.0, 5.0, 5.0]])
 
-
-def loop_reference(r, estimator, eps=1e-6):
-    out = np.zeros_like(r)
-    flat = r.reshape(-1)
-    for g in range(r.shape[0]):
-        for i in range(r.shape[1]):
-            x, others = r[g, i], [r[g, j] for j in range(r.shape[1]) if j != i]
-            mean = sum(r[g]) / len(r[g])
-            std = (sum((y - mean) ** 2 for y in r[g]) / len(r[g])) ** 0.5
-            out[g, i] = {"grpo": (x - mean) / (std + eps), "dr_grpo": x - mean, "rloo": x - sum(others) / len(others),
-                         "reinforce_pp": (x - flat.mean()) / (flat.std() + eps), "none": x}[estimator]
+def loop_reference(groups, estimator, eps=1e-5, ddof=1, token_weights=None):
+    """Advantages by explicit loops over groups of any sizes (token_weights: model tokens per sample, for the
+    batch-level estimator's token-weighted statistics)."""
+    flat = [x for g in groups for x in g]
+    w = [1.0] * len(flat) if token_weights is None else [x for g in token_weights for x in g]
+    b_mean = sum(wi * x for wi, x in zip(w, flat)) / sum(w)
+    b_std = (sum(wi * (x - b_mean) ** 2 for wi, x in zip(w, flat)) / sum(w)) ** 0.5
+    out = []
+    for g in groups:
+        row = []
+        for i, x in enumerate(g):
+            others = [g[j] for j in range(len(g)) if j != i]
+            mean = sum(g) / len(g)
+            std = (sum((y - mean) ** 2 for y in g) / (len(g) - ddof)) ** 0.5 if len(g) > ddof else 0.0
+            row.append({"grpo": (x - mean) / (std + eps) if len(g) > 1 else 0.0, "dr_grpo": x - mean,
+                        "rloo": x - sum(others) / len(others) if others else 0.0,
+                        "reinforce_pp": (x - b_mean) / (b_std + eps), "none": x}[estimator])
+        out.append(row)
     return out
 
 
+def trajectories(rewards, lengths=None):
+    return [[Trajectory.from_completion([1, 2], [3] * n, np.zeros(n), np.zeros(n), reward=r)
+             for r, n in zip(row, lengths[g] if lengths else range(1, len(row) + 1))] for g, row in enumerate(rewards)]
+
+
+def advantages(groups):
+    return [[t.advantage for t in g] for g in groups]
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "none"])
-def test_estimators_match_loops(estimator):
-    np.testing.assert_allclose(group_advantages(REWARDS, estimator), loop_reference(REWARDS, estimator), atol=1e-12)
+def test_estimators_match_loops_on_groups_of_any_size(estimator):
+    """Groups of 4, 3, 1 and 2 samples (a workflow rejected some episodes): every estimator works per group and
+    matches the loops; a lone sample gets 0 under a group baseline."""
+    rewards = [[1.0, 0.0, 0.0, 1.0], [5.0, -5.0, 5.0], [1.0], [0.0, 1.0]]
+    lengths = [[3, 9, 1, 4], [2, 2, 30], [5], [7, 1]]
+    groups = trajectories(rewards, lengths)
+    assign_advantages(groups, AdvantageConfig(estimator=estimator))
+    ref = loop_reference(rewards, estimator, token_weights=lengths)
+    for got, want in zip(advantages(groups), ref):
+        np.testing.assert_allclose(got, want, atol=1e-12)
+    if estimator in ("grpo", "dr_grpo", "rloo"):
+        assert advantages(groups)[2] == [0.0]
+
+
+def test_grpo_std_unbiased_by_default_population_on_request():
+    rewards = [[1.0, 0.0]]
+    unbiased, population = trajectories(rewards), trajectories(rewards)
+    assign_advantages(unbiased, AdvantageConfig())
+    assign_advantages(population, AdvantageConfig(group_std="population"))
+    # std 0.5 (population) vs 0.707 (unbiased, AReaL's default): advantages ±1 vs ±1/√2
+    np.testing.assert_allclose(advantages(population)[0], [0.5 / (0.5 + 1e-5), -0.5 / (0.5 + 1e-5)])
+    np.testing.assert_allclose(advantages(unbiased)[0], [0.5 / (0.5**0.5 + 1e-5), -0.5 / (0.5**0.5 + 1e-5)])
+
+
+def test_batch_normalisation_weighs_tokens_or_samples():
+    """AReaL normalises over the loss mask: a 30-token sample counts 30 times; batch_level='sample' once."""
+    rewards, lengths = [[1.0, 0.0], [0.0, 0.0]], [[30, 2], [2, 2]]
+    by_token, by_sample = trajectories(rewards, lengths), trajectories(rewards, lengths)
+    assign_advantages(by_token, AdvantageConfig(estimator="none", normalize_batch=True))
+    assign_advantages(by_sample, AdvantageConfig(estimator="none", normalize_batch=True, batch_level="sample"))
+    x = np.array([1.0, 0, 0, 0])
+    w = np.array([30.0, 2, 2, 2])
+    m = np.average(x, weights=w)
+    std = np.sqrt(np.average((x - m) ** 2, weights=w))
+    np.testing.assert_allclose(np.ravel(advantages(by_token)), (x - m) / (std + 1e-5))
+    np.testing.assert_allclose(np.ravel(advantages(by_sample)), (x - x.mean()) / (x.std() + 1e-5))
 
 
 def test_rloo_is_scaled_dr_grpo():
-    # r − mean(others) = n/(n−1) · (r − mean): a known identity, checked as a second, independent angle
-    n = REWARDS.shape[1]
-    np.testing.assert_allclose(group_advantages(REWARDS, "rloo"), n / (n - 1) * group_advantages(REWARDS, "dr_grpo"))
+    # r − mean(others) = n/(n−1) · (r − mean): a known identity, checked against the loop reference's own terms
+    rewards = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]]
+    dr, rloo = loop_reference(rewards, "dr_grpo"), loop_reference(rewards, "rloo")
+    np.testing.assert_allclose(rloo, 4 / 3 * np.array(dr))
 
 
 def test_overlong_penalty_is_linear_over_the_buffer():
@@ -45,11 +94,6 @@ def test_shaping_scale_bias_clip_and_overlong():
     np.testing.assert_allclose(got, [4.0, -4.0, 1.0 - 0.5])
 
 
-def trajectories(rewards):
-    return [[Trajectory.from_completion([1, 2], [3] * (i + 1), np.zeros(i + 1), np.zeros(i + 1), reward=r)
-             for i, r in enumerate(row)] for row in rewards]
-
-
 def test_dynamic_filter_counts_uniform_groups():
     groups = trajectories([[1, 1, 1], [0, 1, 0], [0, 0, 0]])
     kept, dropped = dynamic_filter(groups, AdvantageConfig())
@@ -57,21 +101,26 @@ def test_dynamic_filter_counts_uniform_groups():
     assert len(dropped) == 2
     kept, dropped = dynamic_filter(groups, AdvantageConfig(filter_uniform=False))
     assert len(kept) == 3 and not dropped
+    lone = trajectories([[1.0]])  # a lone sample: advantage 0 under a group baseline, so it is dropped there
+    assert dynamic_filter(lone, AdvantageConfig())[1] == lone
+    assert dynamic_filter(lone, AdvantageConfig(estimator="reinforce_pp"))[0] == lone
 
 
 def test_assign_sets_every_trajectory_and_normalises_batch():
-    groups = trajectories(REWARDS)
+    rewards = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0], [5.0, -5.0, 5.0, 5.0]]
+    groups = trajectories(rewards, [[1] * 4] * 3)
     stats = assign_advantages(groups, AdvantageConfig(estimator="dr_grpo", normalize_batch=True))
-    adv = np.array([[t.advantage for t in g] for g in groups])
-    ref = loop_reference(REWARDS, "dr_grpo")
-    np.testing.assert_allclose(adv, (ref - ref.mean()) / (ref.std() + 1e-6), atol=1e-9)
-    assert stats["reward_mean"] == pytest.approx(REWARDS.mean())
+    ref = np.array(loop_reference(rewards, "dr_grpo"))
+    np.testing.assert_allclose(advantages(groups), (ref - ref.mean()) / (ref.std() + 1e-5), atol=1e-9)
+    assert stats["reward_mean"] == pytest.approx(np.mean(rewards))
 
 
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="estimator = 'ppo'"):
         AdvantageConfig(estimator="ppo")
-    with pytest.raises(ValueError, match="equal sizes"):
-        assign_advantages(trajectories([[1, 0], [1, 0, 1]]), AdvantageConfig())
+    with pytest.raises(ValueError, match="group_std = 'biased'"):
+        AdvantageConfig(group_std="biased")
+    with pytest.raises(ValueError, match="no empty group"):
+        assign_advantages([[]], AdvantageConfig())
     with pytest.raises(ValueError, match="overlong_buffer"):
         AdvantageConfig(overlong_buffer=8, max_new_tokens=4)

@@ -2,8 +2,11 @@
 exceeds η on any trained batch, η = 0 is synchronous, every prompt is accounted for, and after a weight sync the
 generator scores tokens exactly as the trainer does."""
 
+import asyncio
+import concurrent.futures
 import json
 import logging
+import threading
 import time
 
 import jax
@@ -11,15 +14,16 @@ import numpy as np
 import pytest
 
 from arealjax import train
+from arealjax.controller import Prompt, RolloutController
 from arealjax.data.pipeline import format_prompt
-from arealjax.controller import RolloutController
+from arealjax.generation import Engine, Generator, SamplingParams
 from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig
-from arealjax.staleness import StalenessManager
-from arealjax.generation import Engine, Generator, SamplingParams
 from arealjax.rl.trainer import Trainer
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes, tree_shardings
+from arealjax.staleness import StalenessManager
+from arealjax.workflows import Turns
 from configs.default import get_config
 
 
@@ -55,6 +59,36 @@ def test_async_loop_respects_staleness_and_accounts_for_every_prompt(tmp_path, e
     for name in ("curves.png", "summary.json", "model/config.json"):
         assert (tmp_path / name).is_file(), name
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+class RejectFirstEpisode:
+    """Rejects episode 0 of every other prompt: groups of n and n − 1 in one batch."""
+
+    async def run(self, ep):
+        if ep.index == 0 and int(ep.prompt.id.split("-")[1]) % 2:
+            return None
+        c = await ep.generate(ep.prompt.tokens)
+        turns = Turns(ep.prompt.tokens)
+        turns.model(c)
+        return turns.build(reward=float(ep.index))
+
+
+def test_rejected_episodes_give_unequal_groups_that_train(tmp_path):
+    """A workflow that rejects an episode used to crash the step ("groups must have equal sizes")."""
+    c = small_config(1, steps=3)
+    c.rl.group_size = 3
+    c.workflow.path = "test_controller:RejectFirstEpisode"
+    train.run(c, str(tmp_path))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert len(steps) == 3 and all(np.isfinite(r["loss"]) for r in steps)
+    assert steps[-1]["rejected_episodes"] > 0 and sum(r["sequences"] for r in steps) < 3 * 4 * 3
+
+
+def test_rollout_reward_has_no_value_when_nothing_was_scored():
+    """It used to be logged as 0.0 for a step in which nothing was scored (a drop to 0 in the README's curve)."""
+    assert train.rollout_reward((10, 4.0), (10, 4.0)) == {}
+    assert train.rollout_reward((14, 7.0), (10, 4.0)) == {"rollout_reward": 0.75}
 
 
 def test_starved_trainer_stops_with_a_clear_error(tmp_path):
@@ -126,3 +160,110 @@ def test_stop_with_groups_in_flight_is_quiet_and_accounted(caplog):
     assert accounting["submitted"] == sum(accounting[k] for k in ("trained", "filtered", "queued", "in_flight"))
     time.sleep(0.5)  # let the failed futures' callbacks run
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+class Gated:
+    """Single-turn episodes that finish only when the test opens their prompt's gate: the test decides the order
+    in which groups complete (generation itself is real)."""
+
+    def __init__(self, gates: dict[str, threading.Event]):
+        self.gates = gates
+
+    async def run(self, ep):
+        c = await ep.generate(ep.prompt.tokens)
+        await asyncio.to_thread(self.gates[ep.prompt.id].wait)
+        turns = Turns(ep.prompt.tokens)
+        turns.model(c)
+        return turns.build(reward=float(ep.index))
+
+
+def test_fast_late_groups_do_not_strand_slow_early_ones():
+    """The issue's repro on the real controller, generator and weight swaps: B = 1, η = 2; p0, p1, p2 admitted at
+    version 0, p2 trained at step 0; p3 (admitted at version 1) finishes before p0 and p1. The old rule trained p3
+    at step 1 and then raised at step 2 (p0 and p1 both due, one slot); now step 1 waits for p0."""
+    c = small_config(2)
+    rules = normalize_rules(c.sharding_rules)
+    meshes = role_meshes(c.mesh)
+    tokenizer, model = train.build(c, meshes["generator"], rules)
+    gates = {f"p{i}": threading.Event() for i in range(8)}
+    prompts = iter([Prompt(pid, format_prompt(tokenizer, f"{i}+{i}="), {}) for i, pid in enumerate(gates)])
+    generator = Generator(Engine(model, slots=4, max_len=32, shard=LogicalSharding(meshes["generator"], rules)),
+                          model.params)
+    controller = RolloutController(generator, None, tokenizer, prompts, StalenessManager(1, 2, 16),
+                                   SamplingParams(max_new_tokens=4, n=1), AdvantageConfig(filter_uniform=False),
+                                   workflow=Gated(gates)).start()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def wait_until(condition) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    def step(version: int, release: list[str], waits_for: str | None = None) -> str:
+        """Opens `release` and waits until they are scored, asks for the batch of `version` and, if `waits_for`,
+        checks that it only comes once that prompt's gate opens too; then swaps in the next version's weights.
+        Returns the trained prompt's id."""
+        queued = controller.queue_depth() + len(release)
+        for pid in release:
+            gates[pid].set()
+        wait_until(lambda: controller.queue_depth() == queued)
+        fut = pool.submit(controller.get_batch, version, 60)
+        if waits_for:
+            with pytest.raises(concurrent.futures.TimeoutError):
+                fut.result(timeout=1.0)
+            gates[waits_for].set()
+        (group,) = fut.result(timeout=60)
+        generator.update_weights(model.params, version + 1).add_done_callback(
+            lambda f: controller.on_weights_applied(version + 1))
+        return group.prompt.id
+
+    try:
+        assert step(0, ["p2"]) == "p2"
+        wait_until(lambda: controller.stats.submitted == 4)  # p3 is admitted once the generator serves version 1
+        assert step(1, ["p3"], waits_for="p0") == "p0"
+        assert step(2, [], waits_for="p1") == "p1"
+        assert step(3, []) == "p3"
+    finally:
+        for g in gates.values():
+            g.set()
+        controller.stop()
+        generator.close()
+        pool.shutdown()
+
+
+def test_prompts_draw_independent_samples_and_a_reissued_prompt_the_same_ones():
+    """Every prompt used to sample with the run's one seed, so sample j of every prompt drew the same uniforms at
+    each position (a duplicate row or a later epoch got identical samples). With a zero model (uniform logits) a
+    token is its uniform, so equal seeds show as identical tokens: now a duplicate under another id and the same
+    prompt in its next epoch draw independently, and re-issuing a prompt (a resume) draws exactly the same."""
+    c = small_config(0)
+    rules = normalize_rules(c.sharding_rules)
+    meshes = role_meshes(c.mesh)
+    tokenizer, model = train.build(c, meshes["generator"], rules)
+    zero = jax.tree.map(jax.numpy.zeros_like, model.params)
+    tokens = format_prompt(tokenizer, "12+34=")
+    batch = [Prompt("a", tokens, {}), Prompt("b", tokens, {}), Prompt("a", tokens, {}, epoch=1)]
+
+    def run(prompts):
+        gates = {"a": threading.Event(), "b": threading.Event()}
+        for g in gates.values():
+            g.set()
+        with Generator(Engine(model, slots=8, max_len=32, shard=LogicalSharding(meshes["generator"], rules)),
+                       zero) as generator:
+            controller = RolloutController(generator, None, tokenizer, iter(prompts),
+                                           StalenessManager(len(prompts), 0, 8),
+                                           SamplingParams(max_new_tokens=20, n=2, seed=c.seed),
+                                           AdvantageConfig(filter_uniform=False), workflow=Gated(gates)).start()
+            try:
+                groups = sorted(controller.get_batch(0, timeout=60), key=lambda g: g.seq)
+            finally:
+                controller.stop()
+        return [np.concatenate([t.tokens[len(tokens):] for t in g.trajectories]) for g in groups]
+
+    a, b, a_next_epoch = run(batch)
+    (a_again,) = run(batch[:1])
+    assert len(a) == len(b) == 40
+    np.testing.assert_array_equal(a, a_again)
+    for other in (b, a_next_epoch):
+        assert (a != other).mean() > 0.8 and abs(np.corrcoef(a, other)[0, 1]) < 0.6

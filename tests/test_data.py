@@ -102,14 +102,17 @@ def test_stream_state_round_trips_shuffles_per_epoch_and_shards(tmp_path):
     rows = ROWS["gsm8k"] + [{"question": "x" * 200, "answer": "#### 1"}]  # one prompt over the limit
     out = convert({"train": [write_jsonl(tmp_path / "g.jsonl", rows)]}, tmp_path / "tfds")
     kw = dict(seed=3, epochs=2, template="{prompt}", max_prompt_tokens=100)
-    ids = [p.id for p in PromptStream(out, "train", TOK, **kw)]
+    prompts = list(PromptStream(out, "train", TOK, **kw))
+    ids = [p.id for p in prompts]
     assert len(ids) == 24 and sorted(ids[:12]) == sorted(ids[12:]) and ids[:12] != ids[12:]  # reshuffled
+    assert [p.epoch for p in prompts] == [0] * 12 + [1] * 12  # a prompt drawn again gets other sampling seeds
+    assert len({p.sampling_seed(0) for p in prompts}) == 24
     stream = PromptStream(out, "train", TOK, **kw)
-    head = [next(stream).id for _ in range(7)]
+    head = [next(stream) for _ in range(7)]
     state = json.loads(json.dumps(stream.get_state()))  # JSON-able
     resumed = PromptStream(out, "train", TOK, **kw)
     resumed.set_state(state)
-    assert head + [p.id for p in resumed] == ids
+    assert head + list(resumed) == prompts  # ids, epochs, tokens
     assert resumed.too_long == 2  # the long prompt, once per epoch, counted across the restore
     shards = [[p.id for p in PromptStream(out, "train", TOK, epochs=1, template="{prompt}", max_prompt_tokens=100,
                                           process_index=i, process_count=2)] for i in range(2)]
@@ -120,9 +123,10 @@ def test_stream_state_round_trips_shuffles_per_epoch_and_shards(tmp_path):
 def test_the_job_trains_on_a_converted_dataset(tmp_path):
     """main's job reads prompts from a converted dataset: every trained prompt id comes from the train split, none
     twice within an epoch, and evaluation uses the test split."""
+    from test_controller import small_config
+
     from arealjax import train
     from arealjax.data import arithmetic
-    from test_controller import small_config
 
     problems = arithmetic.sample_problems(40, seed=1)
     rows = [{"id": f"p{i}", "prompt": p.prompt, "answer": p.answer} for i, p in enumerate(problems)]

@@ -304,3 +304,33 @@ def test_decode_attends_only_to_the_cache_prefix_in_use():
         outs.append(np.asarray(logits[1]))
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-6)
     np.testing.assert_allclose(outs[0], np.asarray(MODEL_A(seq[None, :20]))[0, 19], atol=1e-5)
+
+
+def test_near_max_len_with_multi_step_decoding():
+    """max_len 64, decode_steps 8: a 41-token prompt with max_new_tokens 23 (exactly the room left), and one that
+    asks for more than the room (evaluation does): both end at max_len instead of failing the loop."""
+    p = prompts(1, seed=16, lo=41, hi=42)[0]
+    with Generator(engine(), MODEL_A.params, decode_steps=8) as gen:
+        exact = gen.submit(p, SamplingParams(temperature=1.0, max_new_tokens=23, seed=1))
+        more = gen.submit(p, SamplingParams(temperature=0, max_new_tokens=200))
+        exact, more = exact.result(timeout=120)[0], more.result(timeout=120)[0]
+        after = gen.submit(p[:5], SamplingParams(temperature=0, max_new_tokens=3)).result(timeout=60)[0]
+    assert len(exact.output_tokens) == 23 and exact.stop_reason == "length"
+    assert len(p) + len(more.output_tokens) == MAX_LEN and more.stop_reason == "length"
+    assert more.output_tokens == reference_greedy(MODEL_A.params, p, MAX_LEN - len(p))
+    assert len(after.output_tokens) == 3  # the loop is alive
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token():
+    """u = 0 used to give token 0 whatever its probability (a top-k-excluded token, 2⁻²³ per draw); u·total rounded
+    up to the total must not give a trailing zero-probability token either."""
+    from arealjax.generation.engine import inverse_cdf
+
+    probs = jnp.array([0.0, 0.0, 0.3, 0.0, 0.7, 0.0, 0.0])
+    assert int(inverse_cdf(probs, jnp.float32(0.0))) == 2
+    assert int(inverse_cdf(probs, jnp.float32(np.nextafter(np.float32(1), np.float32(0))))) == 4
+    assert int(inverse_cdf(probs, jnp.float32(1.0))) == 4  # even a u of exactly 1
+    assert int(inverse_cdf(probs, jnp.float32(0.29))) == 2 and int(inverse_cdf(probs, jnp.float32(0.31))) == 4
+    u = jnp.linspace(0, 1, 1001, endpoint=False)
+    draws = np.asarray(jax.vmap(lambda x: inverse_cdf(probs, x))(u))
+    assert set(draws.tolist()) == {2, 4} and abs((draws == 4).mean() - 0.7) < 0.002

@@ -30,8 +30,8 @@ def reference(logp, prox, behav, adv, mask, ref, seq_ids, cfg: PPOConfig, n):
     mode = "none" if cfg.objective == "standard" else cfg.behaviour_weight
     if mode == "none":
         w = np.ones_like(w)
-    elif mode == "truncate":
-        w = np.minimum(w, cfg.behaviour_cap)
+    elif mode == "truncate":  # AReaL clamps to [lower, cap]
+        w = np.clip(w, cfg.behaviour_lower, cfg.behaviour_cap)
     elif mode == "mask":
         valid &= (w <= cfg.behaviour_cap) & (w >= cfg.behaviour_lower)
     elif mode == "sequence_mask":
@@ -63,6 +63,7 @@ def reference(logp, prox, behav, adv, mask, ref, seq_ids, cfg: PPOConfig, n):
 CONFIGS = {
     "decoupled_mask": PPOConfig(),
     "decoupled_truncate": PPOConfig(behaviour_weight="truncate", behaviour_cap=2.0),
+    "decoupled_truncate_lower": PPOConfig(behaviour_weight="truncate", behaviour_cap=2.0, behaviour_lower=0.5),
     "decoupled_sequence_mask": PPOConfig(behaviour_weight="sequence_mask", behaviour_cap=1.3, behaviour_lower=0.7),
     "decoupled_none_clip_higher": PPOConfig(behaviour_weight="none", eps_clip_higher=0.28),
     "dual_clip": PPOConfig(c_clip=1.5, eps_clip=0.1),

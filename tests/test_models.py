@@ -7,11 +7,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import HF_CONFIGS, hf_logits
 from flax import nnx
 
-from arealjax.models import (ModelConfig, decode_step, forward, from_config, init_cache, insert, load_pretrained,
-                             prefill, save_pretrained)
-from conftest import HF_CONFIGS, hf_logits
+from arealjax.models import (
+    ModelConfig,
+    decode_step,
+    forward,
+    from_config,
+    init_cache,
+    insert,
+    load_pretrained,
+    prefill,
+    save_pretrained,
+)
 
 TOL = 1e-4
 

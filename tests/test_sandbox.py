@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from arealjax.rewards.code import code_reward, extract_code
-from arealjax.rewards.service import RewardService
 from arealjax.rewards.sandbox import NOBODY, Limits, isolation, run_python
+from arealjax.rewards.service import RewardService
 
 ADD = [{"input": "1 2\n", "output": "3\n"}, {"input": "40 2", "output": "42"}]
 

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_sandbox import sandbox_processes
 
 from arealjax.rewards.sandbox import run_python
 from arealjax.rewards.service import RewardService
-from test_sandbox import sandbox_processes
 
 
 def wait_for(predicate, timeout=30.0):

@@ -8,10 +8,11 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from test_controller import small_config
 
 from arealjax import train
-from arealjax.data.pipeline import format_prompt
 from arealjax.controller import Prompt, RolloutController
+from arealjax.data.pipeline import format_prompt
 from arealjax.generation import Completion, Engine, Generator, SamplingParams
 from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig
@@ -20,7 +21,6 @@ from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes, tre
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import CharTokenizer
 from arealjax.workflows import Episode, MultiTurn, ToolCalls, Turns, load_workflow, user_turn
-from test_controller import small_config
 
 ALPHABET = "0123456789+-*=?.,:; abcdefghijklmnopqrstuvwxyz\n<>/()"
 
@@ -157,12 +157,12 @@ def test_tool_call_episode_end_to_end_on_a_tiny_model():
                                        AdvantageConfig(filter_uniform=False), workflow=ToolCalls(max_calls=2))
         controller.start()
         try:
-            batch = controller.get_batch(2, trainer_version=0, timeout=120)
+            batch = controller.get_batch(trainer_version=0, timeout=120)
         finally:
             controller.stop()
-    for group, (question, code, answer) in zip(sorted(batch, key=lambda g: g.prompt.id), PROBLEMS):
+    for group, (_, code, answer) in zip(sorted(batch, key=lambda g: g.prompt.id), PROBLEMS):
         for traj in group.trajectories:
-            text = lambda m: tokenizer.decode(traj.tokens[m])  # noqa: E731
+            text = lambda m, traj=traj: tokenizer.decode(traj.tokens[m])  # noqa: E731
             assert traj.info["tool_calls"] == 1 and traj.reward == 1.0, tokenizer.decode(traj.tokens)
             env = ~traj.loss_mask & (np.arange(len(traj)) >= len(group.prompt.tokens))
             assert text(env) == f"<out>{answer}\n</out>"  # what the sandbox printed, fed back untrained

@@ -3,7 +3,7 @@
     prompt   "47+85="
     answer   "7+5=12,4+8+1=13;132"     one column per step, right to left, carry written as "+1"; then the result
 
-`demonstration(..., carry_error=p)` drops each carry with probability p (the rest of the trace stays consistent,
+`demonstration(..., error=p)` drops each carry with probability p (the rest of the trace stays consistent,
 so the result is wrong): imperfect demonstrations for the SFT warm start, whose policy then answers correctly
 only when it happens to carry every time. RL with the exact-match `reward` has to learn the carry rule.
 """
@@ -41,13 +41,13 @@ def sample_problems(n: int, seed: int, min_digits: int = 2, max_digits: int = 3)
     return out
 
 
-def demonstration(p: Problem, rng: np.random.RandomState | None = None, carry_error: float = 0.0) -> str:
-    """The worked trace and result; with `carry_error`, each carry is forgotten with that probability."""
+def demonstration(p: Problem, rng: np.random.RandomState | None = None, error: float = 0.0) -> str:
+    """The worked trace and result; with `error`, each carry is forgotten with that probability."""
     xs, ys = str(p.a)[::-1], str(p.b)[::-1]
     steps, digits, carry = [], [], 0
     for i in range(max(len(xs), len(ys))):
         x, y = int(xs[i]) if i < len(xs) else 0, int(ys[i]) if i < len(ys) else 0
-        if carry and rng is not None and rng.rand() < carry_error:
+        if carry and rng is not None and rng.rand() < error:
             carry = 0
         s = x + y + carry
         steps.append(f"{x}+{y}{'+1' if carry else ''}={s}")

@@ -61,29 +61,32 @@ class PromptStream:
         ds = grain.MapDataset.source(load_split(path, split))[index::count]
         if shuffle:
             ds = ds.seed(seed).shuffle()
-        self._dataset = ds.repeat(epochs)
-        self._iter = iter(self._dataset.to_iter_dataset())
+        self._records = len(ds)
+        self._iter = iter(ds.repeat(epochs).to_iter_dataset())
         self.too_long = 0
+        self.position = 0  # records read, skipped ones included (their epoch = position // records)
 
-    def __iter__(self) -> "PromptStream":
+    def __iter__(self) -> PromptStream:
         return self
 
     def __next__(self) -> Prompt:
         while True:
             rec = {k: v.decode() if isinstance(v, bytes) else v for k, v in next(self._iter).items()}
+            epoch = self.position // max(self._records, 1)
+            self.position += 1
             tokens = format_prompt(self.tokenizer, rec["prompt"], self.template)
             if len(tokens) > self.max_prompt_tokens:
                 self.too_long += 1
                 continue
             kwargs = {"tests": json.loads(rec["tests"])} if rec["tests"] else {"answer": rec["answer"]}
-            return Prompt(rec["id"], tokens, kwargs)
+            return Prompt(rec["id"], tokens, kwargs, epoch)
 
     def get_state(self) -> dict[str, Any]:
-        return {"grain": self._iter.get_state(), "too_long": self.too_long}
+        return {"grain": self._iter.get_state(), "too_long": self.too_long, "position": self.position}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._iter.set_state(state["grain"])
-        self.too_long = state["too_long"]
+        self.too_long, self.position = state["too_long"], state["position"]
 
 
 class ReissueFirst:
@@ -93,7 +96,7 @@ class ReissueFirst:
     def __init__(self, stream, reissue: list[Prompt] = ()):
         self.stream, self._reissue = stream, collections.deque(reissue)
 
-    def __iter__(self) -> "ReissueFirst":
+    def __iter__(self) -> ReissueFirst:
         return self
 
     def __next__(self) -> Prompt:

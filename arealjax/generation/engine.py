@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,11 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams: {msg} (got {self})")
 
     @property
+    def logprob_temperature(self) -> float:
+        """The temperature behaviour logprobs are taken at: the sampling one, 1 when greedy."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+    @property
     def truncates(self) -> bool:
         return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
 
@@ -78,7 +84,7 @@ class SlotSampling(NamedTuple):
     sample: np.ndarray  # [N] i32, index of the sample within its request
 
     @staticmethod
-    def of(params: Sequence[SamplingParams], samples: Sequence[int], pad_to: int) -> "SlotSampling":
+    def of(params: Sequence[SamplingParams], samples: Sequence[int], pad_to: int) -> SlotSampling:
         n = len(params)
         stop = np.full((pad_to, MAX_STOP_IDS), -1, np.int32)
         for i, p in enumerate(params):
@@ -125,6 +131,14 @@ def truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """The token i with cdf[i−1] ≤ u·total < cdf[i] for unnormalised probabilities [V] and u in [0, 1): never a
+    token of probability 0, also at u = 0 and where rounding puts u·total on the total."""
+    cdf = jnp.cumsum(probs)
+    last = probs.shape[0] - 1 - jnp.argmax(probs[::-1] > 0)  # the last token that can be drawn
+    return jnp.minimum(jnp.sum(cdf <= u * cdf[-1]), last)
+
+
 def sample(logits: jax.Array, s: SlotSampling, token_pos: jax.Array, truncating: bool) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row of fp32 logits [N, V]; returns (tokens, behaviour logprobs)."""
     greedy = s.temperature <= 0
@@ -139,8 +153,7 @@ def sample(logits: jax.Array, s: SlotSampling, token_pos: jax.Array, truncating:
 
         def draw(seed, sample_idx, pos, row):  # inverse CDF: one uniform per row instead of V Gumbel draws
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_idx), pos)
-            cdf = jnp.cumsum(row)
-            return jnp.minimum(jnp.sum(cdf < jax.random.uniform(key) * cdf[-1]), row.shape[0] - 1)
+            return inverse_cdf(row, jax.random.uniform(key))
 
         return jnp.where(greedy, argmax, jax.vmap(draw)(s.seed, s.sample, token_pos, probs))
 
@@ -246,7 +259,9 @@ class Engine:
 
         `truncating` compiles in top-k/top-p (only needed when a slot uses it). `max_position`, the largest input
         position among active slots, lets attention read only a power-of-two prefix of the cache."""
-        kv_len = self.max_len if max_position is None else bucket(max_position + steps, MIN_KV_LEN, self.max_len)
+        # positions never pass max_len − 1 (a slot is done there), so near the end the bucket is the whole cache
+        kv_len = (self.max_len if max_position is None else
+                  bucket(min(max_position + steps, self.max_len), MIN_KV_LEN, self.max_len))
         return _generate(self.graphdef, self.max_len, truncating, steps, kv_len, params, state)
 
     def refill(self, params: nnx.State, state: DecodeState, tokens: np.ndarray, lengths: np.ndarray,

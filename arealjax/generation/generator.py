@@ -18,8 +18,9 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,11 +44,12 @@ class Completion:
     versions: np.ndarray  # int32, policy version of the params that sampled each token
     stop_reason: str  # "stop" (a stop token, kept as the last output), "length", or "abort"
     interrupts: int  # weight swaps that happened while this sample was in flight
+    temperature: float = 1.0  # logprobs are log softmax(logits / temperature) (1 for greedy): the trainer's too
 
 
 @dataclasses.dataclass
 class _Seq:
-    request: "_Request"
+    request: _Request
     sample: int
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -195,7 +197,7 @@ class Generator:
             self._thread.join()
         self._fail_all(RuntimeError("generator closed"))
 
-    def __enter__(self) -> "Generator":
+    def __enter__(self) -> Generator:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -335,7 +337,7 @@ class Generator:
         req = seq.request
         req.results[seq.sample - req.first_sample] = Completion(
             req.id, seq.sample, list(req.prompt), list(seq.tokens), np.asarray(seq.logprobs, np.float32),
-            np.asarray(seq.versions, np.int32), reason, seq.interrupts)
+            np.asarray(seq.versions, np.int32), reason, seq.interrupts, req.sampling.logprob_temperature)
         if reason == "abort":
             self.stats.aborted += 1
         if all(r is not None for r in req.results):

@@ -1,28 +1,38 @@
-"""Critic-free advantages (γ = λ = 1) from scalar rewards of groups of n samples per prompt.
+"""Critic-free advantages (γ = λ = 1) from scalar rewards of groups of samples of one prompt.
 
     shaped r   = clip((r + bias) · scale, ±clip) − overlong penalty (DAPO)
     grpo         (r − mean_group) / (std_group + eps)
     dr_grpo      r − mean_group                             (Dr. GRPO: no std division)
-    rloo         r − mean of the other n − 1 samples         (leave-one-out)
+    rloo         r − mean of the other samples of the group (leave-one-out)
     reinforce_pp (r − mean_batch) / (std_batch + eps)       (REINFORCE++: batch-level normalisation)
     none         r
 
-`normalize_batch` additionally normalises the result over the whole batch (the AReaL paper's global
-normalisation). Groups whose shaped rewards are all equal carry no signal under group baselines; with
-`filter_uniform` they are dropped by `dynamic_filter` (DAPO dynamic sampling) and counted by the caller.
+Defaults follow AReaL (its default config and GSM8K recipe): the group std is the unbiased one (`group_std =
+"unbiased"`, ×√(n/(n−1)) over the population std) and eps = 1e-5; batch-level statistics (`reinforce_pp`, and
+`normalize_batch`, the paper's global normalisation) are taken per *token* over the loss mask, so a long sample
+weighs as many times as it has model tokens (`batch_level = "sample"`: one weight per sample).
+
+Groups may differ in size: a workflow can reject some of a prompt's episodes. Each group's baseline uses the
+samples it has. A group of one sample has nothing to compare with: under the group baselines (grpo, dr_grpo, rloo)
+its advantage is 0, and `dynamic_filter` drops it like any group whose rewards are all equal; under
+`reinforce_pp` / `none` it keeps its batch-level advantage. With `filter_uniform`, groups whose shaped rewards are
+all equal (no signal under a group baseline; DAPO dynamic sampling) are dropped and counted by the caller.
 Host-side NumPy: this runs once per batch on a few thousand scalars.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from arealjax.rl.trajectory import Trajectory
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "none")
+GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")
+GROUP_STDS = ("unbiased", "population")
+BATCH_LEVELS = ("token", "sample")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +41,9 @@ class AdvantageConfig:
     reward_scale: float = 1.0
     reward_bias: float = 0.0
     reward_clip: float | None = None  # clip shaped rewards to [-clip, clip]
-    eps: float = 1e-6
+    eps: float = 1e-5
+    group_std: str = "unbiased"  # grpo's std: "unbiased" (AReaL) or "population" (the GRPO paper's formula)
+    batch_level: str = "token"  # reinforce_pp / normalize_batch statistics: per "token" (AReaL) or per "sample"
     normalize_batch: bool = False
     # DAPO overlong penalty: outputs longer than max_new_tokens − overlong_buffer lose up to overlong_penalty,
     # linearly over the buffer (0 = off).
@@ -41,8 +53,10 @@ class AdvantageConfig:
     filter_uniform: bool = True
 
     def __post_init__(self):
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"AdvantageConfig.estimator = '{self.estimator}'; expected one of {ESTIMATORS}")
+        for value, allowed, name in ((self.estimator, ESTIMATORS, "estimator"), (self.group_std, GROUP_STDS,
+                                     "group_std"), (self.batch_level, BATCH_LEVELS, "batch_level")):
+            if value not in allowed:
+                raise ValueError(f"AdvantageConfig.{name} = '{value}'; expected one of {allowed}")
         if self.overlong_buffer and not 0 < self.overlong_buffer <= self.max_new_tokens:
             raise ValueError(f"AdvantageConfig.overlong_buffer = {self.overlong_buffer} needs "
                              f"0 < overlong_buffer <= max_new_tokens (= {self.max_new_tokens})")
@@ -64,53 +78,62 @@ def shape_rewards(rewards: np.ndarray, lengths: np.ndarray, cfg: AdvantageConfig
     return r
 
 
-def group_advantages(rewards: np.ndarray, estimator: str, eps: float = 1e-6) -> np.ndarray:
-    """Advantages for rewards [G, n] (G groups of n samples of one prompt)."""
+def group_advantages(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    """Group-baseline advantages of one group's shaped rewards [n] (any n ≥ 1; n = 1 gives 0)."""
     r = np.asarray(rewards, np.float64)
-    if r.ndim != 2:
-        raise ValueError(f"rewards must be [groups, samples]; got shape {r.shape}")
-    n = r.shape[1]
-    mean = r.mean(axis=1, keepdims=True)
-    if estimator == "grpo":
-        return (r - mean) / (r.std(axis=1, keepdims=True) + eps)
-    if estimator == "dr_grpo":
-        return r - mean
-    if estimator == "rloo":
-        if n < 2:
-            raise ValueError("rloo needs at least 2 samples per group")
-        return r - (r.sum(axis=1, keepdims=True) - r) / (n - 1)
-    if estimator == "reinforce_pp":
-        return (r - r.mean()) / (r.std() + eps)
-    if estimator == "none":
-        return r
-    raise ValueError(f"unknown advantage estimator '{estimator}'; expected one of {ESTIMATORS}")
+    n = len(r)
+    centred = r - r.mean()
+    if cfg.estimator == "dr_grpo" or n == 1:
+        return centred
+    if cfg.estimator == "grpo":
+        return centred / (r.std(ddof=1 if cfg.group_std == "unbiased" else 0) + cfg.eps)
+    if cfg.estimator == "rloo":  # r − mean(others) = n/(n−1) · (r − mean)
+        return centred * n / (n - 1)
+    raise ValueError(f"'{cfg.estimator}' has no group baseline; group baselines are {GROUP_BASELINES}")
+
+
+def batch_normalize(values: np.ndarray, tokens: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    """(x − mean) / (std + eps) over the batch, each sample weighted by its model tokens (`batch_level="token"`,
+    i.e. statistics over every trained token) or equally ("sample")."""
+    w = np.maximum(tokens, 0).astype(np.float64) if cfg.batch_level == "token" else np.ones(len(values))
+    if w.sum() <= 0:
+        w = np.ones(len(values))
+    mean = np.average(values, weights=w)
+    std = np.sqrt(np.average((values - mean) ** 2, weights=w))
+    return (values - mean) / (std + cfg.eps)
 
 
 def dynamic_filter(groups: Sequence[Sequence[Trajectory]], cfg: AdvantageConfig
                    ) -> tuple[list[Sequence[Trajectory]], list[Sequence[Trajectory]]]:
-    """(kept, dropped): with `filter_uniform`, groups whose shaped rewards are all equal are dropped."""
+    """(kept, dropped): with `filter_uniform`, groups whose shaped rewards are all equal are dropped (a lone
+    sample too under a group baseline, where its advantage is 0)."""
     kept, dropped = [], []
     for g in groups:
         r = shape_rewards([t.reward for t in g], [t.n_model_tokens for t in g], cfg)
-        (dropped if cfg.filter_uniform and len(g) > 1 and np.all(r == r[0]) else kept).append(g)
+        uniform = bool(np.all(r == r[0])) and (len(g) > 1 or cfg.estimator in GROUP_BASELINES)
+        (dropped if cfg.filter_uniform and uniform else kept).append(g)
     return kept, dropped
 
 
 def assign_advantages(groups: Sequence[Sequence[Trajectory]], cfg: AdvantageConfig) -> dict[str, float]:
-    """Sets `advantage` on every trajectory of equally sized groups; returns reward/advantage statistics."""
-    if not groups:
-        raise ValueError("assign_advantages: no groups")
-    sizes = {len(g) for g in groups}
-    if len(sizes) != 1:
-        raise ValueError(f"assign_advantages: groups must have equal sizes; got {sorted(sizes)}")
-    raw = np.array([[t.reward for t in g] for g in groups], np.float64)
-    lengths = np.array([[t.n_model_tokens for t in g] for g in groups], np.float64)
-    shaped = shape_rewards(raw, lengths, cfg)
-    adv = group_advantages(shaped, cfg.estimator, cfg.eps)
+    """Sets `advantage` on every trajectory of the groups (of any sizes ≥ 1); returns reward/advantage stats."""
+    if not groups or not all(groups):
+        raise ValueError("assign_advantages: needs at least one group and no empty group")
+    raw = [np.array([t.reward for t in g], np.float64) for g in groups]
+    tokens = [np.array([t.n_model_tokens for t in g], np.float64) for g in groups]
+    shaped = [shape_rewards(r, n, cfg) for r, n in zip(raw, tokens)]
+    if cfg.estimator in GROUP_BASELINES:
+        adv = np.concatenate([group_advantages(r, cfg) for r in shaped])
+    else:
+        adv = np.concatenate(shaped)
+    flat_tokens = np.concatenate(tokens)
+    if cfg.estimator == "reinforce_pp":
+        adv = batch_normalize(adv, flat_tokens, cfg)
     if cfg.normalize_batch:
-        adv = (adv - adv.mean()) / (adv.std() + cfg.eps)
-    for g, row in zip(groups, adv):
-        for t, a in zip(g, row):
-            t.advantage = float(a)
-    return {"reward_mean": float(raw.mean()), "reward_std": float(raw.std()), "shaped_reward_mean":
-            float(shaped.mean()), "advantage_mean": float(adv.mean()), "advantage_abs_mean": float(np.abs(adv).mean())}
+        adv = batch_normalize(adv, flat_tokens, cfg)
+    for t, a in zip((t for g in groups for t in g), adv):
+        t.advantage = float(a)
+    raw_flat, shaped_flat = np.concatenate(raw), np.concatenate(shaped)
+    return {"reward_mean": float(raw_flat.mean()), "reward_std": float(raw_flat.std()),
+            "shaped_reward_mean": float(shaped_flat.mean()), "advantage_mean": float(adv.mean()),
+            "advantage_abs_mean": float(np.abs(adv).mean())}

@@ -80,7 +80,7 @@ def ppo_loss(logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array, advan
     valid = mask & jnp.isfinite(w) & jnp.isfinite(logp - prox_logp)
     mode = "none" if cfg.objective == "standard" else cfg.behaviour_weight
     if mode == "truncate":
-        w = jnp.minimum(w, cfg.behaviour_cap)
+        w = jnp.clip(w, cfg.behaviour_lower, cfg.behaviour_cap)
     elif mode == "mask":
         valid &= (w <= cfg.behaviour_cap) & (w >= cfg.behaviour_lower)
     elif mode == "sequence_mask":

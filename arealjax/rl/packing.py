@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from arealjax.rl.trajectory import Trajectory
 
-FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "behav_logp", "advantages")
+FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "behav_logp", "advantages", "temperature")
+FLOATS = ("behav_logp", "advantages", "temperature")
 
 
 @dataclasses.dataclass
@@ -32,6 +33,7 @@ class PackedBatch:
     loss_mask: np.ndarray  # bool
     behav_logp: np.ndarray  # float32
     advantages: np.ndarray  # float32
+    temperature: np.ndarray  # float32, the sampling temperature of each trajectory (1 on padding)
     n_sequences: int
 
     @property
@@ -85,8 +87,9 @@ def pack(trajectories: Sequence[Trajectory], max_tokens: int, rows: int, *, pack
         raise ValueError(f"a trajectory has {max(lengths)} tokens; the trainer's row length is {max_tokens}")
     m = -(-len(bins) // rows)
     shape = (m * rows, max_tokens)
-    out = {f: np.zeros(shape, np.float32 if f in ("behav_logp", "advantages") else np.int32) for f in FIELDS}
+    out = {f: np.zeros(shape, np.float32 if f in FLOATS else np.int32) for f in FIELDS}
     out["loss_mask"] = np.zeros(shape, bool)
+    out["temperature"][:] = 1.0
     for row, members in enumerate(bins):
         o = 0
         for i in members:
@@ -99,6 +102,7 @@ def pack(trajectories: Sequence[Trajectory], max_tokens: int, rows: int, *, pack
             out["loss_mask"][row, o:o + n - 1] = t.loss_mask[1:]
             out["behav_logp"][row, o:o + n - 1] = np.where(t.loss_mask[1:], t.logprobs[1:], 0.0)
             out["advantages"][row, o:o + n - 1] = np.where(t.loss_mask[1:], t.advantage, 0.0)
+            out["temperature"][row, s] = t.temperature
             o += n
     return PackedBatch(**{f: v.reshape(m, rows, max_tokens) for f, v in out.items()}, n_sequences=len(trajectories))
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -91,9 +92,10 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.loss = '{self.loss}'; expected one of {LOSSES}")
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """log π(target) and the entropy of π at every position, fp32."""
-    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """log π(target) and the entropy of π at every position, fp32, for π = softmax(logits / temperature): the
+    distribution the tokens were sampled from (AReaL ties the actor's temperature to the sampling one)."""
+    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature[..., None], axis=-1)
     logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
     return logp, entropy
@@ -140,10 +142,10 @@ class Trainer:
         graphdef = self.graphdef
 
         def logprobs(params, mb):
-            return token_logprobs(_forward(graphdef, params, mb), mb["targets"])[0]
+            return token_logprobs(_forward(graphdef, params, mb), mb["targets"], mb["temperature"])[0]
 
         def loss(params, mb, prox, ref, n_tokens):
-            logp, entropy = token_logprobs(_forward(graphdef, params, mb), mb["targets"])
+            logp, entropy = token_logprobs(_forward(graphdef, params, mb), mb["targets"], mb["temperature"])
             mask = mb["loss_mask"]
             if cfg.loss == "sft":
                 nll = jnp.where(mask, -logp, 0.0)

@@ -9,13 +9,15 @@ length L, aligned with `tokens`:
     versions   int32 [L]   policy version that sampled each model token (-1 elsewhere)
 
 plus a scalar `reward` (from the reward service) and `advantage` (set by `advantages.py`; every model token of a
-trajectory gets its trajectory's advantage). `group` ties the n samples of one prompt together.
+trajectory gets its trajectory's advantage), and the sampling `temperature` its logprobs were taken at: the
+trainer scores π_θ and π_prox as log softmax(logits / temperature) too, or the behaviour weight and the PPO ratio
+would compare different distributions. `group` ties the n samples of one prompt together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,6 +30,7 @@ class Trajectory:
     versions: np.ndarray
     reward: float = 0.0
     advantage: float = 0.0
+    temperature: float = 1.0
     group: str = ""
     info: dict = dataclasses.field(default_factory=dict)  # free-form: prompt id, stop reason, turns, ...
 
@@ -41,6 +44,8 @@ class Trajectory:
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"Trajectory.{name} has shape {getattr(self, name).shape}; expected ({n},) "
                                  f"like tokens")
+        if not self.temperature > 0:
+            raise ValueError(f"Trajectory.temperature = {self.temperature}; expected > 0 (1 for greedy samples)")
         if n and self.loss_mask[0]:
             raise ValueError("Trajectory.loss_mask[0] is True: the first token has no context to be scored from")
 
@@ -59,7 +64,7 @@ class Trajectory:
 
     @classmethod
     def from_completion(cls, prompt_tokens: Sequence[int], output_tokens: Sequence[int], logprobs: np.ndarray,
-                        versions: np.ndarray, **kw) -> "Trajectory":
+                        versions: np.ndarray, **kw) -> Trajectory:
         """A single-turn trajectory: prompt tokens unscored, every output token scored."""
         p, o = len(prompt_tokens), len(output_tokens)
         return cls(tokens=np.concatenate([np.asarray(prompt_tokens, np.int32), np.asarray(output_tokens, np.int32)]),

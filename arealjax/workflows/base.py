@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Protocol, Sequence
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -34,10 +36,18 @@ class Prompt:
     id: str
     tokens: list[int]
     reward_kwargs: dict  # passed to the reward function with the completion text, e.g. {"answer": "132"}
+    epoch: int = 0  # the pass over the dataset that drew it
+
+    def sampling_seed(self, run_seed: int) -> int:
+        """The seed of this prompt's samples, from (run seed, id, epoch): draws are independent across prompts and
+        a prompt drawn again in a later epoch (or a duplicate row, which has its own id) gets new samples, while a
+        prompt re-issued after a resume draws exactly what it drew before."""
+        digest = hashlib.blake2b(f"{run_seed}/{self.id}/{self.epoch}".encode(), digest_size=4).digest()
+        return int.from_bytes(digest, "little")
 
 
 class Workflow(Protocol):
-    async def run(self, ep: "Episode") -> Trajectory | None: ...
+    async def run(self, ep: Episode) -> Trajectory | None: ...
 
 
 @dataclasses.dataclass
@@ -89,8 +99,14 @@ class Turns:
         self.tokens = [int(t) for t in prompt_tokens]
         self._mask, self._logprobs, self._versions = [False] * n, [0.0] * n, [-1] * n
         self.model_turns = 0
+        self.temperature: float | None = None  # of the model turns' logprobs, which must agree
 
     def model(self, c: Completion) -> None:
+        if self.temperature is not None and c.temperature != self.temperature:
+            raise ValueError(f"a model turn sampled at temperature {c.temperature} after one at {self.temperature}: "
+                             f"the model turns of one trajectory must share a temperature (the trainer scores "
+                             f"them at it)")
+        self.temperature = c.temperature
         self.tokens += c.output_tokens
         self._mask += [True] * len(c.output_tokens)
         self._logprobs += [float(x) for x in c.logprobs]
@@ -106,7 +122,8 @@ class Turns:
 
     def build(self, reward: float, **info: Any) -> Trajectory:
         return Trajectory(np.array(self.tokens), np.array(self._mask), np.array(self._logprobs),
-                          np.array(self._versions), reward=reward, info={"turns": self.model_turns, **info})
+                          np.array(self._versions), reward=reward, temperature=self.temperature or 1.0,
+                          info={"turns": self.model_turns, **info})
 
 
 def user_turn(tokenizer: Tokenizer, text: str, after_eos: bool) -> list[int]:

@@ -1,0 +1,40 @@
+"""The long-tail task: output lengths heavy-tailed like real chains of thought, on 2 CPU cores.
+
+  python main.py --config=configs/longtail.py --workdir=/tmp/arealjax_longtail
+  python main.py --config=configs/longtail.py --config.rl.max_staleness=0      # synchronous RL (the baseline)
+  python benchmarks/async_vs_sync.py --config=configs/longtail.py --etas=0,1,2,4,8
+
+A remainder by repeated subtraction, one step per subtraction ("47 mod 9=" -> "47-9=38,...,11-9=2;2";
+arealjax/data/remainder.py): quotients are lognormal, so outputs are mostly short and sometimes ten times longer
+(demonstrations: p50 31 tokens, p99 374, max 460). The SFT warm start forgets borrows; RL learns them. Everything
+not set here is the default job's (configs/default.py): model, meshes, sharding, rewards service, checkpoints.
+"""
+
+import ml_collections
+
+from configs import default
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    del arg
+    config = default.get_config()
+
+    config.task = dict(name="remainder", seed=0, median_steps=4.0, sigma=1.0, max_steps=48)
+    config.model.max_position_embeddings = 512  # RoPE positions: ≥ generator.max_len
+
+    # Demonstrations up to sft.max_tokens (a forgotten borrow makes a trace longer; longer ones are left out).
+    config.sft.steps = 250
+    config.sft.demo_error = 0.3
+    config.sft.max_tokens = 512
+    config.sft.micro_rows = 16
+
+    config.rl.steps = 60
+    config.rl.max_new_tokens = 480  # prompts are ≤ 16 tokens; generator.max_len caps prompt + output
+    config.rewards.fn = "arealjax.data.remainder:reward"
+
+    config.trainer.max_tokens = 512  # ≥ the longest trajectory (prompt + max_new_tokens)
+    config.trainer.optim.lr = 2e-4  # the default job's 5e-4 made greedy accuracy swing down on long traces
+    config.trainer.micro_rows = 8
+
+    config.generator.max_len = 512
+    return config
