@@ -1,7 +1,9 @@
 """Asynchronous vs synchronous RL, side by side in one run: the same job at several η, η = 0 first.
 
   python benchmarks/async_vs_sync.py                                   # default job, η = 0 and 4, 40 RL steps
-  python benchmarks/async_vs_sync.py --config=configs/longtail.py --etas=0,1,2,4,8
+  python benchmarks/async_vs_sync.py --config=configs/longtail.py --etas=0,1,2,4,8,4:generator.mode=keep
+
+An entry of --etas may add config overrides after a colon ("4:generator.mode=keep", several joined by "+").
 
 Each η runs `main.py` in its own process (same config, seed and SFT warm start, cached once in the output
 directory), so neither inherits the other's compiled code. Timed: the wall-clock of RL steps (warmup, steps]
@@ -25,12 +27,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(eta: int, args, out: Path) -> dict:
-    workdir = out / f"eta{eta}"
+def run(entry: str, args, out: Path) -> dict:
+    eta, _, overrides = entry.partition(":")
+    eta = int(eta)
+    workdir = out / ("eta" + entry.replace(":", "_").replace("+", "_").replace("=", "-"))
     shutil.rmtree(workdir, ignore_errors=True)  # metrics.jsonl appends
     cmd = [sys.executable, "main.py", f"--config={args.config}", f"--workdir={workdir}",
            f"--config.rl.max_staleness={eta}", f"--config.rl.steps={args.steps}", "--config.rl.eval_every=0",
-           f"--config.sft.cache_dir={out / 'sft'}", f"--config.eval.num_problems={args.eval_problems}", *args.extra]
+           f"--config.sft.cache_dir={out / 'sft'}", f"--config.eval.num_problems={args.eval_problems}", *args.extra,
+           *[f"--config.{o}" for o in overrides.split("+") if o]]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # main.py sets the device count from config
     print("$", " ".join(cmd[1:]), flush=True)
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -47,7 +52,8 @@ def run(eta: int, args, out: Path) -> dict:
         hist += [r.get(f"staleness_tokens_{k}", 0) for k in range(eta + 1)]
     summary = json.loads((workdir / "summary.json").read_text())
     return {
-        "eta": eta, "steps_timed": len(window), "wall_seconds": wall, "seconds_per_step": wall / len(window),
+        "eta": eta, "run": entry, "steps_timed": len(window), "wall_seconds": wall,
+        "seconds_per_step": wall / len(window),
         "weight_sync_share": sum(r["weight_sync_seconds"] for r in window) / wall,
         "generator_idle_share": idle / (idle + busy),
         "generated_tokens_per_s": float(np.mean([r["generated_tokens_per_s"] for r in window])),
@@ -74,18 +80,18 @@ def main():
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
     out = Path(args.out)
-    results = [run(int(e), args, out) for e in args.etas.split(",")]
+    results = [run(e, args, out) for e in args.etas.split(",")]
 
     base = results[0]
     print(f"\n{args.config}, RL steps {args.warmup + 1}..{args.steps} timed, {os.cpu_count()} CPU cores"
           + (f", extra flags: {' '.join(args.extra)}" if args.extra else ""))
-    print(f"\n| η | s / step | speedup vs η = {base['eta']} | weight-sync share | generator idle share | generated "
-          "tok/s | trainer step s | trainer waits for batch s | staleness mean / max | trained tokens by staleness "
-          "0, 1, … | rollout reward | held-out accuracy (start → end) |")
+    print(f"\n| η (overrides) | s / step | speedup vs η = {base['run']} | weight-sync share | generator idle share "
+          "| generated tok/s | trainer step s | trainer waits for batch s | staleness mean / max "
+          "| trained tokens by staleness 0, 1, … | rollout reward | held-out accuracy (start → end) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         hist = " / ".join(f"{100 * x:.0f}%" for x in r["staleness_histogram"])
-        print(f"| {r['eta']} | {r['seconds_per_step']:.2f} | {base['seconds_per_step'] / r['seconds_per_step']:.2f}x "
+        print(f"| {r['run']} | {r['seconds_per_step']:.2f} | {base['seconds_per_step'] / r['seconds_per_step']:.2f}x "
               f"| {100 * r['weight_sync_share']:.2f}% | {100 * r['generator_idle_share']:.1f}% "
               f"| {r['generated_tokens_per_s']:,.0f} | {r['trainer_step_seconds']:.2f} | {r['batch_wait_seconds']:.2f} "
               f"| {r['staleness_mean']:.2f} / {r['staleness_max']:.0f} | {hist} | {r['rollout_reward']:.2f} "
