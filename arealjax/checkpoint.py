@@ -25,20 +25,24 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from arealjax.rl.trainer import Trainer
 
 
 class Checkpointer:
     def __init__(self, directory: str | Path, *, every_steps: int = 0, every_seconds: float = 0.0,
-                 max_to_keep: int = 3, async_save: bool = True):
-        """`every_steps` / `every_seconds`: save when either is due (0 = off); `save(force)` always saves."""
+                 max_to_keep: int = 3, async_save: bool = True, create: bool = True):
+        """`every_steps` / `every_seconds`: save when either is due (0 = off); `save(force)` always saves.
+        `create=False` (reading only, e.g. an export) refuses a directory that does not exist instead of making it."""
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self._last = time.monotonic()
         directory = str(directory)
+        if not create and "://" not in directory and not Path(directory).is_dir():
+            raise FileNotFoundError(f"no checkpoints: {directory} does not exist")
         self.manager = ocp.CheckpointManager(
             directory if "://" in directory else Path(directory).absolute(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
                                                  enable_async_checkpointing=async_save))
 
     def due(self, step: int) -> bool:
@@ -64,6 +68,12 @@ class Checkpointer:
         if step is None:
             return None
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(trainer))
+        saved = ocp.StandardCheckpointer().metadata(epath.Path(self.manager.directory) / str(step) / "state")
+        mismatch = _mismatch(saved.item_metadata, target)
+        if mismatch:
+            raise ValueError(f"checkpoint {self.manager.directory}/{step} does not fit this config's model: "
+                             f"{mismatch}. Resume with the config the run was started with (model, model_path, "
+                             f"trainer.ppo.kl_coef), or start a new workdir")
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                                  meta=ocp.args.JsonRestore()))
         meta = out["meta"]
@@ -86,3 +96,20 @@ def _state(trainer: Trainer) -> dict[str, Any]:
     if getattr(trainer, "ref_params", None) is not None:
         state["ref_params"] = trainer.ref_params
     return state
+
+
+def _mismatch(saved: Any, target: Any) -> str:
+    """The first difference between a checkpoint's array metadata and the arrays to restore into ('' if none)."""
+    def flat(tree):  # paths as "params/layers/0/..." whatever the containers (dicts on disk, nnx.State here)
+        return {jax.tree_util.keystr(p, simple=True, separator="/"): x
+                for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    flat_saved, flat_target = flat(saved), flat(target)
+    for key in sorted(set(flat_saved) | set(flat_target), key=lambda k: (not k.startswith("params/"), k)):
+        if key not in flat_saved:
+            return f"it has no array {key}"
+        if key not in flat_target:
+            return f"it has an array {key} this model does not"
+        if tuple(flat_saved[key].shape) != tuple(flat_target[key].shape):
+            return f"{key} is {tuple(flat_saved[key].shape)} there, {tuple(flat_target[key].shape)} here"
+    return ""

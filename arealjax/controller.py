@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -68,6 +68,7 @@ class RolloutController:
         self.workflow = workflow if workflow is not None else RLVR()
         self.stats = ControllerStats()
         self._cv = threading.Condition()
+        self._source_lock = threading.Lock()  # the prompt source's position and the groups registered from it
         self._queue: dict[int, Group] = {}  # seq -> scored group waiting for a batch
         self._running: dict[int, Group] = {}  # seq -> group admitted, not yet queued/filtered
         self._stop = False
@@ -103,15 +104,10 @@ class RolloutController:
                     if self._stop or self._error is not None:
                         return
                     has_room = not self._exhausted and self.staleness.capacity() > 0
-                    prompt = next(self.prompts, None) if has_room else None
-                    if has_room and prompt is None:
-                        self._exhausted = True
-                        self._cv.notify_all()
-                    if prompt is not None:
-                        seq, version = self.staleness.on_submit()
-                        group = self._running[seq] = Group(prompt, version, seq, [])
-                        self.stats.submitted += 1
-                if prompt is not None:
+                # The prompt source may be slow (GCS) or skip many prompts: read it off the event loop and outside
+                # the lock the trainer and stop() need. Only this loop lowers capacity, so the room is still there.
+                group = await asyncio.to_thread(self._admit) if has_room else None
+                if group is not None:
                     task = asyncio.create_task(self._run_group(group))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
@@ -122,6 +118,21 @@ class RolloutController:
                     pass
         except BaseException as e:  # noqa: BLE001 — surfaced to the trainer by get_batch
             self._fail(e)
+
+    def _admit(self) -> Group | None:
+        """Takes the next prompt and registers its group, atomically for `checkpoint_state` (the source lock);
+        None once the source is exhausted."""
+        with self._source_lock:
+            prompt = next(self.prompts, None)
+            with self._cv:
+                if prompt is None:
+                    self._exhausted = True
+                    self._cv.notify_all()
+                    return None
+                seq, version = self.staleness.on_submit()
+                group = self._running[seq] = Group(prompt, version, seq, [])
+                self.stats.submitted += 1
+                return group
 
     async def _run_group(self, group: Group) -> None:
         sampling = dataclasses.replace(self.sampling, n=1, seed=group.prompt.sampling_seed(self.sampling.seed))
@@ -135,7 +146,7 @@ class RolloutController:
         except BaseException as e:  # noqa: BLE001
             if not self._stop:
                 self._fail(RuntimeError(f"workflow {type(self.workflow).__name__} failed on prompt "
-                                        f"'{group.prompt.id}': {e!r}"))
+                                        f"'{group.prompt.id}': {_text(e)}"))
             return
         self._on_scored(group, results)
         self._wake.set()
@@ -188,15 +199,17 @@ class RolloutController:
             pass
 
     # ---- the trainer's side ----
-    def get_batch(self, trainer_version: int, timeout: float | None = None) -> list[Group]:
+    def get_batch(self, trainer_version: int, timeout: float | None = None,
+                  interrupt: Callable[[], None] | None = None) -> list[Group]:
         """The batch for the step from `trainer_version`: the B scored groups with the earliest staleness deadlines,
         as soon as taking them leaves every other admitted group able to meet its own (staleness.py); until then
-        it waits. Checks the staleness bound on every trajectory."""
+        it waits, calling `interrupt` (which may raise: a stop request) twice a second. Checks the staleness bound
+        on every trajectory."""
         deadline = None if timeout is None else time.perf_counter() + timeout
         with self._cv:
             while True:
                 if self._error is not None:
-                    raise RuntimeError(f"rollout failed: {self._error!r}") from self._error
+                    raise RuntimeError(f"rollout failed: {_text(self._error)}") from self._error
                 seqs = self.staleness.take_batch(trainer_version)
                 if seqs is not None:
                     break
@@ -210,6 +223,8 @@ class RolloutController:
                     raise StopIteration("no more batches: the controller stopped or the dataset is exhausted")
                 if deadline is not None and time.perf_counter() > deadline:
                     raise TimeoutError(f"no batch for version {trainer_version} within {timeout}s")
+                if interrupt is not None:
+                    interrupt()
                 self._cv.wait(0.5)
             batch = [self._queue.pop(s) for s in seqs]
             self.stats.trained += len(batch)
@@ -229,7 +244,7 @@ class RolloutController:
     def checkpoint_state(self) -> dict:
         """A consistent snapshot for a checkpoint: the prompt source's position, the prompts admitted and not yet
         trained (queued or in flight, to be re-issued on resume, in admission order) and the counters."""
-        with self._cv:  # admission takes a prompt and registers its group under this lock
+        with self._source_lock, self._cv:  # admission takes a prompt and registers its group under both
             pending = sorted([*self._running.values(), *self._queue.values()], key=lambda g: g.seq)
             return {"prompts": self.prompts.get_state(), "pending": [dataclasses.asdict(g.prompt) for g in pending],
                     "stats": dataclasses.asdict(self.stats)}
@@ -275,3 +290,8 @@ def token_staleness(batch: Sequence[Group], trainer_version: int) -> np.ndarray:
     """Per model token: trainer version − the version that sampled it."""
     return np.concatenate([trainer_version - t.versions[t.loss_mask] for g in batch for t in g.trajectories] or
                           [np.zeros(0, np.int32)])
+
+
+def _text(e: BaseException) -> str:
+    """An error as a sentence: its message (the type's name too when that is all it says)."""
+    return str(e.args[0] if isinstance(e, KeyError) and e.args else e) or type(e).__name__

@@ -10,13 +10,15 @@ from typing import Any
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str | Path):
+    def __init__(self, workdir: str | Path, purge_step: int | None = None):
+        """`purge_step`: after a resume, TensorBoard hides the events a killed run wrote from that step on (the
+        caller cuts metrics.jsonl back the same way)."""
         from tensorboardX import SummaryWriter
 
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.workdir / "metrics.jsonl", "a")
-        self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+        self._tb = SummaryWriter(str(self.workdir / "tensorboard"), purge_step=purge_step)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -1,9 +1,67 @@
-"""Process start-up that must happen before JAX initialises its backends."""
+"""Process start-up that must happen before JAX initialises its backends, and the run's stop signal.
+
+Ctrl-C (SIGINT) and a scheduler's SIGTERM do not raise inside the run: a handler records the signal in a `Stop`
+that the RL loop, the trainer's wait for a batch, evaluation and the warm start check between steps. An exception
+raised from a signal handler can be swallowed (JAX's GC callback printed "Exception ignored ... KeyboardInterrupt"
+and training went on) or land inside an XLA compile (a segfault); a flag is neither. The handlers are installed
+explicitly, so a run started with SIGINT ignored (`cmd &` from a script, nohup, CI runners) still stops on it. A
+second signal exits at once.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
 from typing import Any
+
+
+class Interrupted(Exception):
+    """The run was asked to stop by a signal (raised at the next check, never from the handler)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class Stop:
+    """A stop request: `check()` raises Interrupted once a signal has arrived (or `set` was called)."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self.signum: int | None = None
+
+    def set(self, signum: int = signal.SIGINT) -> None:
+        self.signum = signum
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def check(self) -> None:
+        if self._event.is_set():
+            raise Interrupted(self.signum)
+
+
+def install_signal_handlers() -> Stop:
+    """SIGINT and SIGTERM set the returned Stop (a second one exits with 128 + signal at once)."""
+    stop = Stop()
+
+    def handler(signum, frame):
+        if stop.is_set():
+            os._exit(128 + signum)  # the user insists; reward workers die with us (parent-death signal)
+        stop.set(signum)
+        logging.warning("%s received: stopping at the next step boundary (send it again to exit at once)",
+                        signal.Signals(signum).name)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, handler)
+    return stop
 
 
 def setup(config: Any) -> None:

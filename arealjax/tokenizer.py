@@ -127,7 +127,8 @@ class CharTokenizer:
         try:
             ids = [self._ids[c] for c in text]
         except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} in {text!r} is not in the tokenizer alphabet") from None
+            raise ValueError(f"character {e.args[0]!r} in {text[:80]!r} is not in the character tokenizer's alphabet "
+                             f"{self.alphabet!r} (config key tokenizer.alphabet)") from None
         return [self.bos_id, *ids] if add_special_tokens else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -163,4 +164,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         return CharTokenizer(data["alphabet"], data.get("chat_template", CharTokenizer.DEFAULT_TEMPLATE))
     if (path / "tokenizer.json").is_file():
         return HFTokenizer(path)
-    raise FileNotFoundError(f"{path}: neither tokenizer.json nor {CHAR_FILE} found")
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such directory (expected a model directory with a tokenizer)")
+    raise FileNotFoundError(f"{path}: no tokenizer in it (expected tokenizer.json, a Hugging Face tokenizer, or "
+                            f"{CHAR_FILE}, arealjax's character tokenizer)")

@@ -8,11 +8,15 @@ moves on once the generator serves them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import logging
+import signal
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +26,9 @@ from tqdm import tqdm
 
 from arealjax import models
 from arealjax.checkpoint import Checkpointer
+from arealjax.checks import check_config, output_dir
 from arealjax.controller import Prompt, RolloutController, staleness_of, token_staleness
-from arealjax.data import arithmetic, remainder
+from arealjax.data import TASKS
 from arealjax.data.pipeline import PromptStream, ReissueFirst, format_prompt
 from arealjax.generation import Engine, Generator, SamplingParams
 from arealjax.metrics import MetricsWriter, plot_curves
@@ -32,6 +37,7 @@ from arealjax.rl.advantages import AdvantageConfig, assign_advantages
 from arealjax.rl.losses import PPOConfig
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
+from arealjax.runtime import Interrupted, Stop
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes, tree_shardings
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
@@ -48,9 +54,6 @@ def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, model
     return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)
 
 
-TASKS = {"addition": arithmetic, "remainder": remainder}  # config.task.name -> the synthetic task's module
-
-
 def task_problems(task: Any, n: int, seed: int) -> list:
     """`n` problems of the synthetic task `task.name`, its other keys (but seed) passed to `sample_problems`."""
     if task.name not in TASKS:
@@ -65,7 +68,7 @@ def train_prompts(config: Any, tokenizer: Tokenizer) -> ReissueFirst:
     d = config.data
     if d.path:
         return ReissueFirst(PromptStream(d.path, d.split, tokenizer, seed=d.seed, epochs=d.epochs or None,
-                                         template=d.template, max_prompt_tokens=d.max_prompt_tokens))
+                                         template=d.template, max_prompt_tokens=d.max_prompt_tokens, key="data.split"))
     return ReissueFirst(SyntheticPrompts(config, tokenizer))
 
 
@@ -103,7 +106,7 @@ def eval_prompts(config: Any, tokenizer: Tokenizer) -> list[Prompt]:
     d, n = config.data, config.eval.num_problems
     if d.path:
         stream = PromptStream(d.path, d.eval_split, tokenizer, shuffle=False, epochs=1, template=d.template,
-                              max_prompt_tokens=d.max_prompt_tokens)
+                              max_prompt_tokens=d.max_prompt_tokens, key="data.eval_split")
         return list(itertools.islice(stream, n))
     t = config.task
     return [Prompt(f"eval-{i}", format_prompt(tokenizer, p.prompt, d.template), {"answer": p.answer})
@@ -120,7 +123,8 @@ def trainer_config(c: Any, loss: str = "ppo", steps: int = 0) -> TrainerConfig:
                          micro_rows=c.micro_rows, ppo_n_minibatches=c.get("ppo_n_minibatches", 1))
 
 
-def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rules, workdir: Path) -> models.Model:
+def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rules, workdir: Path,
+               stop: Stop) -> models.Model:
     """SFT on imperfect demonstrations of the synthetic task (each step wrong with probability `sft.demo_error`;
     demonstrations longer than `sft.max_tokens` left out), cached by config in `sft.cache_dir` (default
     workdir/sft)."""
@@ -136,6 +140,7 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
     problems = task_problems(t, s.steps * s.batch_size, seed=t.seed)
     bar = tqdm(range(s.steps), desc="SFT warm start", mininterval=2)
     for step in bar:
+        stop.check()
         batch = []
         for p in problems[step * s.batch_size:(step + 1) * s.batch_size]:
             demo = tokenizer.encode(TASKS[t.name].demonstration(p, rng, s.demo_error)) + [tokenizer.eos_ids[0]]
@@ -151,8 +156,18 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
     return trainer.model
 
 
+def wait(future: Future, stop: Stop) -> Any:
+    """future.result(), checking for a stop request twice a second (a signal never lands inside it)."""
+    while True:
+        stop.check()
+        try:
+            return future.result(timeout=0.5)
+        except FutureTimeout:
+            pass
+
+
 def evaluate(generator: Generator, rewards: RewardService, tokenizer: Tokenizer, prompts: list[Prompt],
-             config: Any) -> dict[str, float]:
+             config: Any, stop: Stop) -> dict[str, float]:
     """Held-out accuracy (pass@1 at the training temperature) and greedy accuracy, and the percentiles of the
     sampled outputs' lengths in tokens."""
     out = {}
@@ -160,9 +175,9 @@ def evaluate(generator: Generator, rewards: RewardService, tokenizer: Tokenizer,
         futs = [generator.submit(p.tokens, SamplingParams(
             temperature=temperature, max_new_tokens=config.rl.max_new_tokens, stop_token_ids=tuple(tokenizer.eos_ids),
             seed=p.sampling_seed(config.seed + 99))) for p in prompts]
-        outputs = [f.result()[0].output_tokens for f in futs]
+        outputs = [wait(f, stop)[0].output_tokens for f in futs]
         scores = [rewards.submit(tokenizer.decode(x), **p.reward_kwargs) for x, p in zip(outputs, prompts)]
-        out[name] = float(np.mean([s.result() for s in scores]))
+        out[name] = float(np.mean([wait(s, stop) for s in scores]))
         if temperature:
             lengths = [len(x) for x in outputs]
             out.update(eval_length_p50=float(np.percentile(lengths, 50)),
@@ -184,85 +199,135 @@ def truncate_jsonl(path: Path, max_step: int) -> None:
         path.write_text("".join(r + "\n" for r in rows))
 
 
-def run(config: Any, workdir: str) -> dict[str, Any]:
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+def run(config: Any, workdir: str, stop: Stop | None = None) -> dict[str, Any]:
+    """The RL job. However it ends (its last step, a dataset that runs out, an error, a signal), the controller,
+    the generator and the reward workers are stopped and summary.json says how it ended and accounts for every
+    admitted prompt; on SIGTERM (preemption) a checkpoint is saved first, so `resume` loses nothing."""
+    stop = stop or Stop()
+    workdir = output_dir(workdir)
+    summary: dict[str, Any] = {"status": "failed"}
+    try:
+        check_config(config)  # every size, count and name: seconds, before anything is built
+        with contextlib.ExitStack() as stack:
+            _run(config, workdir, stop, stack, summary)
+    except Interrupted as e:
+        summary["status"] = f"interrupted ({e})"
+        raise
+    except BaseException as e:
+        summary["error"] = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        raise
+    finally:
+        write_json(workdir / "summary.json", summary)
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, summary: dict[str, Any]) -> None:
+    """run()'s body: every component it starts is stopped by `stack`; `summary` is filled in as it goes."""
+    rl, g, c, r = config.rl, config.generator, config.checkpoint, config.rewards
     rules = normalize_rules(config.sharding_rules)
     meshes = role_meshes(config.mesh)
     tokenizer, model = build(config, meshes["trainer"], rules)
-    c = config.checkpoint
     ckpt = Checkpointer(c.dir or workdir / "checkpoints", every_steps=c.every_steps, every_seconds=c.every_seconds,
                         max_to_keep=c.max_to_keep)
+    stack.callback(ckpt.close)
     latest = ckpt.latest_step()
     if latest is not None and not config.resume:  # refused before any work (the warm start takes minutes)
         raise ValueError(f"{ckpt.manager.directory} holds checkpoints (latest step {latest}): pass "
                          f"--config.resume=True to continue that run, or use a new workdir")
+    if config.resume and latest is None:
+        logging.warning("resume: no checkpoint in %s, starting afresh", ckpt.manager.directory)
+    # Everything that reads user input comes before anything starts: prompts, held-out set, workflow.
+    prompts, held_out = train_prompts(config, tokenizer), eval_prompts(config, tokenizer)
+    workflow = load_workflow(config.workflow.path, config.workflow.kwargs)
     if config.sft.steps and latest is None:
-        model = warm_start(config, tokenizer, model, meshes["trainer"], rules, workdir)
-    rl = config.rl
+        model = warm_start(config, tokenizer, model, meshes["trainer"], rules, workdir, stop)
     trainer = Trainer(model, trainer_config(config.trainer), mesh=meshes["trainer"], rules=rules)
     restored = ckpt.restore_latest(trainer) if latest is not None else None
-    start_step = 0 if restored is None else restored[0]
-    if start_step >= rl.steps:
-        raise ValueError(f"the checkpoint is at step {start_step} and rl.steps={rl.steps}: nothing to train; raise "
+    done = 0 if restored is None else restored[0]  # completed RL steps
+    if done >= rl.steps:
+        raise ValueError(f"the checkpoint is at step {done} and rl.steps={rl.steps}: nothing to train; raise "
                          f"--config.rl.steps to go on")
     for name in ("metrics.jsonl", "trained_prompts.jsonl"):  # rows a killed run wrote after its checkpoint go
-        truncate_jsonl(workdir / name, start_step)
+        truncate_jsonl(workdir / name, done)
 
     gen_model = model.to_mesh(meshes["generator"], rules)
     gen_shardings = tree_shardings(gen_model.params, LogicalSharding(meshes["generator"], rules))
     gen_params = jax.device_put(trainer.params, gen_shardings, may_alias=False) if restored else gen_model.params
-    g = config.generator
     engine = Engine(gen_model, slots=g.slots, max_len=g.max_len, shard=LogicalSharding(meshes["generator"], rules))
     sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, n=rl.group_size,
                               stop_token_ids=tuple(tokenizer.eos_ids), seed=config.seed)
     advantage = AdvantageConfig(**config.advantage.to_dict())
-    staleness = StalenessManager(rl.batch_size, rl.max_staleness, rl.max_concurrent)
-    writer = MetricsWriter(workdir)
+    writer = MetricsWriter(workdir, purge_step=done + 1 if restored else None)
+    stack.callback(writer.close)
     generator = Generator(engine, gen_params, version=trainer.version, mode=g.mode, decode_steps=g.decode_steps,
                           max_prefill_batch=g.max_prefill_batch)
-    r = config.rewards
+    stack.callback(generator.close)
     rewards = RewardService(r.fn, workers=r.workers, timeout=r.timeout, retries=r.retries,
-                            failure_reward=r.failure_reward)
-    controller = RolloutController(generator, rewards, tokenizer, train_prompts(config, tokenizer), staleness,
-                                   sampling, advantage, max_filtered_in_a_row=rl.max_filtered_in_a_row,
-                                   workflow=load_workflow(config.workflow.path, config.workflow.kwargs))
+                            failure_reward=r.failure_reward, max_failure_rate=r.max_failure_rate,
+                            failure_window=r.failure_window)
+    stack.callback(rewards.close)
+    controller = RolloutController(generator, rewards, tokenizer, prompts,
+                                   StalenessManager(rl.batch_size, rl.max_staleness, rl.max_concurrent), sampling,
+                                   advantage, max_filtered_in_a_row=rl.max_filtered_in_a_row, workflow=workflow)
+    stack.callback(lambda: summary.update(prompts=controller.stop()))  # the accounting, on every exit path
     if restored:
         controller.restore(restored[1]["controller"], trainer.version)
-        logging.info("resumed from checkpoint %d (version %d; %d prompts re-issued)", start_step, trainer.version,
+        logging.info("resumed from checkpoint %d (version %d; %d prompts re-issued)", done, trainer.version,
                      len(restored[1]["controller"]["pending"]))
-    summary: dict[str, Any] = {}
+
+    def checkpoint(force: bool = False) -> None:
+        ckpt.maybe_save(done, trainer, {
+            "version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
+            "skipped_steps": trainer.skipped_steps, "first_eval": first,
+            "controller": controller.checkpoint_state()}, force=force)
+
+    if restored:
+        first = restored[1]["first_eval"]
+    else:
+        first = evaluate(generator, rewards, tokenizer, held_out, config, stop)
+        writer.write(0, first)
+        logging.info("after warm start: %s", first)
+    summary.update(steps=done, eval_accuracy_start=first["eval_accuracy"],
+                   eval_greedy_accuracy_start=first["eval_greedy_accuracy"])
+    controller.start()
+    t_start = time.perf_counter()
+    last_stats = dataclasses.replace(generator.stats)
+    last_t, eval_s, skipped_in_a_row = t_start, 0.0, 0
+    cs = controller.stats  # after a resume, the checkpoint's counts: rates start from them
+    last_tokens, last_scored = cs.generated_tokens, (cs.scored_samples, cs.reward_sum)
+    last_reward, latest_eval = float("nan"), first  # what the progress bar shows between updates
+    bar = tqdm(range(done, rl.steps), desc="async RL", mininterval=1, initial=done, total=rl.steps)
     try:
-        held_out = eval_prompts(config, tokenizer)
-        if restored:
-            first = restored[1]["first_eval"]
-        else:
-            first = evaluate(generator, rewards, tokenizer, held_out, config)
-            writer.write(0, first)
-            logging.info("after warm start: %s", first)
-        controller.start()
-        t_start = time.perf_counter()
-        last_stats = dataclasses.replace(generator.stats)
-        last_t, eval_s = t_start, 0.0
-        cs = controller.stats  # after a resume, the checkpoint's counts: rates start from them
-        last_tokens, last_scored = cs.generated_tokens, (cs.scored_samples, cs.reward_sum)
-        last_reward, last_acc = float("nan"), first["eval_accuracy"]  # what the progress bar shows between updates
-        bar = tqdm(range(start_step, rl.steps), desc="async RL", mininterval=1, initial=start_step,
-                   total=rl.steps)
         for step in bar:
+            stop.check()
             t0 = time.perf_counter()
-            batch = controller.get_batch(trainer.version)
+            try:
+                batch = controller.get_batch(trainer.version, interrupt=stop.check)
+            except StopIteration:  # the dataset ran out (data.epochs): the run ends normally
+                summary["status"] = f"dataset exhausted after step {done}"
+                logging.warning("the dataset is exhausted (data.epochs=%s): ending after step %d", config.data.epochs,
+                                done)
+                break
             wait_s = time.perf_counter() - t0
             stale = staleness_of(batch, trainer.version)
             tokens_by_staleness = np.bincount(token_staleness(batch, trainer.version), minlength=rl.max_staleness + 1)
             adv_stats = assign_advantages([grp.trajectories for grp in batch], advantage)
             m = trainer.train_step([tr for grp in batch for tr in grp.trajectories])
+            skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_steps"] else 0
+            if skipped_in_a_row >= config.trainer.max_skipped_in_a_row:
+                raise RuntimeError(f"{skipped_in_a_row} steps in a row were skipped because the loss or a gradient "
+                                   f"was not finite (last loss {m['loss']}, grad norm {m['grad_norm']}): the "
+                                   f"params stopped moving (trainer.max_skipped_in_a_row = "
+                                   f"{config.trainer.max_skipped_in_a_row}); lower the learning rate or check the "
+                                   f"rewards")
             t1 = time.perf_counter()
             params = jax.device_put(trainer.params, gen_shardings, may_alias=False)  # never alias donated buffers
             jax.block_until_ready(params)
             sync_s = time.perf_counter() - t1
             generator.update_weights(params, trainer.version).add_done_callback(
                 lambda f, v=trainer.version: controller.on_weights_applied(v))
+            done = step + 1
 
             now = time.perf_counter()
             gs = generator.stats
@@ -291,35 +356,41 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
             metrics.update(rollout_reward(scored, last_scored))
             last_reward = metrics.get("rollout_reward", last_reward)
             last_stats, last_tokens, last_t, last_scored = dataclasses.replace(gs), tokens, now, scored
-            if rl.eval_every and (step + 1) % rl.eval_every == 0 or step + 1 == rl.steps:
-                metrics.update(evaluate(generator, rewards, tokenizer, held_out, config))
+            if rl.eval_every and done % rl.eval_every == 0 or done == rl.steps:
+                latest_eval = evaluate(generator, rewards, tokenizer, held_out, config, stop)
+                metrics.update(latest_eval)
                 eval_s += time.perf_counter() - now  # rates of the next step leave the evaluation out:
                 last_stats, last_t = dataclasses.replace(generator.stats), time.perf_counter()
-            writer.write(step + 1, metrics)
+            writer.write(done, metrics)
             with open(workdir / "trained_prompts.jsonl", "a") as f:  # the audit trail: which prompts each step used
-                f.write(json.dumps({"step": step + 1, "ids": [grp.prompt.id for grp in batch]}) + "\n")
-            ckpt.maybe_save(step + 1, trainer, {
-                "version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
-                "skipped_steps": trainer.skipped_steps, "first_eval": first,
-                "controller": controller.checkpoint_state()}, force=step + 1 == rl.steps)
-            last_acc = metrics.get("eval_accuracy", last_acc)
+                f.write(json.dumps({"step": done, "ids": [grp.prompt.id for grp in batch]}) + "\n")
+            checkpoint(force=done == rl.steps)
+            summary.update(steps=done, wall_seconds=time.perf_counter() - t_start, eval_seconds=eval_s)
             bar.set_postfix(reward=f"{last_reward:.2f}", stale=f"{metrics['staleness_mean']:.1f}",
-                            tok_s=f"{metrics['generated_tokens_per_s']:.0f}", acc=f"{last_acc:.2f}", refresh=False)
-        summary = {"steps": rl.steps, "wall_seconds": time.perf_counter() - t_start, "eval_seconds": eval_s,
-                   "eval_accuracy_start": first["eval_accuracy"], "eval_accuracy_end": metrics["eval_accuracy"],
-                   "eval_greedy_accuracy_start": first["eval_greedy_accuracy"],
-                   "eval_greedy_accuracy_end": metrics["eval_greedy_accuracy"]}
-    finally:
-        summary["prompts"] = controller.stop()
-        ckpt.close()
-        generator.close()
-        rewards.close()
-        writer.close()
+                            tok_s=f"{metrics['generated_tokens_per_s']:.0f}",
+                            acc=f"{latest_eval['eval_accuracy']:.2f}", refresh=False)
+        else:
+            summary["status"] = "completed"
+    except Interrupted as e:
+        if e.signum == signal.SIGTERM and done > (restored[0] if restored else 0):  # preemption: keep every step
+            checkpoint(force=True)
+            logging.warning("SIGTERM: saved checkpoint %d", done)
+        raise
+    if done < rl.steps:  # the dataset ran out: evaluate and save what was trained
+        latest_eval = evaluate(generator, rewards, tokenizer, held_out, config, stop)
+        writer.write(done, latest_eval)
+        checkpoint(force=True)
+    summary.update(eval_accuracy_end=latest_eval["eval_accuracy"],
+                   eval_greedy_accuracy_end=latest_eval["eval_greedy_accuracy"])
     plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
     save_model(trainer, tokenizer, workdir / "model")
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
-    return summary
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Whole or not at all: written beside, then renamed over `path`."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    tmp.replace(path)
 
 
 def save_model(trainer: Trainer, tokenizer: Tokenizer, out: str | Path) -> None:
@@ -336,10 +407,10 @@ def export(config: Any, workdir: str, out: str) -> int:
     mesh = role_meshes(config.mesh)["trainer"]
     tokenizer, model = build(config, mesh, rules)
     trainer = Trainer(model, trainer_config(config.trainer), mesh=mesh, rules=rules)
-    ckpt = Checkpointer(config.checkpoint.dir or Path(workdir) / "checkpoints")
+    ckpt = Checkpointer(config.checkpoint.dir or Path(workdir) / "checkpoints", create=False)
     restored = ckpt.restore_latest(trainer)
     if restored is None:
-        raise FileNotFoundError(f"no complete checkpoint in {ckpt.manager.directory}")
+        raise FileNotFoundError(f"no complete checkpoint in {ckpt.manager.directory} to export")
     save_model(trainer, tokenizer, out)
     logging.info("exported checkpoint %d (version %d) to %s", restored[0], trainer.version, out)
     return restored[0]

@@ -97,6 +97,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rewards.timeout = 10.0  # per attempt; a stuck worker is killed and replaced
     config.rewards.retries = 1  # attempts after a failure (raised, timed out, worker died)
     config.rewards.failure_reward = 0.0  # the reward of a call that failed every attempt
+    # A reward function failing on more than this share of the last failure_window calls is broken: stop the run.
+    config.rewards.max_failure_rate = 0.5
+    config.rewards.failure_window = 64
 
     # One dataset sample -> one trajectory (arealjax/workflows): "arealjax.workflows:RLVR" (single turn),
     # "arealjax.workflows:MultiTurn" (answer -> feedback -> retry), "arealjax.workflows:ToolCalls" (code in the
@@ -111,6 +114,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.trainer.ppo_n_minibatches = 1
     config.trainer.ppo = dict(objective="decoupled", eps_clip=0.2, behaviour_weight="mask", behaviour_cap=5.0)
     config.trainer.optim = dict(lr=5e-4, warmup_steps=5, grad_clip=1.0)
+    config.trainer.max_skipped_in_a_row = 3  # steps skipped for a non-finite loss/gradient before the run stops
 
     # The interruptible generator (arealjax/generation): KV-cache slots, cache length, weight-swap mode.
     config.generator = ml_collections.ConfigDict()

@@ -64,3 +64,42 @@ def right_from_second_call(completion: str, marker: str) -> float:
 def digits(completion: str, **kwargs) -> float:
     """The share of digits in the completion: a dense signal even a random model gets different values of."""
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+def nan(completion: str, **kwargs) -> float:
+    return float("nan")
+
+
+def none(completion: str, **kwargs):
+    return None
+
+
+def text(completion: str, **kwargs):
+    return "1.0"
+
+
+def raises_any(completion: str, **kwargs) -> float:
+    raise ValueError("the reference answer is missing")
+
+
+def crash(completion: str, **kwargs) -> float:
+    os._exit(3)
+
+
+def hang(completion: str, **kwargs) -> float:
+    time.sleep(3600)
+    return 0.0
+
+
+def stuck_with_pid(completion: str, **kwargs) -> float:
+    """Publishes the worker's pid in $AREALJAX_TEST_PIDS, then never returns: the test kills the run's parent."""
+    Path(os.environ["AREALJAX_TEST_PIDS"], str(os.getpid())).write_text("")
+    time.sleep(3600)
+    return 0.0
+
+
+def slow_marker(completion: str, **kwargs) -> float:
+    """Leaves a mark in $AREALJAX_TEST_PIDS (the test knows rewards are being scored), then takes 50 ms."""
+    Path(os.environ["AREALJAX_TEST_PIDS"], f"{os.getpid()}-{time.monotonic_ns()}").write_text("")
+    time.sleep(0.05)
+    return 0.0

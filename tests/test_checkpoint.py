@@ -5,7 +5,9 @@ during a save leaves the previous checkpoint restorable."""
 import json
 import os
 import random
+import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -145,6 +147,23 @@ def test_kill_minus_9_then_resume_at_eta_2_on_the_long_tail_task(tmp_path):
     assert [r["step"] for r in steps] == list(range(1, 13)) and [r["version"] for r in steps] == list(range(1, 13))
     assert all(r["staleness_max"] <= 2 and sum(r[f"staleness_tokens_{k}"] for k in range(3)) > 0 for r in steps)
     assert max(r["staleness_max"] for r in steps) > 0  # really asynchronous
+    # TensorBoard hides what the killed run logged after its checkpoint (metrics.jsonl is cut back the same way)
+    restored = int(re.search(r"resumed from checkpoint (\d+)", out).group(1))
+    assert [e.step for e in tensorboard_events(run / "tensorboard") if e.session_log.status == 1] == [restored + 1]
+
+
+def tensorboard_events(directory: Path) -> list:
+    """Every event of the event files in `directory` (TFRecord framing: length, CRC, data, CRC)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = []
+    for f in sorted(directory.glob("events.out.tfevents.*")):
+        data, i = f.read_bytes(), 0
+        while i + 12 <= len(data):
+            n = struct.unpack("<Q", data[i:i + 8])[0]
+            out.append(Event.FromString(data[i + 12:i + 12 + n]))
+            i += 12 + n + 4
+    return out
 
 
 SAVE_THEN_DIE = """

@@ -150,3 +150,34 @@ def test_convert_command_line(tmp_path, capsys):
     assert len(list(PromptStream(tmp_path / "tfds/gsm8k/1.0.0", "test", TOK, epochs=1))) == 2
     assert main([f"--out={tmp_path / 'bad'}", f"--train={bad}", "--layout=gsm8k"]) == 2
     assert "b.jsonl:1: missing key 'answer'" in capsys.readouterr().err
+
+
+def test_convert_refuses_mistakes_with_one_line_each(tmp_path, capsys):
+    """Into an existing --out it used to keep the *old* dataset silently; an empty split or one whose every row
+    was skipped ended in a tfds AssertionError; a directory as --train was not named. stdout carries only the
+    dataset's path (tfds printed its progress there)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from arealjax.data.convert import main
+
+    out = tmp_path / "tfds"
+    a = write_jsonl(tmp_path / "a.jsonl", ROWS["gsm8k"][:3])
+    b = write_jsonl(tmp_path / "b.jsonl", ROWS["gsm8k"][3:7])
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-m", "arealjax.data.convert", f"--out={out}", f"--train={a}"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout == f"{out / 'gsm8k/1.0.0'}\n", (res.stdout, res.stderr[-2000:])
+    capsys.readouterr()
+    assert main([f"--out={out}", f"--train={a}"]) == 0  # the same files again: reused
+    assert main([f"--out={out}", f"--train={b}"]) == 2
+    assert "already holds a dataset converted from other files" in capsys.readouterr().err
+    assert main([f"--out={out}", f"--train={b}", "--overwrite"]) == 0
+    assert len(list(PromptStream(out / "gsm8k/1.0.0", "train", TOK, epochs=1))) == 4  # the new rows
+
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"question": "q", "answer": "no final answer"}] * 2)
+    assert main([f"--out={tmp_path / 'e'}", f"--train={empty}", "--layout=gsm8k", "--on-error=skip"]) == 2
+    assert "split 'train' (" in (err := capsys.readouterr().err) and "has no usable rows (2 skipped)" in err
+    assert main([f"--out={tmp_path / 'd'}", f"--train={tmp_path}"]) == 2
+    assert "is a directory; give the .jsonl or .parquet files in it" in capsys.readouterr().err

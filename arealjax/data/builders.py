@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,8 @@ def read_rows(file: str | Path) -> Iterator[tuple[str, dict | RowError]]:
     """(location, row) for each row of a .jsonl or .parquet file; location is 'file:line' ('file:row i' for
     Parquet). A line that is not a JSON object comes as a RowError, so a caller may skip it and read on."""
     file = Path(file)
+    if file.is_dir():
+        raise ValueError(f"{file} is a directory; give the .jsonl or .parquet files in it (comma-separated)")
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no such file")
     if file.suffix == ".parquet":
@@ -195,6 +198,7 @@ class _Rows(tfds.core.GeneratorBasedBuilder):
     def __init__(self, *, files: dict[str, Sequence[str]], layout: Layout, on_error: str = "raise", **kwargs: Any):
         self._files, self._layout, self._on_error = files, layout, on_error
         self.skipped: dict[str, list[str]] = {split: [] for split in files}
+        self.counts = dict.fromkeys(files, 0)  # records written per split
         super().__init__(**kwargs)
 
     def _info(self) -> tfds.core.DatasetInfo:
@@ -213,6 +217,7 @@ class _Rows(tfds.core.GeneratorBasedBuilder):
             if rec["id"] in seen:
                 raise RowError(f"split '{split}': id '{rec['id']}' appears twice")
             seen.add(rec["id"])
+            self.counts[split] += 1
             yield rec["id"], rec
 
 
@@ -236,9 +241,10 @@ _BUILDERS = {"gsm8k": Gsm8k, "math": Math, "code": Code, "arithmetic": Arithmeti
 
 
 def convert(files: dict[str, Sequence[str | Path]], data_dir: str | Path, layout: str = "auto",
-            on_error: str = "raise") -> Path:
+            on_error: str = "raise", overwrite: bool = False) -> Path:
     """Converts local files (split -> files) into data_dir/<layout>/1.0.0 (array_record) and returns that path.
-    Skipped rows (on_error="skip") are logged with their locations and counted in `skipped.json` beside it."""
+    Skipped rows (on_error="skip") are logged with their locations and counted in `skipped.json` beside it. An
+    existing conversion of the same files is reused; one of other files is an error unless `overwrite`."""
     files = {split: [str(f) for f in fs] for split, fs in files.items()}
     if not files or not all(files.values()):
         raise ValueError(f"convert: expected split -> non-empty list of files, got {files}")
@@ -251,10 +257,25 @@ def convert(files: dict[str, Sequence[str | Path]], data_dir: str | Path, layout
     builder = _BUILDERS[found.name](files=files, layout=found, on_error=on_error, data_dir=str(data_dir),
                                     file_format="array_record")
     out = Path(builder.data_dir)
+    if overwrite and out.is_dir():
+        shutil.rmtree(out)
     if (out / "dataset_info.json").is_file():
-        logging.info("%s exists: reusing it (delete it to convert again)", out)
+        before = json.loads((out / "dataset_info.json").read_text()).get("description", "")
+        if before != builder.info.description:
+            raise ValueError(f"{out} already holds a dataset converted from other files ({before}); this run "
+                             f"converts {files}. Pass another --out, or --overwrite to replace it")
+        logging.info("%s exists, converted from the same files: reusing it", out)
         return out
-    builder.download_and_prepare()
+    try:
+        builder.download_and_prepare()
+    except AssertionError:  # tfds asserts that every split has examples
+        empty = [split for split in files if not builder.counts[split]]
+        if not empty:
+            raise
+        shutil.rmtree(out, ignore_errors=True)
+        raise ValueError("; ".join(f"split '{s}' ({', '.join(files[s])}) has no usable rows" +
+                                   (f" ({len(builder.skipped[s])} skipped)" if builder.skipped[s] else "")
+                                   for s in empty)) from None
     skipped = {split: len(v) for split, v in builder.skipped.items()}
     for rows in builder.skipped.values():
         for loc in rows[:5]:

@@ -20,16 +20,21 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{split}", default="", help=f"comma-separated files of the {split} split")
     p.add_argument("--layout", default="auto", choices=["auto", *LAYOUTS])
     p.add_argument("--on-error", default="raise", choices=["raise", "skip"])
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset converted from other files")
     args = p.parse_args(argv)
     files = {s: getattr(args, s).split(",") for s in ("train", "test", "validation") if getattr(args, s)}
     if not files:
         p.error("give at least one of --train, --test, --validation")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    import tensorflow_datasets as tfds
+
+    tfds.disable_progress_bar()  # stdout carries only the dataset's path
     try:
-        print(convert(files, args.out, layout=args.layout, on_error=args.on_error))
-    except (RowError, ValueError, FileNotFoundError) as e:
+        path = convert(files, args.out, layout=args.layout, on_error=args.on_error, overwrite=args.overwrite)
+    except (RowError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(path)
     return 0
 
 

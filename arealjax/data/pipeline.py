@@ -6,7 +6,8 @@ epochs, sharding by JAX process, a checkpointable position, and prompt formattin
     state = stream.get_state()            # JSON-able; PromptStream(...).set_state(state) continues exactly there
 
 Prompts longer than `max_prompt_tokens` are skipped and counted (`stream.too_long`); they still advance the
-position, so a restored stream skips them again and yields the same prompts.
+position, so a restored stream skips them again and yields the same prompts. A whole pass over the split without
+one prompt that fits is an error that gives the lengths seen (instead of skipping forever).
 """
 
 from __future__ import annotations
@@ -25,15 +26,27 @@ from arealjax.tokenizer import Tokenizer
 from arealjax.workflows import Prompt
 
 
-def load_split(path: str | Path, split: str):
-    """Random-access source of a converted dataset directory (…/<name>/<version>); no TensorFlow needed."""
+def load_split(path: str | Path, split: str, key: str = "data.split"):
+    """Random-access source of a converted dataset directory (…/<name>/<version>); no TensorFlow needed. Errors
+    say what `data.path` should be (`key` names the split's config key)."""
     path = Path(path)
+    convert = "python -m arealjax.data.convert --out=DIR --train=FILE.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"data.path={path} does not exist (expected a converted dataset directory "
+                                f"…/<name>/<version>; make one with {convert})")
+    if path.is_file():
+        raise ValueError(f"data.path={path} is a file; convert it first ({convert}) and pass the directory it "
+                         f"prints")
     if not (path / "dataset_info.json").is_file():
-        raise FileNotFoundError(f"{path}: not a converted dataset (no dataset_info.json); run "
-                                f"arealjax.data.builders.convert first")
+        found = sorted(str(p.parent) for p in path.glob("*/*/dataset_info.json")) + \
+            sorted(str(p.parent) for p in path.glob("*/dataset_info.json"))
+        hint = f"pass one of {found}" if found else f"make one with {convert}"
+        raise FileNotFoundError(f"data.path={path} is not a converted dataset (no dataset_info.json): {hint}")
     builder = tfds.builder_from_directory(str(path))
     if split not in builder.info.splits:
-        raise ValueError(f"{path}: no split '{split}'; it has {sorted(builder.info.splits)}")
+        raise ValueError(f"{key}='{split}': {path} has no such split; it has {sorted(builder.info.splits)}")
+    if builder.info.splits[split].num_examples == 0:
+        raise ValueError(f"{key}='{split}': split '{split}' of {path} is empty")
     return builder.as_data_source(split=split)
 
 
@@ -50,21 +63,24 @@ def format_prompt(tokenizer: Tokenizer, text: str, template: str = "chat") -> li
 class PromptStream:
     def __init__(self, path: str | Path, split: str, tokenizer: Tokenizer, *, seed: int = 0,
                  epochs: int | None = None, shuffle: bool = True, template: str = "chat",
-                 max_prompt_tokens: int = 512, process_index: int | None = None, process_count: int | None = None):
+                 max_prompt_tokens: int = 512, process_index: int | None = None, process_count: int | None = None,
+                 key: str = "data.split"):
         """`epochs` None = endless. Each process reads its own 1/process_count of the records (JAX processes by
-        default)."""
+        default). `key` names the split's config key in errors."""
         if template != "chat" and "{prompt}" not in template:
             raise ValueError(f"prompt template {template!r}: expected 'chat' or a string containing {{prompt}}")
         self.tokenizer, self.template, self.max_prompt_tokens = tokenizer, template, max_prompt_tokens
         index = jax.process_index() if process_index is None else process_index
         count = jax.process_count() if process_count is None else process_count
-        ds = grain.MapDataset.source(load_split(path, split))[index::count]
+        self.path, self.split = path, split
+        ds = grain.MapDataset.source(load_split(path, split, key))[index::count]
         if shuffle:
             ds = ds.seed(seed).shuffle()
         self._records = len(ds)
         self._iter = iter(ds.repeat(epochs).to_iter_dataset())
         self.too_long = 0
         self.position = 0  # records read, skipped ones included (their epoch = position // records)
+        self._skipped_lengths: list[int] = []  # of the prompts skipped since the last one that fit
 
     def __iter__(self) -> PromptStream:
         return self
@@ -77,7 +93,17 @@ class PromptStream:
             tokens = format_prompt(self.tokenizer, rec["prompt"], self.template)
             if len(tokens) > self.max_prompt_tokens:
                 self.too_long += 1
+                self._skipped_lengths.append(len(tokens))
+                if len(self._skipped_lengths) >= max(self._records, 1):
+                    lengths = sorted(self._skipped_lengths)
+                    raise ValueError(
+                        f"{self.path} split '{self.split}': none of its {self._records} prompts fits "
+                        f"data.max_prompt_tokens={self.max_prompt_tokens} (formatted with data.template="
+                        f"{self.template!r}, their lengths are {lengths[0]} to {lengths[-1]} tokens, median "
+                        f"{lengths[len(lengths) // 2]}): raise data.max_prompt_tokens (and generator.max_len) or "
+                        f"shorten the template")
                 continue
+            self._skipped_lengths.clear()
             kwargs = {"tests": json.loads(rec["tests"])} if rec["tests"] else {"answer": rec["answer"]}
             return Prompt(rec["id"], tokens, kwargs, epoch)
 

@@ -95,9 +95,18 @@ def weight_map(path: str | os.PathLike) -> dict[str, Path]:
         raise FileNotFoundError(f"{path}: no *.safetensors files and no {INDEX_FILE}")
     out = {}
     for f in files:
-        with safe_open(f, framework="np") as h:
+        with _open(f) as h:
             out.update({name: f for name in h.keys()})
     return out
+
+
+def _open(file: Path):
+    """safe_open, with an error that names the file when it is truncated or not safetensors at all."""
+    try:
+        return safe_open(file, framework="np")
+    except Exception as e:  # noqa: BLE001 — safetensors raises its own error types
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); it may be truncated: download or "
+                         f"export it again") from None
 
 
 def load_params(path: str | os.PathLike, abstract: nnx.State, cfg: ModelConfig, dtype,
@@ -119,7 +128,7 @@ def load_params(path: str | os.PathLike, abstract: nnx.State, cfg: ModelConfig, 
                 raise KeyError(f"{where}: missing tensor '{name}' needed by this {cfg.family} config")
             f = wmap[name]
             if f not in handles:
-                handles[f] = safe_open(f, framework="np").__enter__()
+                handles[f] = _open(f).__enter__()
             used.add(name)
             axes = var.get_metadata()["axes"]
             w = from_hf_tensor(p, axes, handles[f].get_tensor(name), var.shape, f"{f}: tensor '{name}'")
@@ -140,7 +149,11 @@ def load_params(path: str | os.PathLike, abstract: nnx.State, cfg: ModelConfig, 
 
 
 def save_params(params: nnx.State, cfg: ModelConfig, path: str | os.PathLike, max_shard_bytes: int = 5 << 30) -> None:
-    """Writes config.json and safetensors (split into shards + index above `max_shard_bytes`) in HF layout."""
+    """Writes config.json and safetensors (split into shards + index above `max_shard_bytes`) in HF layout.
+
+    Into a directory that already holds a checkpoint: the weight files of the old one (a sharded index would win
+    over a new single file, in arealjax and in transformers) are replaced, each new file appears whole (written
+    beside, then renamed), with the usual permissions (0644 under the usual umask), and other files are kept."""
     path = Path(path)
     tensors, dtype = {}, None
     for p, var in nnx.to_flat_state(params):
@@ -156,7 +169,7 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | os.PathLike, ma
     path.mkdir(parents=True, exist_ok=True)
     dtype_name = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
                   np.dtype(np.float16): "float16"}[np.dtype(dtype)]
-    (path / "config.json").write_text(json.dumps(to_hf_config(cfg, dtype_name), indent=2) + "\n")
+    files: dict[str, Any] = {"config.json": json.dumps(to_hf_config(cfg, dtype_name), indent=2) + "\n"}
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name in sorted(tensors):
@@ -166,14 +179,27 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | os.PathLike, ma
             size = 0
         shards[-1][name] = tensors[name]
         size += nbytes
-    meta = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
     if len(shards) == 1:
-        save_file(shards[0], path / "model.safetensors", metadata=meta)
-        return
-    wmap = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, path / fname, metadata=meta)
-        wmap.update({name: fname for name in shard})
-    total = sum(t.nbytes for t in tensors.values())
-    (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": wmap}, indent=2))
+        files["model.safetensors"] = shards[0]
+    else:
+        wmap = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            files[fname] = shard
+            wmap.update({name: fname for name in shard})
+        total = sum(t.nbytes for t in tensors.values())
+        files[INDEX_FILE] = json.dumps({"metadata": {"total_size": total}, "weight_map": wmap}, indent=2)
+    stale = [f for f in [*path.glob("*.safetensors"), path / INDEX_FILE] if f.is_file() and f.name not in files]
+    umask = os.umask(0)
+    os.umask(umask)
+    for name, content in files.items():  # every new file complete before the old checkpoint goes
+        tmp = path / f".{name}.tmp"
+        if isinstance(content, str):
+            tmp.write_text(content)
+        else:
+            save_file(content, tmp, metadata={"format": "pt"})  # transformers needs a known format tag
+        tmp.chmod(0o666 & ~umask)
+    for f in stale:
+        f.unlink()
+    for name in files:
+        (path / f".{name}.tmp").replace(path / name)

@@ -8,24 +8,37 @@ The reward function is named by import path ("module:function"), so user functio
 workers (spawned, not forked: the parent runs JAX threads) import it themselves. At most `workers` calls run at
 once, one per worker process; the rest wait in order. A call that raises, runs past `timeout` (its worker is
 killed, with whatever it started) or loses its worker (a crash: the worker is replaced) is tried again up to
-`retries` times, on a fresh worker where it had to be killed; after that it resolves to `failure_reward`. Every
-outcome is counted in `stats`, and the service keeps serving.
+`retries` times, on a fresh worker where it had to be killed; after that it resolves to `failure_reward`. A
+reward must be a finite number: None, a string, NaN or inf is an error like a raise. Every outcome is counted in
+`stats`. When more than `max_failure_rate` of the last `failure_window` calls failed, the function is broken, not
+unlucky: the service stops, every pending and later call fails with the count and the last error, and the run
+stops with it (instead of training on `failure_reward` everywhere and ending "successfully").
+
+Workers die with their parent, even a SIGKILLed one (parent-death signal), and ignore Ctrl-C from their first
+instruction (SIGINT is blocked in the threads that spawn them), so an interrupted run leaves no process and prints
+no worker traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import ctypes
 import dataclasses
 import importlib
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
+import numbers
+import os
 import queue
 import signal
 import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 _STOP = object()
@@ -46,10 +59,32 @@ def resolve(path: str, what: str = "reward function") -> Callable:
     return fn
 
 
-def _worker(path: str, conn: multiprocessing.connection.Connection) -> None:
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG; elsewhere the parent's cleanup)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def as_reward(value: Any) -> float:
+    """A reward function's value as a float; anything but a finite real number is an error."""
+    if not isinstance(value, numbers.Real):  # bool and numpy scalars are Real too
+        raise TypeError(f"returned {value!r} ({type(value).__name__}); a reward must be a finite number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"returned {value}; a reward must be a finite number")
+    return value
+
+
+def _worker(path: str, conn: multiprocessing.connection.Connection, parent: int) -> None:
     """Worker process: imports the function, then answers (completion, kwargs) with ("ok", reward) or
     ("error", traceback) until the pipe closes. Ctrl-C is left to the parent, which stops the workers."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # blocked since the fork (the spawning thread blocks it)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    die_with_parent(parent)
     try:
         fn = resolve(path)
     except ValueError as e:
@@ -62,9 +97,15 @@ def _worker(path: str, conn: multiprocessing.connection.Connection) -> None:
         except (EOFError, OSError):
             return
         try:
-            conn.send(("ok", float(fn(completion, **kwargs))))
-        except Exception:  # noqa: BLE001 — the parent counts it and decides
-            conn.send(("error", traceback.format_exc(limit=4)))
+            value = fn(completion, **kwargs)
+        except Exception as e:  # noqa: BLE001 — the parent counts it and decides
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            conn.send(("error", f"{type(e).__name__}: {e} ({Path(frame.filename).name}:{frame.lineno})"))
+            continue
+        try:
+            conn.send(("ok", as_reward(value)))
+        except (TypeError, ValueError) as e:
+            conn.send(("error", str(e)))
 
 
 @dataclasses.dataclass
@@ -89,12 +130,16 @@ class _Job:
 
 class RewardService:
     def __init__(self, fn: str, *, workers: int = 2, timeout: float = 10.0, retries: int = 1,
-                 failure_reward: float = 0.0):
-        if workers < 1 or timeout <= 0 or retries < 0:
-            raise ValueError(f"RewardService: need workers >= 1, timeout > 0, retries >= 0 (got workers={workers}, "
-                             f"timeout={timeout}, retries={retries})")
+                 failure_reward: float = 0.0, max_failure_rate: float = 1.0, failure_window: int = 64):
+        if workers < 1 or timeout <= 0 or retries < 0 or not 0 < max_failure_rate <= 1 or failure_window < 1:
+            raise ValueError(f"RewardService: need workers >= 1, timeout > 0, retries >= 0, 0 < max_failure_rate "
+                             f"<= 1, failure_window >= 1 (got {workers}, {timeout}, {retries}, {max_failure_rate}, "
+                             f"{failure_window})")
         resolve(fn)  # fail fast, in the caller's process, on a bad path
         self.fn, self.timeout, self.retries, self.failure_reward = fn, timeout, retries, failure_reward
+        self.max_failure_rate = max_failure_rate
+        self._recent: collections.deque[bool] = collections.deque(maxlen=failure_window)  # True = failed
+        self.last_error = ""
         self.stats = RewardStats()
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
@@ -143,7 +188,8 @@ class RewardService:
     # ---- one thread per worker process ----
     def _spawn(self) -> tuple[Any, multiprocessing.connection.Connection]:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker, args=(self.fn, child), daemon=True, name="arealjax-reward")
+        proc = self._ctx.Process(target=_worker, args=(self.fn, child, os.getpid()), daemon=True,
+                                 name="arealjax-reward")
         proc.start()
         child.close()
         try:
@@ -157,6 +203,7 @@ class RewardService:
         return proc, parent
 
     def _serve(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # inherited by the workers
         proc = conn = None
         try:
             proc, conn = self._spawn()
@@ -204,6 +251,7 @@ class RewardService:
             if problem is not None:
                 count = {"error": "errors", "timeout": "timeouts", "crash": "crashes"}[problem]
                 setattr(self.stats, count, getattr(self.stats, count) + 1)
+                self.last_error = detail if problem == "error" else f"{problem}: {detail}"
                 if getattr(self.stats, count) <= _MAX_LOGGED:
                     logging.warning("reward call %s (attempt %d of %d): %s", problem, job.attempt + 1,
                                     self.retries + 1, detail)
@@ -217,6 +265,17 @@ class RewardService:
                 self.stats.ok += 1
             else:
                 self.stats.failed += 1
+            self._recent.append(problem is not None)
+            failed = sum(self._recent)
+            broken = (len(self._recent) == self._recent.maxlen and failed > self.max_failure_rate * len(self._recent)
+                      and not self._fatal)
+            if broken:
+                self._fatal = (f"reward function '{self.fn}' failed on {failed} of the last {len(self._recent)} calls "
+                               f"(more than rewards.max_failure_rate = {self.max_failure_rate}); last error: "
+                               f"{self.last_error}")
+        if broken:
+            logging.error("%s", self._fatal)
+            self._drain(RuntimeError(self._fatal))
         job.future.set_result(self.failure_reward if problem is not None else value)
 
     def _drain(self, error: BaseException) -> None:

@@ -1,0 +1,131 @@
+"""Start-up checks of a run's config and output directory: every size, count, name and length the run will use,
+before anything is built or compiled, so bad input fails within seconds with the config key at fault. All the
+problems found are reported together, one per line."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from arealjax.data import TASKS
+from arealjax.generation.generator import MODES
+from arealjax.rl.advantages import GROUP_BASELINES, AdvantageConfig
+from arealjax.rl.losses import PPOConfig
+from arealjax.rl.trainer import OptimConfig
+
+
+class ConfigError(ValueError):
+    """One or more config values that cannot work; the message names each key."""
+
+
+def check_config(config: Any) -> None:
+    """Raises ConfigError listing every problem with `config` (a configs/*.py ConfigDict)."""
+    problems: list[str] = []
+
+    def need(ok: bool, key: str, expected: str) -> None:
+        if not ok:
+            problems.append(f"{key} = {_get(config, key)!r}: expected {expected}")
+
+    def positive(*keys: str, minimum: int = 1) -> None:
+        for key in keys:
+            value = _get(config, key)
+            need(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, key,
+                 f"an integer ≥ {minimum}")
+
+    rl, g, t, s = config.rl, config.generator, config.trainer, config.sft
+    positive("rl.steps", "rl.batch_size", "rl.group_size", "rl.max_concurrent", "rl.max_new_tokens",
+             "generator.slots", "generator.decode_steps", "generator.max_prefill_batch", "trainer.max_tokens",
+             "trainer.micro_rows", "trainer.ppo_n_minibatches", "rewards.workers", "checkpoint.max_to_keep",
+             "eval.num_problems", "trainer.max_skipped_in_a_row", "rewards.failure_window")
+    positive("rl.max_staleness", "rl.max_filtered_in_a_row", "rl.eval_every", "rewards.retries", "sft.steps",
+             "checkpoint.every_steps", "data.epochs", "data.max_prompt_tokens", minimum=0)
+    positive("generator.max_len", minimum=2)
+    need(_number(rl.temperature) and rl.temperature > 0, "rl.temperature",
+         "> 0 (at 0 all samples of a prompt are the same greedy answer: no group has a learning signal)")
+    need(_number(config.rewards.timeout) and config.rewards.timeout > 0, "rewards.timeout", "seconds > 0")
+    need(_number(config.rewards.max_failure_rate) and 0 < config.rewards.max_failure_rate <= 1,
+         "rewards.max_failure_rate", "a share in (0, 1]")
+    need(_number(config.checkpoint.every_seconds) and config.checkpoint.every_seconds >= 0,
+         "checkpoint.every_seconds", "seconds ≥ 0")
+    need(g.mode in MODES, "generator.mode", f"one of {MODES}")
+    need(isinstance(config.rewards.fn, str) and re.fullmatch(r"[\w.]+:\w+", config.rewards.fn or "") is not None,
+         "rewards.fn", "'package.module:function'")
+    need(isinstance(config.workflow.path, str) and ":" in config.workflow.path, "workflow.path",
+         "'package.module:Class'")
+    template = config.data.template
+    need(template == "chat" or "{prompt}" in str(template), "data.template", "'chat' or a string with {prompt}")
+
+    for cls, key, values in ((PPOConfig, "trainer.ppo", t.ppo), (AdvantageConfig, "advantage", config.advantage),
+                             (OptimConfig, "trainer.optim", t.optim), (OptimConfig, "sft.optim", s.optim)):
+        kwargs = dict(values)
+        if key == "sft.optim":
+            if not s.steps:
+                continue  # no warm start
+            kwargs["total_steps"] = kwargs.get("total_steps") or s.steps  # what the warm start fills in
+        try:
+            cls(**kwargs)
+        except TypeError as e:
+            problems.append(f"{key}: {str(e).split('() ', 1)[-1]}")
+        except ValueError as e:
+            text = str(e)
+            problems.append(text.replace(f"{cls.__name__}.", f"{key}.") if cls.__name__ in text else f"{key}: {text}")
+    if config.advantage.get("estimator", "grpo") in GROUP_BASELINES:
+        need(rl.group_size != 1, "rl.group_size", f"≥ 2 with advantage.estimator = "
+             f"'{config.advantage.get('estimator', 'grpo')}': a group baseline of one sample is the sample itself, "
+             f"so every advantage is 0 and nothing is trained (or use advantage.estimator = 'reinforce_pp')")
+    if s.steps and isinstance(s.steps, int):
+        warmup = s.optim.get("warmup_steps", 0)
+        need(s.steps > warmup, "sft.steps", f"more than sft.optim.warmup_steps = {warmup} (the learning rate "
+             f"would never finish warming up)")
+        positive("sft.batch_size", "sft.max_tokens", "sft.micro_rows")
+    if _ints(g.max_len, t.max_tokens):
+        need(t.max_tokens >= g.max_len, "trainer.max_tokens", f"≥ generator.max_len = {g.max_len}: a trajectory "
+             f"can be as long as the generator's context, and a packed row must hold it")
+    if _ints(g.max_len, config.data.max_prompt_tokens) and config.data.path:
+        need(config.data.max_prompt_tokens < g.max_len, "data.max_prompt_tokens",
+             f"< generator.max_len = {g.max_len} (a prompt must leave room for the answer)")
+    if _ints(t.ppo_n_minibatches, rl.batch_size):
+        need(t.ppo_n_minibatches <= rl.batch_size, "trainer.ppo_n_minibatches",
+             f"≤ rl.batch_size = {rl.batch_size} (every minibatch needs a trajectory)")
+    if config.model_path:
+        path = Path(config.model_path)
+        need(path.is_dir(), "model_path", "an existing directory (a local Hugging Face checkpoint)")
+        need(not path.is_dir() or (path / "config.json").is_file(), "model_path",
+             "a Hugging Face checkpoint directory with config.json (download it first: huggingface-cli download "
+             "<repo> --local-dir <dir>)")
+    elif not config.data.path:
+        need(config.task.name in TASKS, "task.name", f"one of {sorted(TASKS)}")
+    if problems:
+        raise ConfigError("bad config:\n  " + "\n  ".join(dict.fromkeys(problems)))
+
+
+def output_dir(path: str | os.PathLike, key: str = "--workdir") -> Path:
+    """`path` as a directory the run can write to (created if missing), or an error that says why not."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={path}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".arealjax-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{key}={path}: cannot write there ({e.strerror})") from None
+    return path
+
+
+def _get(config: Any, key: str) -> Any:
+    for part in key.split("."):
+        config = config.get(part) if hasattr(config, "get") else getattr(config, part, None)
+    return config
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _ints(*xs: Any) -> bool:
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
+

@@ -1,0 +1,398 @@
+"""Failure behaviour of `main.py` as a user meets it: every bad input, signal and fault ends in one clear message
+(naming the config key, file or line and what was expected), a non-zero exit code, no traceback, within seconds,
+no process left behind, nothing half-written, and summary.json written whenever the workdir is usable."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config=configs/default.py", "--config.sft.steps=0", "--config.rl.steps=3", "--config.rl.eval_every=0",
+        "--config.eval.num_problems=4", "--config.advantage.filter_uniform=False", "--config.model.num_layers=1",
+        "--config.model.hidden_size=32", "--config.model.intermediate_size=64", "--config.model.num_heads=2",
+        "--config.model.num_kv_heads=1", "--config.model.head_dim=16", "--config.rl.batch_size=2",
+        "--config.rl.group_size=2", "--config.generator.slots=8", "--config.rewards.workers=1"]
+
+
+@dataclass
+class Run:
+    code: int
+    err: str
+    seconds: float
+    leftovers: list[str]
+    workdir: Path
+
+    def summary(self) -> dict:
+        return json.loads((self.workdir / "summary.json").read_text())
+
+
+def start(workdir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    """main.py in its own session, with SIGINT ignored as CI runners and `cmd &` start it."""
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **(env or {})}
+    return subprocess.Popen([sys.executable, "main.py", *TINY, f"--workdir={workdir}", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+
+
+def finish(proc: subprocess.Popen, workdir: Path, t0: float, timeout: float) -> Run:
+    """Waits for the run (killing its whole session if it overstays) and lists what of it outlived it."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"main.py did not end within {timeout}s:\n{err[-3000:]}")
+    seconds = time.monotonic() - t0
+    deadline = time.monotonic() + 10
+    while session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = session(proc.pid)
+    for pid in left:  # clean up for the next test, then report
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return Run(proc.returncode, err, seconds, [cmdline(p) for p in left], workdir)
+
+
+def main_py(workdir: Path, *args: str, timeout: float = 120, env: dict | None = None) -> Run:
+    t0 = time.monotonic()
+    return finish(start(workdir, *args, env=env), workdir, t0, timeout)
+
+
+def session(sid: int) -> list[int]:
+    """Live processes of session `sid` (zombies left for init to reap do not count)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:  # state, ppid, pgrp, session
+            out.append(int(stat.parent.name))
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except FileNotFoundError:
+        return f"{pid} (gone)"
+
+
+def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 60, summary: bool = True) -> None:
+    assert run.code == code, run.err[-3000:]
+    assert re.search(pattern, run.err), run.err[-3000:]
+    assert "Traceback" not in run.err, run.err[-3000:]
+    assert run.seconds < within, f"took {run.seconds:.0f}s"
+    assert not run.leftovers, run.leftovers
+    if summary:
+        s = run.summary()
+        assert s["status"] == "failed" and re.search(pattern, s["error"]), s
+
+
+# ---- bad config: refused at start-up, before anything is compiled ----
+
+@pytest.mark.parametrize("flags, pattern", [
+    (["--config.rl.group_size=1"], r"rl\.group_size = 1: expected ≥ 2 with advantage\.estimator = 'grpo'"),
+    (["--config.generator.slots=0"], r"generator\.slots = 0: expected an integer ≥ 1"),
+    (["--config.rl.max_new_tokens=0"], r"rl\.max_new_tokens = 0: expected an integer ≥ 1"),
+    (["--config.rl.max_staleness=-1"], r"rl\.max_staleness = -1: expected an integer ≥ 0"),
+    (["--config.advantage.estimator=ppo"], r"advantage\.estimator = 'ppo'; expected one of"),
+    (["--config.trainer.ppo.objective=vanilla"], r"trainer\.ppo\.objective = 'vanilla'; expected one of"),
+    (["--config.generator.mode=swap"], r"generator\.mode = 'swap': expected one of"),
+    (["--config.sft.steps=10"], r"sft\.steps = 10: expected more than sft\.optim\.warmup_steps = 20"),
+    (["--config.trainer.max_tokens=32"], r"trainer\.max_tokens = 32: expected ≥ generator\.max_len = 64"),
+    (["--config.rl.temperature=0.0"], r"rl\.temperature = 0\.0: expected > 0"),
+    (["--config.model_path=/nonexistent/model"], r"model_path = '/nonexistent/model': expected an existing dir"),
+    (["--config.task.name=sudoku"], r"task\.name = 'sudoku': expected one of \['addition', 'remainder'\]"),
+    (["--config.rewards.fn=nocolon"], r"rewards\.fn = 'nocolon': expected 'package\.module:function'"),
+], ids=lambda x: x[0].split("=")[0][9:] if isinstance(x, list) else None)
+def test_bad_config_is_refused_at_start(tmp_path, flags, pattern):
+    assert_clean_failure(main_py(tmp_path, *flags), pattern, within=30)
+
+
+def test_every_problem_is_listed_at_once(tmp_path):
+    run = main_py(tmp_path, "--config.generator.slots=0", "--config.rl.group_size=1")
+    assert_clean_failure(run, r"generator\.slots = 0", within=30)
+    assert "rl.group_size = 1" in run.err
+
+
+def test_unknown_config_key_is_one_line_with_the_suggestion(tmp_path):
+    run = main_py(tmp_path, "--config.rl.stepz=3")
+    assert_clean_failure(run, r'--config\.rl\.stepz: no such config key\. .*Did you mean "steps"', code=2,
+                         within=30, summary=False)
+
+
+@pytest.mark.parametrize("kind", ["file", "unwritable"])
+def test_unusable_workdir(tmp_path, kind):
+    if kind == "file":
+        workdir = tmp_path / "a_file"
+        workdir.write_text("")
+        pattern = r"--workdir=.*a_file: exists and is not a directory"
+    else:  # root ignores permissions: /proc refuses everyone
+        workdir = Path("/proc/arealjax-test")
+        pattern = r"--workdir=/proc/arealjax-test: cannot write there"
+    assert_clean_failure(main_py(workdir), pattern, within=30, summary=False)
+
+
+# ---- data ----
+
+def dataset(tmp_path: Path, rows: list[dict], splits=("train", "test")) -> Path:
+    from arealjax.data.builders import convert
+
+    file = tmp_path / "rows.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return convert({s: [file] for s in splits}, tmp_path / "tfds")
+
+
+ROWS = [{"question": f"what is {i}+{i}?", "answer": f"so #### {2 * i}"} for i in range(12)]
+DATA = ["--config.rewards.fn=arealjax.rewards.math:math_reward", "--config.data.max_prompt_tokens=40"]
+
+
+def test_data_path_mistakes_say_which_directory_to_pass(tmp_path):
+    path = dataset(tmp_path, ROWS)
+    (tmp_path / "raw.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    for value, pattern in [(tmp_path / "missing", r"data\.path=.*missing does not exist"),
+                           (tmp_path / "raw.jsonl", r"data\.path=.*raw\.jsonl is a file; convert it first"),
+                           (tmp_path / "tfds", rf"data\.path=.*tfds is not a converted dataset .*pass one of "
+                                               rf"\['{re.escape(str(path))}'\]")]:
+        assert_clean_failure(main_py(tmp_path / "run", f"--config.data.path={value}", *DATA), pattern, within=40)
+
+
+def test_missing_eval_split_names_the_key(tmp_path):
+    path = dataset(tmp_path, ROWS, splits=("train",))
+    run = main_py(tmp_path / "run", f"--config.data.path={path}", *DATA)
+    assert_clean_failure(run, r"data\.eval_split='test': .* has no such split; it has \['train'\]", within=40)
+
+
+def test_no_prompt_fits_fails_with_the_lengths_instead_of_looping(tmp_path):
+    """Every prompt longer than data.max_prompt_tokens: the stream used to skip forever (under the controller's
+    lock, so Ctrl-C could not stop it either)."""
+    path = dataset(tmp_path, ROWS)
+    run = main_py(tmp_path / "run", f"--config.data.path={path}", *DATA, "--config.data.max_prompt_tokens=5")
+    assert_clean_failure(run, r"none of its 12 prompts fits data\.max_prompt_tokens=5 .*lengths are \d+ to \d+",
+                         within=40)
+
+
+def test_a_character_outside_the_alphabet_names_the_key(tmp_path):
+    path = dataset(tmp_path, [{"question": "What is 1+1?", "answer": "#### 2"}] * 2)
+    run = main_py(tmp_path / "run", f"--config.data.path={path}", *DATA)
+    assert_clean_failure(run, r"character 'W' .* alphabet .*\(config key tokenizer\.alphabet\)", within=40)
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    from arealjax import models
+    from arealjax.tokenizer import CharTokenizer
+    from configs.default import get_config
+
+    tok = CharTokenizer(get_config().tokenizer.alphabet)
+    cfg = models.ModelConfig.make(family="qwen3", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                  num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    models.save_pretrained(models.from_config(cfg, seed=0), tmp_path / "model")
+    tok.save(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    run = main_py(tmp_path / "run", f"--config.model_path={tmp_path / 'model'}")
+    assert_clean_failure(run, r"model\.safetensors: not a readable safetensors file .*truncated", within=40)
+
+
+def test_a_dataset_that_runs_out_ends_the_run_normally(tmp_path):
+    path = dataset(tmp_path, ROWS)
+    run = main_py(tmp_path / "run", f"--config.data.path={path}", *DATA, "--config.data.epochs=1",
+                  "--config.rl.steps=100")
+    assert run.code == 0, run.err[-3000:]
+    s = run.summary()
+    assert s["status"].startswith("dataset exhausted after step") and 0 < s["steps"] < 100
+    assert (tmp_path / "run/model/model.safetensors").is_file() and "eval_accuracy_end" in s
+
+
+# ---- the workdir's state ----
+
+def test_rerun_resume_and_export_mistakes(tmp_path):
+    run = main_py(tmp_path / "export", f"--export_to={tmp_path / 'out'}")
+    assert_clean_failure(run, r"no checkpoints: .*checkpoints does not exist", within=40, summary=False)
+    assert not (tmp_path / "export" / "checkpoints").exists()  # no empty checkpoints/ as a side effect
+
+    first = main_py(tmp_path / "run")
+    assert first.code == 0, first.err[-3000:]
+    assert_clean_failure(main_py(tmp_path / "run"), r"holds checkpoints \(latest step 3\): pass "
+                                                    r"--config\.resume=True", within=40)
+    assert_clean_failure(main_py(tmp_path / "run", "--config.resume=True"),
+                         r"the checkpoint is at step 3 and rl\.steps=3: nothing to train", within=60)
+    changed = main_py(tmp_path / "run", "--config.resume=True", "--config.rl.steps=5", "--config.model.hidden_size=48")
+    assert_clean_failure(changed, r"checkpoint .*/3 does not fit this config's model: .* is \(\d+, \d+\) there, "
+                                  r"\(\d+, \d+\) here", within=60)
+    assert "Event loop is closed" not in changed.err
+
+
+def test_resume_without_a_checkpoint_starts_afresh_and_says_so(tmp_path):
+    run = main_py(tmp_path, "--config.resume=True")
+    assert run.code == 0 and "resume: no checkpoint in" in run.err, run.err[-3000:]
+    assert run.summary()["status"] == "completed"
+
+
+# ---- rewards and the trainer's numbers ----
+
+@pytest.mark.parametrize("fn, pattern", [
+    ("raises_any", r"ValueError: the reference answer is missing"),
+    ("nan", r"returned nan; a reward must be a finite number"),
+    ("none", r"returned None \(NoneType\); a reward must be a finite number"),
+    ("text", r"returned '1\.0' \(str\); a reward must be a finite number"),
+    ("crash", r"crash: the worker died \(exit code 3\)"),
+    ("hang", r"timeout: no reward within 0\.3s"),
+])
+def test_a_broken_reward_function_stops_the_run(tmp_path, fn, pattern):
+    """Used to end "successfully" with every reward at failure_reward (or NaN rewards → every step skipped)."""
+    run = main_py(tmp_path, f"--config.rewards.fn=tests.reward_fns:{fn}", "--config.rewards.timeout=0.3",
+                  "--config.rewards.retries=0", "--config.rewards.failure_window=8", "--config.rl.steps=100")
+    assert_clean_failure(run, r"reward function 'tests\.reward_fns:" + fn + r"' failed on \d+ of the last 8 calls "
+                              r"\(more than rewards\.max_failure_rate = 0\.5\); last error: .*" + pattern, within=90)
+
+
+def test_steps_skipped_in_a_row_stop_the_run(tmp_path):
+    run = main_py(tmp_path, "--config.trainer.optim.lr=1e30", "--config.trainer.optim.grad_clip=0.0",
+                  "--config.trainer.optim.warmup_steps=0", "--config.rl.steps=100",
+                  "--config.rewards.fn=tests.reward_fns:digits")
+    assert_clean_failure(run, r"3 steps in a row were skipped because the loss or a gradient was not finite",
+                         within=90)
+
+
+# ---- signals ----
+
+def wait_for(proc: subprocess.Popen, condition, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"the run ended or stalled before the signal:\n{proc.communicate()[1][-3000:]}")
+        time.sleep(0.05)
+
+
+def rows(workdir: Path) -> int:
+    f = workdir / "metrics.jsonl"
+    return len(f.read_text().splitlines()) if f.is_file() else 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["imports", "compile", "evaluation", "steady", "save"])
+def test_ctrl_c_stops_cleanly_at_every_phase(tmp_path, phase):
+    """SIGINT to a run started with SIGINT ignored (as CI and `cmd &` start it), at start-up imports, during an
+    XLA compile (the SFT warm start's first step), during evaluation, in steady state and while a checkpoint is
+    being written: exit 130 with one message, no traceback, no segfault, no process left, summary written (once the
+    workdir exists), checkpoints complete or absent."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    extra = {"imports": [], "compile": ["--config.sft.steps=30", "--config.sft.optim.warmup_steps=2"],
+             "evaluation": ["--config.eval.num_problems=64", "--config.rewards.fn=tests.reward_fns:slow_marker"],
+             "steady": [], "save": ["--config.checkpoint.every_steps=1"]}[phase]
+    t0 = time.monotonic()
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *extra, "--config.rl.steps=100000", env={"AREALJAX_TEST_PIDS": str(marks)})
+    if phase == "imports":
+        time.sleep(0.5)
+    elif phase == "compile":  # the trainer's functions compile right after the checkpoint directory appears
+        wait_for(proc, lambda: (run_dir / "checkpoints").is_dir())
+        time.sleep(1.5)
+    elif phase == "evaluation":  # the first evaluation is scoring (each reward call leaves a mark)
+        wait_for(proc, lambda: any(marks.iterdir()))
+        assert rows(run_dir) == 0, "evaluation was over before the signal"
+    elif phase == "steady":
+        wait_for(proc, lambda: rows(run_dir) >= 3)
+    else:
+        wait_for(proc, lambda: any((run_dir / "checkpoints").glob("*")))
+    os.killpg(proc.pid, signal.SIGINT)
+    run = finish(proc, run_dir, t0, timeout=120)
+    assert run.code == 130 and re.search(r"interrupted \(stopped by SIGINT\)", run.err), run.err[-3000:]
+    assert "Traceback" not in run.err and "KeyboardInterrupt" not in run.err, run.err[-3000:]
+    assert not run.leftovers, run.leftovers
+    if phase != "imports":
+        assert run.summary()["status"] == "interrupted (stopped by SIGINT)"
+        assert not [p.name for p in (run_dir / "checkpoints").glob("*") if "tmp" in p.name]  # complete or absent
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_the_summary_then_resume_continues(tmp_path):
+    """Preemption: SIGTERM used to kill the run at once, losing up to checkpoint.every_steps steps."""
+    t0 = time.monotonic()
+    proc = start(tmp_path, "--config.rl.steps=100000", "--config.checkpoint.every_steps=1000")
+    wait_for(proc, lambda: rows(tmp_path) >= 4)
+    os.killpg(proc.pid, signal.SIGTERM)
+    run = finish(proc, tmp_path, t0, timeout=120)
+    assert run.code == 143 and "Traceback" not in run.err and not run.leftovers, run.err[-3000:]
+    s = run.summary()
+    assert s["status"] == "interrupted (stopped by SIGTERM)" and s["steps"] >= 3
+    assert s["prompts"]["submitted"] == sum(s["prompts"][k] for k in ("trained", "filtered", "queued", "in_flight"))
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").glob("[0-9]*"))
+    assert saved == [s["steps"]]  # the step it stopped at, though checkpoint.every_steps is 1000
+    resumed = main_py(tmp_path, "--config.resume=True", f"--config.rl.steps={s['steps'] + 2}")
+    assert resumed.code == 0 and f"resumed from checkpoint {s['steps']}" in resumed.err, resumed.err[-3000:]
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_parent_takes_its_reward_workers_along(tmp_path):
+    """A reward worker stuck in a call outlived a SIGKILLed (or OOM-killed) parent forever."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    proc = start(tmp_path / "run", "--config.rewards.fn=tests.reward_fns:stuck_with_pid",
+                 "--config.rewards.timeout=3600", env={"AREALJAX_TEST_PIDS": str(pids)})
+    wait_for(proc, lambda: any(pids.iterdir()))
+    workers = [int(p.name) for p in pids.iterdir()]
+    proc.kill()  # the parent only: its session would be killed by the test otherwise
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [p for p in workers if alive(p)]
+    for p in session(proc.pid):
+        os.kill(p, signal.SIGKILL)
+    assert not survivors, [cmdline(p) for p in survivors]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_export_replaces_an_older_sharded_checkpoint(tmp_path):
+    """The new model.safetensors used to land beside a stale model.safetensors.index.json, which wins on load (in
+    arealjax and transformers): the export served the old weights. And it was written mode 0600."""
+    import transformers
+
+    from arealjax import models
+
+    cfg = models.ModelConfig.make(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                                  num_heads=2, num_kv_heads=1, head_dim=16)
+    old, new = models.from_config(cfg, seed=0), models.from_config(cfg, seed=1)
+    out = tmp_path / "served"
+    models.save_pretrained(old, out, max_shard_bytes=20_000)  # sharded, with an index
+    assert (out / "model.safetensors.index.json").is_file()
+    (out / "README.md").write_text("kept")
+    models.save_pretrained(new, out)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~current_umask()
+    tokens = np.arange(10, dtype=np.int32)[None]
+    np.testing.assert_allclose(np.asarray(models.load_pretrained(out)(tokens)), np.asarray(new(tokens)), atol=1e-6)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    import torch
+
+    with torch.no_grad():
+        got = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(got, np.asarray(new(tokens)), atol=1e-4)
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
