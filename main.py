@@ -71,7 +71,7 @@ def main(argv):
     except Exception as e:  # noqa: BLE001 — one paragraph instead of a traceback
         if debug:
             raise
-        fail(f"{e}\n(run with --debug for the traceback)", 1)
+        fail(f"{runtime.error_text(e)}\n(run with --debug for the traceback)", 1)
 
 
 if __name__ == "__main__":

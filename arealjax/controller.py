@@ -26,6 +26,7 @@ from arealjax.generation import Generator, SamplingParams
 from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig, dynamic_filter
 from arealjax.rl.trajectory import Trajectory
+from arealjax.runtime import error_text
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import Tokenizer
 from arealjax.workflows import RLVR, Episode, Prompt, Workflow
@@ -146,7 +147,7 @@ class RolloutController:
         except BaseException as e:  # noqa: BLE001
             if not self._stop:
                 self._fail(RuntimeError(f"workflow {type(self.workflow).__name__} failed on prompt "
-                                        f"'{group.prompt.id}': {_text(e)}"))
+                                        f"'{group.prompt.id}': {error_text(e)}"))
             return
         self._on_scored(group, results)
         self._wake.set()
@@ -209,7 +210,7 @@ class RolloutController:
         with self._cv:
             while True:
                 if self._error is not None:
-                    raise RuntimeError(f"rollout failed: {_text(self._error)}") from self._error
+                    raise RuntimeError(f"rollout failed: {error_text(self._error)}") from self._error
                 seqs = self.staleness.take_batch(trainer_version)
                 if seqs is not None:
                     break
@@ -291,7 +292,3 @@ def token_staleness(batch: Sequence[Group], trainer_version: int) -> np.ndarray:
     return np.concatenate([trainer_version - t.versions[t.loss_mask] for g in batch for t in g.trajectories] or
                           [np.zeros(0, np.int32)])
 
-
-def _text(e: BaseException) -> str:
-    """An error as a sentence: its message (the type's name too when that is all it says)."""
-    return str(e.args[0] if isinstance(e, KeyError) and e.args else e) or type(e).__name__

@@ -48,6 +48,11 @@ class Stop:
             raise Interrupted(self.signum)
 
 
+def error_text(e: BaseException) -> str:
+    """An error as the sentence a user reads: its message (a KeyError's without quotes), or its type's name."""
+    return str(e.args[0] if isinstance(e, KeyError) and e.args else e) or type(e).__name__
+
+
 def install_signal_handlers() -> Stop:
     """SIGINT and SIGTERM set the returned Stop (a second one exits with 128 + signal at once)."""
     stop = Stop()

@@ -37,7 +37,7 @@ from arealjax.rl.advantages import AdvantageConfig, assign_advantages
 from arealjax.rl.losses import PPOConfig
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
-from arealjax.runtime import Interrupted, Stop
+from arealjax.runtime import Interrupted, Stop, error_text
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes, tree_shardings
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
@@ -214,7 +214,7 @@ def run(config: Any, workdir: str, stop: Stop | None = None) -> dict[str, Any]:
         summary["status"] = f"interrupted ({e})"
         raise
     except BaseException as e:
-        summary["error"] = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        summary["error"] = error_text(e)
         raise
     finally:
         write_json(workdir / "summary.json", summary)

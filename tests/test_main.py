@@ -19,7 +19,10 @@ def run_main(*args: str) -> subprocess.CompletedProcess:
 
 
 SMALL = ["--config.sft.steps=10", "--config.sft.optim.warmup_steps=2", "--config.rl.steps=3",
-         "--config.rl.eval_every=0", "--config.eval.num_problems=8", "--config.advantage.filter_uniform=False"]
+         "--config.rl.eval_every=0", "--config.eval.num_problems=8", "--config.advantage.filter_uniform=False",
+         "--config.model.num_layers=1", "--config.model.hidden_size=32", "--config.model.intermediate_size=64",
+         "--config.model.num_heads=2", "--config.model.num_kv_heads=1", "--config.model.head_dim=16",
+         "--config.generator.slots=32"]
 
 
 @pytest.mark.slow

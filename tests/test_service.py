@@ -3,11 +3,13 @@ started), retries, crash isolation (a worker killed mid-call is replaced), every
 
 import asyncio
 import os
+import re
 import signal
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_sandbox import sandbox_processes
 
@@ -118,3 +120,35 @@ def test_bad_function_path_and_closed_service():
     with pytest.raises(RuntimeError, match="closed"):
         service.submit("")
     assert running.done() and waiting.done()
+
+
+@pytest.mark.parametrize("fn, kind, pattern", [
+    ("raises_any", "errors", r"^ValueError: the reference answer is missing \(reward_fns\.py:\d+\)$"),
+    ("nan", "errors", r"^returned nan; a reward must be a finite number$"),
+    ("none", "errors", r"^returned None \(NoneType\); a reward must be a finite number$"),
+    ("text", "errors", r"^returned '1\.0' \(str\); a reward must be a finite number$"),
+    ("crash", "crashes", r"^crash: the worker died \(exit code 3\)$"),
+    ("hang", "timeouts", r"^timeout: no reward within 0\.3s$"),
+])
+def test_a_broken_function_fails_the_service_with_the_count_and_last_error(fn, kind, pattern):
+    """A function that raises, returns a non-number (NaN, None, a string), crashes its worker or hangs: each call
+    fails (counted by kind, resolved to failure_reward), and once more than max_failure_rate of the last
+    failure_window calls failed the service stops, failing every later call with the count and the last error,
+    instead of feeding failure_reward to training for ever."""
+    with RewardService(f"reward_fns:{fn}", workers=1, timeout=0.3, retries=0, max_failure_rate=0.5,
+                       failure_window=4) as service:
+        assert [service.submit("x").result(30) for _ in range(4)] == [0.0] * 4
+        assert getattr(service.stats, kind) == 4 and service.stats.failed == 4
+        assert re.match(pattern, service.last_error), service.last_error
+        with pytest.raises(RuntimeError, match=rf"reward function 'reward_fns:{fn}' failed on 4 of the last 4 calls "
+                                               rf"\(more than rewards\.max_failure_rate = 0\.5\); last error: "):
+            service.submit("y")
+
+
+def test_bools_and_numpy_scalars_are_rewards():
+    from arealjax.rewards.service import as_reward
+
+    assert as_reward(True) == 1.0 and as_reward(np.float32(0.5)) == 0.5 and as_reward(np.int64(2)) == 2.0
+    for bad in (float("inf"), None, "1", [1.0]):
+        with pytest.raises((TypeError, ValueError), match="a reward must be a finite number"):
+            as_reward(bad)

@@ -74,11 +74,12 @@ def test_char_tokenizer_roundtrip_and_template(tmp_path):
 
 
 def test_tokenizer_errors(tmp_path, hf_tokenizer_dir):
-    with pytest.raises(ValueError, match=r"character 'x' in '1x' is not in the tokenizer alphabet"):
+    with pytest.raises(ValueError, match=r"character 'x' in '1x' is not in the character tokenizer's alphabet '0123' "
+                                         r"\(config key tokenizer\.alphabet\)"):
         CharTokenizer("0123").encode("1x")
     with pytest.raises(ValueError, match="repeated characters"):
         CharTokenizer("aa")
-    with pytest.raises(FileNotFoundError, match="neither tokenizer.json nor char_tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match="no tokenizer in it \\(expected tokenizer.json"):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer.json").write_text((hf_tokenizer_dir / "tokenizer.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text('{\n  "eos_token": oops}')

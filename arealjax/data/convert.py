@@ -7,6 +7,7 @@ Prints the converted dataset's directory (…/<layout>/1.0.0).
 """
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tfds.disable_progress_bar()  # stdout carries only the dataset's path
     try:
-        path = convert(files, args.out, layout=args.layout, on_error=args.on_error, overwrite=args.overwrite)
+        with contextlib.redirect_stdout(sys.stderr):  # tfds prints its progress
+            path = convert(files, args.out, layout=args.layout, on_error=args.on_error, overwrite=args.overwrite)
     except (RowError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
