@@ -165,8 +165,7 @@ def test_sft_learns_a_toy_task():
     assert nll[0] > 2.0 and np.mean(nll[-5:]) < 0.5 * nll[0], nll
 
 
-@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.3])
-def test_on_policy_data_at_any_temperature_has_unit_weights_and_ratios(model, temperature):
+def test_on_policy_data_at_any_temperature_has_unit_weights_and_ratios(model):
     """The generator records log softmax(logits / T); the trainer must score π_θ and π_prox at the same T, or the
     behaviour weight w = π_prox/μ and the ratio compare different distributions (at T = 0.6 w ranged 0.86–1.09
     on fully on-policy data). On-policy samples at T ∈ {0.6, 1.0, 1.3}: w ≡ 1 and the ratio ≡ 1 at step start."""
@@ -175,17 +174,17 @@ def test_on_policy_data_at_any_temperature_has_unit_weights_and_ratios(model, te
     rng = np.random.RandomState(1)
     ps = [list(rng.randint(3, 64, rng.randint(2, 8))) for _ in range(6)]
     with Generator(Engine(model, slots=4, max_len=T), model.params) as gen:
-        outs = [gen.submit(p, SamplingParams(temperature=temperature, max_new_tokens=18, seed=i)).result(60)[0]
-                for i, p in enumerate(ps)]
-    trajs = [Trajectory.from_completion(p, c.output_tokens, c.logprobs, c.versions, temperature=c.temperature,
-                                        advantage=rng.normal()) for p, c in zip(ps, outs)]
-    assert {t.temperature for t in trajs} == {temperature}
-    trainer = Trainer(model, TrainerConfig(max_tokens=T, micro_rows=4, ppo_n_minibatches=2,
-                                           optim=OptimConfig(lr=1e-3)))
-    batch = trainer.pack(trajs)[0]
-    logp = np.concatenate([np.asarray(x) for x in trainer.logprobs(trainer.params, batch)])
-    mask = batch.loss_mask.reshape(logp.shape)
-    np.testing.assert_allclose(logp[mask], batch.behav_logp.reshape(logp.shape)[mask], atol=2e-5)
-    m = trainer.train_step(trajs)  # two minibatches: π_prox is its own pass, the first minibatch's ratio is 1
+        outs = {temperature: [gen.submit(p, SamplingParams(temperature=temperature, max_new_tokens=18, seed=i))
+                              .result(60)[0] for i, p in enumerate(ps)] for temperature in (0.6, 1.0, 1.3)}
+    trainer = Trainer(model, TrainerConfig(max_tokens=T, micro_rows=4, ppo_n_minibatches=2, optim=OptimConfig(lr=1e-3)))
+    for temperature, completions in outs.items():  # π_θ = π_prox at the step start: both equal μ
+        trajs = [Trajectory.from_completion(p, c.output_tokens, c.logprobs, c.versions, temperature=c.temperature,
+                                            advantage=rng.normal()) for p, c in zip(ps, completions)]
+        assert {t.temperature for t in trajs} == {temperature}
+        batch = trainer.pack(trajs)[0]
+        logp = np.concatenate([np.asarray(x) for x in trainer.logprobs(trainer.params, batch)])
+        mask = batch.loss_mask.reshape(logp.shape)
+        np.testing.assert_allclose(logp[mask], batch.behav_logp.reshape(logp.shape)[mask], atol=2e-5)
+    m = trainer.train_step(trajs)  # two minibatches: π_prox is its own pass over the step-start params
     assert abs(m["behaviour_weight_mean"] - 1) < 1e-4 and abs(m["behaviour_weight_max"] - 1) < 1e-4
     assert abs(m["kl_behaviour_prox"]) < 1e-5 and m["masked_fraction"] == 0
