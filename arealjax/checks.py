@@ -11,6 +11,7 @@ from typing import Any
 
 from arealjax.data import TASKS
 from arealjax.generation.generator import MODES
+from arealjax.models.paged import ATTENTION_KINDS
 from arealjax.rl.advantages import GROUP_BASELINES, AdvantageConfig
 from arealjax.rl.losses import PPOConfig
 from arealjax.rl.trainer import OptimConfig
@@ -40,7 +41,7 @@ def check_config(config: Any) -> None:
              "trainer.micro_rows", "trainer.ppo_n_minibatches", "rewards.workers", "checkpoint.max_to_keep",
              "eval.num_problems", "trainer.max_skipped_in_a_row", "rewards.failure_window")
     positive("rl.max_staleness", "rl.max_filtered_in_a_row", "rl.eval_every", "rewards.retries", "sft.steps",
-             "checkpoint.every_steps", "data.epochs", "data.max_prompt_tokens", minimum=0)
+             "checkpoint.every_steps", "data.epochs", "data.max_prompt_tokens", "generator.kv_pages", minimum=0)
     positive("generator.max_len", minimum=2)
     need(_number(rl.temperature) and rl.temperature > 0, "rl.temperature",
          "> 0 (at 0 all samples of a prompt are the same greedy answer: no group has a learning signal)")
@@ -50,6 +51,13 @@ def check_config(config: Any) -> None:
     need(_number(config.checkpoint.every_seconds) and config.checkpoint.every_seconds >= 0,
          "checkpoint.every_seconds", "seconds ≥ 0")
     need(g.mode in MODES, "generator.mode", f"one of {MODES}")
+    need(g.attention in ATTENTION_KINDS, "generator.attention", f"one of {ATTENTION_KINDS}")
+    size = g.page_size
+    need(isinstance(size, int) and size >= 1 and not size & (size - 1), "generator.page_size", "a power of two")
+    if isinstance(size, int) and size >= 1 and isinstance(g.max_len, int) and isinstance(g.kv_pages, int):
+        per_seq = -(-g.max_len // size)
+        need(g.kv_pages == 0 or g.kv_pages >= per_seq, "generator.kv_pages",
+             f"0 (room for every slot) or ≥ {per_seq}, the pages of one sequence at generator.max_len = {g.max_len}")
     need(isinstance(config.rewards.fn, str) and re.fullmatch(r"[\w.]+:\w+", config.rewards.fn or "") is not None,
          "rewards.fn", "'package.module:function'")
     need(isinstance(config.workflow.path, str) and ":" in config.workflow.path, "workflow.path",

@@ -254,7 +254,8 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     gen_model = model.to_mesh(meshes["generator"], rules)
     gen_shardings = tree_shardings(gen_model.params, LogicalSharding(meshes["generator"], rules))
     gen_params = jax.device_put(trainer.params, gen_shardings, may_alias=False) if restored else gen_model.params
-    engine = Engine(gen_model, slots=g.slots, max_len=g.max_len, shard=LogicalSharding(meshes["generator"], rules))
+    engine = Engine(gen_model, slots=g.slots, max_len=g.max_len, page_size=g.page_size, num_pages=g.kv_pages or None,
+                    attention=g.attention, shard=LogicalSharding(meshes["generator"], rules))
     sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, n=rl.group_size,
                               stop_token_ids=tuple(tokenizer.eos_ids), seed=config.seed)
     advantage = AdvantageConfig(**config.advantage.to_dict())
@@ -346,6 +347,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
                 "generator_busy_seconds": busy,
                 "interrupts": gs.interrupts - last_stats.interrupts,
                 "refill_tokens": gs.refill_tokens - last_stats.refill_tokens,
+                "preemptions": gs.preemptions - last_stats.preemptions, "kv_pages_peak": gs.peak_pages,
                 "filtered_groups": cs.filtered, "rejected_episodes": cs.rejected_episodes,
                 "prompts_too_long": getattr(controller.prompts.stream, "too_long", 0),
                 "reward_failures": rewards.stats.failed, "reward_timeouts": rewards.stats.timeouts,

@@ -1,16 +1,20 @@
-"""Generator throughput on long-tail output lengths, four systems side by side in one run, same weights and prompts.
+"""Generator throughput on long-tail output lengths: arealjax vs Tunix vs transformers, same weights and prompts,
+side by side in one run; then the decode step's cost against the longest sequence and against free slots.
 
   pip install -r benchmarks/requirements.txt && python benchmarks/generator.py     # --quick for a fast pass
 
-(a) arealjax continuous batching (a freed slot is refilled at once)
-(b) arealjax static batches of `slots` requests that wait for their longest (the synchronous baseline)
-(c) Tunix's vanilla sampler (google-tunix), static batches
-(d) transformers `generate` (torch CPU), static batches
-Useful tokens/s = requested output tokens / wall-clock. All greedy, no stop tokens, so every request produces
-exactly its requested length and the four systems do the same useful work (a/c/d outputs are cross-checked).
-Then: weight swaps during (a), one per N generated tokens, recompute and keep modes: update_weights() -> next
-token latency (includes waiting for the device call in flight) and the loop time spent applying swaps (the
-re-prefill in recompute mode), as a share of wall-clock. Timings: fastest of --repeats runs.
+Workloads (greedy, no stop tokens, so every request produces exactly its requested length and all systems do the
+same useful work; useful tokens/s = requested output tokens / wall-clock):
+  long-tail  prompts of 16-64 tokens, output lengths lognormal (median 64, σ 1) capped at 512 — run at 16, 64 and
+             256 slots / batch size
+  short      prompts of 16-48 tokens, lognormal (median 24, σ 0.9) capped at 192 — 16 slots
+Systems: (a) arealjax continuous batching over paged KV (a freed slot is refilled at once); (b) arealjax static
+batches that wait for their longest (the synchronous baseline, short workload only); (c) Tunix's vanilla sampler
+(google-tunix) and (d) transformers `generate` (torch CPU), both in static batches of `slots`.
+Then: (e) one decode step's time as the longest active sequence grows (16 active rows, the others 48 tokens) and
+with 4 active rows out of 4, 64 and 256 slots; (f) weight swaps during (a): update_weights() -> next token latency
+and the loop time spent applying them, recompute and keep modes. Peak KV bytes held by (a) are reported against a
+dense slots × max_len cache. Timings: fastest of --repeats runs after one warm-up pass.
 """
 
 import argparse
@@ -26,11 +30,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def workload(n: int, seed: int, cap: int):
+def workload(n: int, seed: int, prompt_range: tuple[int, int], median: float, sigma: float, cap: int):
     rng = np.random.RandomState(seed)
-    prompt_lens = rng.randint(16, 48, n)
-    out_lens = np.clip(rng.lognormal(np.log(24), 0.9, n).astype(int), 4, cap)  # long tail: median 24, capped
-    prompts = [list(rng.randint(10, 8000, p)) for p in prompt_lens]
+    prompt_lens = rng.randint(*prompt_range, n)
+    out_lens = np.clip(rng.lognormal(np.log(median), sigma, n).astype(int), 4, cap)
+    prompts = [[int(t) for t in rng.randint(10, 8000, p)] for p in prompt_lens]
     return prompts, [int(x) for x in out_lens]
 
 
@@ -38,7 +42,7 @@ def run_arealjax(engine, params, prompts, lens, static: bool, decode_steps: int,
                  swap_every: int = 0, alt_params=None):
     from arealjax.generation import Generator, SamplingParams
 
-    gen = Generator(engine, params, mode=mode, decode_steps=decode_steps)
+    gen = Generator(engine, params, mode=mode, decode_steps=decode_steps, max_prefill_batch=16)
     swaps = []
     stop = threading.Event()
 
@@ -69,7 +73,6 @@ def run_arealjax(engine, params, prompts, lens, static: bool, decode_steps: int,
     return wall, [o.output_tokens for o in outs], gen.stats
 
 
-
 class IdTokenizer:
     """Tunix sampler tokenizer over space-separated ids (no BOS, so prompts are exactly our ids)."""
 
@@ -89,7 +92,7 @@ class IdTokenizer:
         return 0
 
 
-def run_tunix(path, hf_cfg, prompts, lens, batch, cache_size, repeats):
+def tunix_sampler(path, hf_cfg, cache_size):
     from tunix.generate import sampler as tsampler
     from tunix.models.qwen3 import model as tmodel
     from tunix.models.qwen3 import params as tparams
@@ -101,29 +104,25 @@ def run_tunix(path, hf_cfg, prompts, lens, batch, cache_size, repeats):
                              rope_theta=int(hf_cfg.rope_parameters["rope_theta"]),
                              norm_eps=hf_cfg.rms_norm_eps, use_tied_embedding=hf_cfg.tie_word_embeddings)
     model = tparams.create_model_from_safe_tensors(str(path), cfg)
-    s = tsampler.Sampler(model, IdTokenizer(), tsampler.CacheConfig(cache_size=cache_size, num_layers=cfg.num_layers,
-                                                                     num_kv_heads=cfg.num_kv_heads,
-                                                                     head_dim=cfg.head_dim))
+    return tsampler.Sampler(model, IdTokenizer(), tsampler.CacheConfig(
+        cache_size=cache_size, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
 
+
+def run_tunix(sampler, prompts, lens, batch, max_prompt, repeats):
     def go():
         outs = []
         for i in range(0, len(prompts), batch):
             ps, ls = prompts[i: i + batch], lens[i: i + batch]
-            res = s([" ".join(map(str, p)) for p in ps], max_generation_steps=max(ls), max_prompt_length=64,
-                    eos_tokens=[-1], temperature=0.0)
+            res = sampler([" ".join(map(str, p)) for p in ps], max_generation_steps=max(ls),
+                          max_prompt_length=max_prompt, eos_tokens=[-1], temperature=0.0)
             outs += [list(np.asarray(t))[:n] for t, n in zip(res.tokens, ls)]
         return outs
 
     go()  # compile every batch shape
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = go()
-        times.append(time.perf_counter() - t0)
-    return min(times), outs
+    return best([timed(go) for _ in range(repeats)])
 
 
-def run_transformers(hf_model, prompts, lens, batch):
+def run_transformers(hf_model, prompts, lens, batch, repeats):
     import torch
 
     def go():
@@ -141,22 +140,70 @@ def run_transformers(hf_model, prompts, lens, batch):
 
     with torch.no_grad():  # warm-up (torch compiles nothing, but first calls allocate)
         hf_model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    return best([timed(go) for _ in range(repeats)])
+
+
+def timed(fn):
     t0 = time.perf_counter()
-    outs = go()
-    return time.perf_counter() - t0, outs
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def best(runs):
+    return min(runs, key=lambda r: r[0])
+
+
+def step_times(model, max_len, page_size, decode_steps):
+    """(e): seconds per decode step (one call of `decode_steps`, divided) for given active rows and lengths."""
+    import jax
+
+    from arealjax.generation import Engine, SamplingParams
+    from arealjax.generation.engine import PageWrites, SlotSampling
+    from arealjax.generation.pages import PagePool, decode_index
+
+    def measure(slots, lengths, repeats=20):
+        engine = Engine(model, slots=slots, max_len=max_len, page_size=page_size)
+        pool = PagePool(engine.num_pages, page_size)
+        state = engine.init_decode_state()
+        held = [pool.alloc(pool.pages_for(min(n + decode_steps, max_len))) for n in lengths]
+        prefix = engine.prefill(model.params, np.ones((1, 16), np.int32), np.array([16]))  # KV contents: any
+        a = len(lengths)
+        sampling = SlotSampling.of([SamplingParams(temperature=0, max_new_tokens=max_len)] * a, [0] * a, a)
+        state, _ = engine.insert(prefix, state, np.zeros(a, np.int32), np.arange(a, dtype=np.int32), sampling,
+                                 PageWrites(np.full(8, engine.num_pages, np.int32), *np.zeros((2, 8), np.int32)),
+                                 np.full(a, 5, np.int32), np.full(a, max_len, np.int32))
+        # every slot decodes from position `n` (its earlier KV is whatever the pages hold: the cost is the same)
+        state = state._replace(positions=jax.device_put(np.array(list(lengths) + [0] * (slots - a), np.int32)))
+        rows = np.arange(a, dtype=np.int32)
+        index = decode_index(held, [min(n + decode_steps - 1, max_len - 1) for n in lengths], a, engine.max_pages,
+                             engine.num_pages, page_size)
+        times = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            state, result = engine.generate(model.params, state, rows, index, steps=decode_steps)
+            result.block_until_ready()
+            times.append(time.perf_counter() - t0)
+            state = state._replace(positions=jax.device_put(np.array(list(lengths) + [0] * (slots - a), np.int32)))
+        return float(np.median(times[2:])) / decode_steps
+
+    longest = {n: measure(16, [48] * 15 + [n]) for n in (64, 128, 256, 512)}
+    free = {s: measure(s, [100] * 4) for s in (4, 64, 256)}
+    return longest, free
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=256, help="long-tail requests")
+    ap.add_argument("--slots", default="16,64,256")
+    ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--swap-every", default="256,1024", help="generated tokens between weight swaps (list)")
     ap.add_argument("--decode-steps", type=int, default=4, help="decode steps per device call in (a) and (b)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per system; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per system; the fastest counts")
+    ap.add_argument("--skip", default="", help="systems to leave out: tunix,transformers")
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.slots, args.repeats = 16, 8, 1
+        args.requests, args.slots, args.repeats = 32, "8,32", 1
 
     import jax
     import torch
@@ -166,56 +213,88 @@ def main():
     from arealjax.models import from_config, load_pretrained
 
     torch.set_num_threads(os.cpu_count())
-    cap, max_len = 192, 256
+    cap, max_prompt = 512, 64
+    max_len = max_prompt + cap
     hf_cfg = transformers.Qwen3Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                                       num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                                       max_position_embeddings=max_len, tie_word_embeddings=False)
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
-    prompts, lens = workload(args.requests, 0, cap)
     tmp = tempfile.mkdtemp()
     hf_model.save_pretrained(tmp)
     model = load_pretrained(tmp)
     alt = from_config(model.cfg, seed=1).params
-    engine = Engine(model, slots=args.slots, max_len=max_len)
-    useful = sum(lens)
-
-    k = args.decode_steps
-    run_arealjax(engine, model.params, prompts, lens, False, k)  # compile every shape both modes use
-    run_arealjax(engine, model.params, prompts, lens, True, k)
-    best = lambda runs: min(runs, key=lambda r: r[0])  # noqa: E731  fastest of `repeats` timed runs
-    t_a, out_a, st_a = best([run_arealjax(engine, model.params, prompts, lens, False, k) for _ in range(args.repeats)])
-    t_b, out_b, _ = best([run_arealjax(engine, model.params, prompts, lens, True, k) for _ in range(args.repeats)])
-    t_c, out_c = run_tunix(tmp, hf_cfg, prompts, lens, args.slots, max_len + 64, args.repeats)
-    t_d, out_d = best([run_transformers(hf_model, prompts, lens, args.slots) for _ in range(args.repeats)])
-    assert out_a == out_b, "continuous and static batching must produce the same greedy tokens"
-    agree_c = np.mean([a == c for a, c in zip(out_a, out_c)])
-    agree_d = np.mean([a == d for a, d in zip(out_a, out_d)])
-
-    swaps = {}
-    for mode in ("recompute", "keep"):
-        for every in map(int, args.swap_every.split(",")):
-            for _ in range(2):  # the first run compiles the refill shapes
-                swaps[mode, every] = run_arealjax(engine, model.params, prompts, lens, False, k, mode, every,
-                                                  (model.params, alt))
+    skip = set(args.skip.split(","))
+    sampler = None if "tunix" in skip else tunix_sampler(tmp, hf_cfg, max_len + 64)
+    k, ps = args.decode_steps, args.page_size
+    slot_counts = [int(s) for s in args.slots.split(",")]
 
     print(f"\n{jax.device_count()} device(s): {jax.devices()[0].platform}; {os.cpu_count()} CPU cores; "
-          f"{model.cfg.num_params() / 1e6:.1f}M-param Qwen3 fp32; {args.requests} requests, {args.slots} slots; "
-          f"output lengths lognormal (median {int(np.median(lens))}, max {max(lens)}, cap {cap}); "
-          f"{useful} useful tokens\n")
-    print("| system | wall s | useful tokens/s | arealjax (a) ÷ this |\n|---|---|---|---|")
-    for name, t in [("(a) arealjax continuous batching", t_a), ("(b) arealjax static batches", t_b),
-                    ("(c) Tunix vanilla sampler, static batches", t_c), ("(d) transformers generate", t_d)]:
-        print(f"| {name} | {t:.2f} | {useful / t:,.0f} | {t / t_a:.2f}x |")
-    print(f"\ngreedy outputs identical to (a): Tunix {agree_c:.0%} of requests, transformers {agree_d:.0%}")
-    print(f"(a) slot occupancy: {st_a.tokens / (st_a.steps * args.slots):.0%} of slot-steps produced a token\n")
-    print("| weight swaps, one per N generated tokens | swaps | update_weights -> next token, mean | "
-          "loop time applying swaps (share of wall-clock) | tokens re-prefilled |")
-    print("|---|---|---|---|---|")
-    for (mode, every), (t_s, _, st) in swaps.items():
-        lat = st.swap_seconds / max(st.swaps, 1)
-        print(f"| {mode}, N={every} | {st.swaps} | {lat * 1e3:.1f} ms | {st.swap_apply_seconds * 1e3:.0f} ms "
-              f"({st.swap_apply_seconds / t_s:.1%}) | {st.refill_tokens} |")
+          f"{model.cfg.num_params() / 1e6:.1f}M-param Qwen3 fp32, greedy; arealjax decode_steps={k}, "
+          f"page_size={ps}\n", flush=True)
+    workloads = {"long-tail": workload(args.requests, 0, (16, 64), 64, 1.0, cap),
+                 "short": workload(96 if not args.quick else 16, 1, (16, 48), 24, 0.9, 192)}
+    rows = []
+    for name, (prompts, lens) in workloads.items():
+        useful = sum(lens)
+        print(f"{name}: {len(prompts)} requests, output lengths p50 {int(np.median(lens))}, "
+              f"p99 {int(np.percentile(lens, 99))}, max {max(lens)}; {useful} useful tokens", flush=True)
+        for slots in (slot_counts if name == "long-tail" else slot_counts[:1]):
+            engine = Engine(model, slots=slots, max_len=max_len, page_size=ps)
+            run_arealjax(engine, model.params, prompts, lens, False, k)  # compile every shape it uses
+            t_a, out_a, st_a = best([run_arealjax(engine, model.params, prompts, lens, False, k)
+                                     for _ in range(args.repeats)])
+            dense_bytes = slots * max_len * engine.page_bytes // ps
+            row = {"workload": name, "slots": slots, "useful": useful, "a": t_a,
+                   "kv_peak": st_a.peak_pages * engine.page_bytes, "kv_dense": dense_bytes}
+            if name == "short":
+                run_arealjax(engine, model.params, prompts, lens, True, k)
+                t_b, out_b, _ = best([run_arealjax(engine, model.params, prompts, lens, True, k)
+                                      for _ in range(args.repeats)])
+                assert out_a == out_b, "continuous and static batching must produce the same greedy tokens"
+                row["b"] = t_b
+            if sampler is not None:
+                row["c"], out_c = run_tunix(sampler, prompts, lens, slots, max_prompt, 1)
+                row["agree_c"] = np.mean([a == c for a, c in zip(out_a, out_c)])
+            if "transformers" not in skip:
+                row["d"], out_d = run_transformers(hf_model, prompts, lens, slots, 1)
+                row["agree_d"] = np.mean([a == d for a, d in zip(out_a, out_d)])
+            rows.append(row)
+            print("  ", {x: (round(y, 3) if isinstance(y, float) else y) for x, y in row.items()}, flush=True)
+
+    print("\n| workload | slots / batch | (a) arealjax tok/s | (b) static | (c) Tunix | (d) transformers | "
+          "(a) ÷ (c) | (a) ÷ (d) | KV peak (a) / dense |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    def tps(r, key):
+        return f"{r['useful'] / r[key]:,.0f}" if key in r else "—"
+
+    def ratio(r, key):
+        return f"**{r[key] / r['a']:.2f}×**" if key in r else "—"
+
+    for r in rows:
+        print(f"| {r['workload']} | {r['slots']} | {tps(r, 'a')} | {tps(r, 'b')} | {tps(r, 'c')} | {tps(r, 'd')} | "
+              f"{ratio(r, 'c')} | {ratio(r, 'd')} | {r['kv_peak'] / 2**20:.0f} / {r['kv_dense'] / 2**20:.0f} MiB |")
+    agree = [(r["workload"], r["slots"], r.get("agree_c"), r.get("agree_d")) for r in rows]
+    print("\ngreedy outputs identical to (a), share of requests (Tunix, transformers):", agree)
+
+    longest, free = step_times(model, max_len, ps, k)
+    print("\n(e) decode step, 16 active rows (15 × 48 tokens + one of n):",
+          ", ".join(f"n={n}: {t * 1e3:.1f} ms" for n, t in longest.items()),
+          f"— longest 512 ÷ 64: {longest[512] / longest[64]:.2f}×")
+    print("    4 active rows of 100 tokens in S slots:", ", ".join(f"S={s}: {t * 1e3:.1f} ms" for s, t in free.items()),
+          f"— S=64 ÷ S=4: {free[64] / free[4]:.2f}×, S=256 ÷ S=4: {free[256] / free[4]:.2f}×")
+
+    prompts, lens = workloads["short"]
+    engine = Engine(model, slots=slot_counts[0], max_len=max_len, page_size=ps)
+    print("\n(f) | weight swaps, one per N generated tokens | swaps | update_weights -> next token, mean | "
+          "loop time applying swaps (share of wall-clock) | tokens re-prefilled |\n|---|---|---|---|---|")
+    for mode in ("recompute", "keep"):
+        for every in map(int, args.swap_every.split(",")):
+            t_s, _, st = [run_arealjax(engine, model.params, prompts, lens, False, k, mode, every, (model.params, alt))
+                          for _ in range(2)][-1]  # the first run compiles the refill shapes
+            lat = st.swap_seconds / max(st.swaps, 1)
+            print(f"| {mode}, N={every} | {st.swaps} | {lat * 1e3:.1f} ms | {st.swap_apply_seconds * 1e3:.0f} ms "
+                  f"({st.swap_apply_seconds / t_s:.1%}) | {st.refill_tokens} |")
 
 
 if __name__ == "__main__":

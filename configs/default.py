@@ -123,6 +123,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.generator.mode = "recompute"  # on a weight swap: re-prefill in-flight slots (AReaL) | "keep" stale KV
     config.generator.decode_steps = 8  # decode steps per device call
     config.generator.max_prefill_batch = 16
+    # Paged KV cache: pages of page_size tokens; kv_pages = 0 sizes the pool for every slot at max_len (no
+    # preemption), fewer pages hold less memory and preempt (re-prefill later) when a decode step runs out.
+    config.generator.page_size = 16
+    config.generator.kv_pages = 0
+    config.generator.attention = "auto"  # "auto": the Pallas paged kernel on GPU, "ragged" (pure JAX) elsewhere
 
     # orbax checkpoints of the whole RL state (see arealjax/checkpoint.py); resume continues the latest one.
     config.resume = False

@@ -10,17 +10,18 @@ import pytest
 from conftest import HF_CONFIGS, hf_logits
 from flax import nnx
 
+from arealjax.generation.pages import PagePool, decode_index
 from arealjax.models import (
     ModelConfig,
     decode_step,
     forward,
     from_config,
-    init_cache,
-    insert,
+    init_pages,
     load_pretrained,
     prefill,
     save_pretrained,
 )
+from arealjax.models.paged import write_prefill
 
 TOL = 1e-4
 
@@ -129,30 +130,43 @@ def test_packed_rows_equal_separate_sequences(hf_checkpoints):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_prefill_then_decode_matches_full_forward(hf_checkpoints, family):
-    """Three slots with different prompt lengths decode side by side; each matches its own full forward."""
+@pytest.mark.parametrize("attention", ["ragged", "pallas"])
+def test_prefill_then_decode_matches_full_forward(hf_checkpoints, family, attention):
+    """Three sequences of different prompt lengths decode side by side (row 1 unused) from KV pages of 4 tokens
+    handed out interleaved, so each sequence's pages are scattered over the pool; each row's logits match its own
+    full forward. The Pallas GPU kernel runs in interpret mode on CPU."""
     model = load_pretrained(hf_checkpoints[family][0])
     rng = np.random.RandomState(2)
-    prompt_lens, n_decode, bucket = [5, 9, 13], 8, 16
+    prompt_lens, n_decode, size, max_pages = [5, 9, 13], 8, 4, 8
     seqs = [rng.randint(0, 96, p + n_decode).astype(np.int32) for p in prompt_lens]
-    cache = init_cache(model.cfg, slots=4, max_len=32)
-    ref_logits = []
-    for slot, (seq, p) in enumerate(zip(seqs, prompt_lens)):
-        padded = np.zeros((1, bucket), np.int32)
+    pool = PagePool(32, size)
+    held = [[] for _ in seqs]
+    for j in range(max_pages):  # page j of every sequence, in turn
+        for i, p in enumerate(prompt_lens):
+            if j < pool.pages_for(p + n_decode):
+                held[i] += pool.alloc(1)
+    pages = init_pages(model.cfg, pool.num_pages, size, attention=attention)
+    rows = [0, 2, 3]
+    for i, (seq, p) in enumerate(zip(seqs, prompt_lens)):
+        padded = np.zeros((1, 16), np.int32)
         padded[0, :p] = seq[:p]
         logits, kv = prefill(model.graphdef, model.params, padded, np.array([p]))
-        full = np.asarray(model(seq[None]))[0]
-        np.testing.assert_allclose(np.asarray(logits)[0], full[p - 1], atol=1e-5)
-        cache = insert(cache, kv, jnp.int32(slot + 1))  # slot 0 stays empty
-        ref_logits.append(full)
-    for i in range(n_decode):
-        toks = np.zeros(4, np.int32)
-        pos = np.zeros(4, np.int32)
-        for slot, (seq, p) in enumerate(zip(seqs, prompt_lens)):
-            toks[slot + 1], pos[slot + 1] = seq[p + i], p + i
-        logits, cache = decode_step(model.graphdef, model.params, cache, toks, pos)
-        for slot, p in enumerate(prompt_lens):
-            np.testing.assert_allclose(np.asarray(logits)[slot + 1], ref_logits[slot][p + i], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(logits)[0], np.asarray(model(seq[None]))[0, p - 1], atol=1e-5)
+        n = pool.pages_for(p)
+        pages = write_prefill(pages, kv.k, kv.v, np.array(held[i][:n]), np.zeros(n, np.int32), np.arange(n),
+                              attention)
+    for t in range(n_decode):
+        toks, pos = np.zeros(4, np.int32), np.zeros(4, np.int32)
+        for i, (seq, p) in enumerate(zip(seqs, prompt_lens)):
+            toks[rows[i]], pos[rows[i]] = seq[p + t], p + t
+        table = [[]] * 4
+        for i, r in enumerate(rows):
+            table[r] = held[i]
+        index = decode_index(table, list(pos), 4, max_pages, pool.num_pages, size)
+        logits, pages = decode_step(model.graphdef, model.params, pages, toks, pos, index, attention)
+        for i, (seq, p) in enumerate(zip(seqs, prompt_lens)):
+            want = np.asarray(model(seq[None, :p + t + 1]))[0, -1]
+            np.testing.assert_allclose(np.asarray(logits)[rows[i]], want, atol=1e-5)
 
 
 def test_unknown_architecture_names_file(hf_checkpoints, tmp_path):

@@ -1,12 +1,13 @@
 """Meshes, logical-axis rules, sharded forward/decode, and resharding between disjoint device slices."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from arealjax.models import ModelConfig, decode_step, from_config, init_cache, insert, load_pretrained, prefill
+from arealjax.generation.pages import decode_index
+from arealjax.models import ModelConfig, decode_step, from_config, init_pages, load_pretrained, prefill
+from arealjax.models.paged import pool_axes, pool_shapes, write_prefill
 from arealjax.sharding import (
     DEFAULT_RULES,
     LogicalSharding,
@@ -85,13 +86,17 @@ def test_sharded_prefill_decode_equals_unsharded():
     prompt = np.random.RandomState(3).randint(0, 128, (1, 8)).astype(np.int32)
     outs = []
     for m, sh in ((ref, None), (sharded, shard)):
-        cache = init_cache(CFG, slots=4, max_len=16, shard=sh)
+        shapes = pool_shapes(CFG, 8, 4, "ragged")
+        pages = init_pages(CFG, 8, 4, shardings=(None, None) if sh is None else tuple(
+            sh.named(axes, shape) for axes, shape in zip(pool_axes("ragged"), shapes)))
         _, kv = prefill(m.graphdef, m.params, prompt, np.array([6]))
-        cache = insert(cache, kv, jnp.int32(2))
-        logits, cache = decode_step(m.graphdef, m.params, cache, np.full(4, 7, np.int32), np.full(4, 6, np.int32))
-        outs.append(np.asarray(logits[2]))
-    want = jax.sharding.NamedSharding(mesh, P(None, ("data", "fsdp"), None, "tensor", None))
-    assert cache.k.sharding.is_equivalent_to(want, 5)
+        pages = write_prefill(pages, kv.k, kv.v, np.array([5, 2]), np.zeros(2, np.int32), np.arange(2))
+        index = decode_index([[], [5, 2]], [0, 6], 4, 4, 8, 4)
+        logits, pages = decode_step(m.graphdef, m.params, pages, np.full(4, 7, np.int32), np.full(4, 6, np.int32),
+                                    index)
+        outs.append(np.asarray(logits[1]))
+    want = jax.sharding.NamedSharding(mesh, P(None, None, "tensor", None, None))  # kv_heads on the tensor axis
+    assert pages.k.sharding.is_equivalent_to(want, 5) and pages.v.sharding.is_equivalent_to(want, 5)
     np.testing.assert_allclose(outs[1], outs[0], atol=1e-5, rtol=0)
 
 

@@ -1,13 +1,15 @@
-"""Slot-based decoding engine in JetStream's Engine API shape (our own code; params passed on every call).
+"""Slot-based decoding engine over a paged KV cache, in JetStream's Engine API shape (our own code; params are
+passed on every call, page tables are kept by the caller: see `generation/pages.py`).
 
     state = engine.init_decode_state()
-    prefix = engine.prefill(params, tokens, lengths)                    # B prompts -> KV + last-token logits
-    state, first = engine.insert(prefix, state, rows, slots, sampling)  # into free slots; first tokens sampled
-    state, result = engine.generate(params, state, steps=k)             # k new tokens for every slot
-    state = engine.refill(params, state, tokens, lengths, slots)        # recompute slots' KV with new params
+    prefix = engine.prefill(params, tokens, lengths)                     # B prompts -> KV + last-token logits
+    state, first = engine.insert(prefix, state, rows, slots, sampling, writes)  # into slots and their pages
+    state, result = engine.generate(params, state, rows, index, steps=k)  # k new tokens for the slots in `rows`
+    state = engine.refill(params, state, tokens, lengths, writes)        # recompute KV pages with new params
 
-`first` is float32 [N, 3] = (token, logprob, done) per row, `result` [steps, S, 3]: one device->host copy per
-call, and `generate` may run several decode steps per call.
+`first` is float32 [N, 3] = (token, logprob, done) per row, `result` [steps, A, 3]: one device->host copy per
+call, and `generate` may run several decode steps per call. A decode step runs only the A active slots (a free
+slot costs nothing) and reads only their pages (models/paged.py), so its cost follows the tokens in flight.
 Everything batched is padded to a few shapes (power-of-two buckets) so nothing recompiles per request.
 
 Sampling keys are derived from (request seed, sample index, token position) only, so a sequence's sampled tokens
@@ -29,11 +31,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from arealjax.models import KVCache, Model, init_cache, prefill
+from arealjax.models import DecodeIndex, KVCache, Model, PagedKV, init_pages, prefill
+from arealjax.models.paged import pick_attention, pool_axes, pool_shapes, write_prefill
 from arealjax.sharding import LogicalSharding
 
 MAX_STOP_IDS = 8  # stop token ids per sequence (padded with -1)
-MIN_KV_LEN = 32  # smallest cache prefix attention reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +106,20 @@ class SlotSampling(NamedTuple):
 class DecodeState(NamedTuple):
     """Everything the device needs to advance S slots by one token."""
 
-    cache: KVCache
+    pages: PagedKV  # every slot's KV, in the pages its page table names
     tokens: jax.Array  # [S] next input token of each slot (its last sampled token)
     positions: jax.Array  # [S] where that token goes (= tokens already in the slot's cache)
     remaining: jax.Array  # [S] tokens the slot may still emit
     sampling: SlotSampling  # per-slot copies of the request's sampling parameters (max_new_tokens unused)
+
+
+class PageWrites(NamedTuple):
+    """Page-sized blocks of prefill KV to copy into pages: block[i] of prefix row[i] -> page[i] ([M] each; a page
+    ≥ the pool size marks padding)."""
+
+    page: np.ndarray
+    row: np.ndarray
+    block: np.ndarray
 
 
 class Prefix(NamedTuple):
@@ -166,12 +177,6 @@ def _result(tokens, logprobs, done) -> jax.Array:
     return jnp.stack([tokens.astype(jnp.float32), logprobs, done.astype(jnp.float32)], axis=-1)
 
 
-def _write_kv(cache: KVCache, kv: KVCache, rows, slots) -> KVCache:
-    t = kv.k.shape[2]
-    put = lambda c, x: c.at[:, slots, :t].set(x[:, rows].astype(c.dtype), mode="drop")  # noqa: E731
-    return KVCache(put(cache.k, kv.k), put(cache.v, kv.v))
-
-
 def _done(max_len: int, tokens, stop, remaining, token_pos):
     hit_stop = jnp.any(tokens[:, None] == stop, axis=-1)
     return hit_stop | (remaining <= 0) | (token_pos >= max_len - 1)
@@ -181,15 +186,16 @@ def _done(max_len: int, tokens, stop, remaining, token_pos):
 # shares compiled code.
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def _insert(max_len: int, truncating: bool, prefix: Prefix, state: DecodeState, rows, slots, s: SlotSampling):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
+def _insert(max_len: int, truncating: bool, attention: str, prefix: Prefix, state: DecodeState, rows, slots,
+            s: SlotSampling, writes: PageWrites, last, remaining):
     lengths = prefix.lengths[rows]
-    tokens, logprobs = sample(prefix.logits[rows], s, lengths, truncating)
-    remaining = s.max_new_tokens - 1
+    sampled, logprobs = sample(prefix.logits[rows], s, lengths, truncating)
+    tokens = jnp.where(last >= 0, last, sampled)  # a resumed sequence continues from its last token
     done = _done(max_len, tokens, s.stop, remaining, lengths)
     put = lambda dst, src: dst.at[slots].set(src, mode="drop")  # noqa: E731
     state = DecodeState(
-        cache=_write_kv(state.cache, prefix.kv, rows, slots),
+        pages=write_prefill(state.pages, prefix.kv.k, prefix.kv.v, *writes, attention),
         tokens=put(state.tokens, tokens),
         positions=put(state.positions, lengths),
         remaining=put(state.remaining, remaining),
@@ -198,47 +204,77 @@ def _insert(max_len: int, truncating: bool, prefix: Prefix, state: DecodeState, 
     return state, _result(tokens, logprobs, done)
 
 
-def _decode_once(graphdef: nnx.GraphDef, max_len: int, truncating: bool, kv_len: int, params: nnx.State,
-                 state: DecodeState):
-    logits, cache = nnx.merge(graphdef, params).decode(state.cache, state.tokens, state.positions, kv_len)
-    token_pos = state.positions + 1
-    tokens, logprobs = sample(logits, state.sampling, token_pos, truncating)
-    remaining = state.remaining - 1
-    done = _done(max_len, tokens, state.sampling.stop, remaining, token_pos)
-    state = DecodeState(cache, tokens, jnp.minimum(token_pos, max_len - 1), remaining, state.sampling)
-    return state, _result(tokens, logprobs, done)
+def _decode_once(graphdef: nnx.GraphDef, max_len: int, truncating: bool, attention: str, params: nnx.State,
+                 index: DecodeIndex, carry):
+    pages, st = carry
+    logits, pages = nnx.merge(graphdef, params).decode(pages, st.tokens, st.positions, index, attention)
+    token_pos = st.positions + 1
+    tokens, logprobs = sample(logits, st.sampling, token_pos, truncating)
+    remaining = st.remaining - 1
+    done = _done(max_len, tokens, st.sampling.stop, remaining, token_pos)
+    st = st._replace(tokens=tokens, positions=jnp.minimum(token_pos, max_len - 1), remaining=remaining)
+    return (pages, st), _result(tokens, logprobs, done)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=6)
-def _generate(graphdef: nnx.GraphDef, max_len: int, truncating: bool, steps: int, kv_len: int, params: nnx.State,
-              state: DecodeState):
-    step = functools.partial(_decode_once, graphdef, max_len, truncating, kv_len, params)
-    return jax.lax.scan(lambda st, _: step(st), state, None, length=steps)
+def _generate(graphdef: nnx.GraphDef, max_len: int, truncating: bool, steps: int, attention: str, params: nnx.State,
+              state: DecodeState, rows, index: DecodeIndex):
+    """`steps` decode steps for the slots in `rows` [A] (padding rows name slot S: read clipped, written dropped)."""
+    take = lambda x: jnp.take(x, rows, axis=0, mode="clip")  # noqa: E731
+    active = DecodeState(None, take(state.tokens), take(state.positions), take(state.remaining),
+                         SlotSampling(*map(take, state.sampling)))
+    step = functools.partial(_decode_once, graphdef, max_len, truncating, attention, params, index)
+    (pages, active), result = jax.lax.scan(lambda c, _: step(c), (state.pages, active), None, length=steps)
+    put = lambda dst, src: dst.at[rows].set(src, mode="drop")  # noqa: E731
+    state = DecodeState(pages, put(state.tokens, active.tokens), put(state.positions, active.positions),
+                        put(state.remaining, active.remaining), state.sampling)
+    return state, result
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _refill(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, tokens, lengths, slots):
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _refill(graphdef: nnx.GraphDef, attention: str, params: nnx.State, state: DecodeState, tokens, lengths,
+            writes: PageWrites):
     _, kv = prefill(graphdef, params, tokens, lengths)
-    return state._replace(cache=_write_kv(state.cache, kv, jnp.arange(tokens.shape[0]), slots))
+    return state._replace(pages=write_prefill(state.pages, kv.k, kv.v, *writes, attention))
 
 
 class Engine:
-    """prefill / insert / generate / refill over a fixed number of KV-cache slots for one model definition."""
+    """prefill / insert / generate / refill over S slots and a pool of KV pages, for one model definition.
 
-    def __init__(self, model: Model, *, slots: int, max_len: int, cache_dtype=None,
-                 shard: LogicalSharding | None = None):
+    `num_pages` pages of `page_size` tokens are shared by all slots (default: enough for every slot at max_len);
+    `attention` picks the decode attention ('auto': the Pallas kernel on GPU, ragged pure JAX elsewhere)."""
+
+    def __init__(self, model: Model, *, slots: int, max_len: int, page_size: int = 16, num_pages: int | None = None,
+                 attention: str = "auto", cache_dtype=None, shard: LogicalSharding | None = None):
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {page_size}")
         self.cfg, self.graphdef = model.cfg, model.graphdef
-        self.slots, self.max_len = slots, max_len
+        self.slots, self.max_len, self.page_size = slots, max_len, page_size
+        self.max_pages = -(-max_len // page_size)  # pages of one sequence at max_len
+        self.num_pages = num_pages or slots * self.max_pages
+        if self.num_pages < self.max_pages:
+            raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_len={max_len} "
+                             f"({self.max_pages} pages of {page_size} tokens)")
+        self.attention = pick_attention(attention)
         self.cache_dtype = cache_dtype or model.dtype
         self.shard = shard
         self._replicated = None if shard is None else NamedSharding(shard.mesh, PartitionSpec())
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of K and V one page holds across all layers."""
+        c = self.cfg
+        return 2 * c.num_layers * c.num_kv_heads * self.page_size * c.head_dim * jnp.dtype(self.cache_dtype).itemsize
 
     def init_decode_state(self) -> DecodeState:
         s = self.slots
         zeros = lambda dtype: jax.device_put(np.zeros(s, dtype), self._replicated)  # noqa: E731
         sampling = SlotSampling(*(jax.device_put(x, self._replicated) for x in SlotSampling.of([], [], s)))
-        return DecodeState(init_cache(self.cfg, s, self.max_len, self.cache_dtype, self.shard),
-                           zeros(np.int32), zeros(np.int32), zeros(np.int32), sampling)
+        shapes = pool_shapes(self.cfg, self.num_pages, self.page_size, self.attention)
+        shardings = (None, None) if self.shard is None else tuple(
+            self.shard.named(axes, shape) for axes, shape in zip(pool_axes(self.attention), shapes))
+        pages = init_pages(self.cfg, self.num_pages, self.page_size, self.cache_dtype, shardings, self.attention)
+        return DecodeState(pages, zeros(np.int32), zeros(np.int32), zeros(np.int32), sampling)
 
     def prefill(self, params: nnx.State, tokens: np.ndarray, lengths: np.ndarray) -> Prefix:
         """B prompts right-padded to [B, T] (T ≤ max_len) with their true lengths."""
@@ -246,29 +282,29 @@ class Engine:
         return Prefix(kv, logits, jnp.asarray(lengths))
 
     def insert(self, prefix: Prefix, state: DecodeState, rows: np.ndarray, slots: np.ndarray,
-               sampling: SlotSampling, truncating: bool = False) -> tuple[DecodeState, jax.Array]:
-        """Puts prefix row rows[i] into slot slots[i] and samples its first token (rows may repeat: n samples of
-        one prompt share one prefill). Slot ids ≥ S mark padding entries and are dropped."""
-        return _insert(self.max_len, truncating, prefix, state, rows, slots, sampling)
+               sampling: SlotSampling, writes: PageWrites, last: np.ndarray, remaining: np.ndarray,
+               truncating: bool = False) -> tuple[DecodeState, jax.Array]:
+        """Puts prefix row rows[i] into slot slots[i], copies the prefill KV into pages by `writes`, and samples
+        the slot's first token — or, where last[i] ≥ 0 (a sequence resumed after preemption), continues from that
+        token. remaining[i]: tokens the slot may still emit after that one. Rows may repeat (n samples of one
+        prompt share one prefill); slot ids ≥ S mark padding entries and are dropped."""
+        return _insert(self.max_len, truncating, self.attention, prefix, state, rows, slots, sampling, writes, last,
+                       remaining)
 
-    def generate(self, params: nnx.State, state: DecodeState, truncating: bool = False, steps: int = 1,
-                 max_position: int | None = None) -> tuple[DecodeState, jax.Array]:
-        """`steps` decode steps for all slots in one device call: results [steps, S, 3]. A slot keeps decoding
-        after it is done within the call (its extra tokens are discarded by the caller), so small `steps` trades
-        a little wasted compute for one dispatch and one device->host copy per `steps` tokens.
-
-        `truncating` compiles in top-k/top-p (only needed when a slot uses it). `max_position`, the largest input
-        position among active slots, lets attention read only a power-of-two prefix of the cache."""
-        # positions never pass max_len − 1 (a slot is done there), so near the end the bucket is the whole cache
-        kv_len = (self.max_len if max_position is None else
-                  bucket(min(max_position + steps, self.max_len), MIN_KV_LEN, self.max_len))
-        return _generate(self.graphdef, self.max_len, truncating, steps, kv_len, params, state)
+    def generate(self, params: nnx.State, state: DecodeState, rows: np.ndarray, index: DecodeIndex,
+                 truncating: bool = False, steps: int = 1) -> tuple[DecodeState, jax.Array]:
+        """`steps` decode steps for the slots in `rows` (padded with S) in one device call: results [steps, A, 3].
+        `index` names each row's pages (writes for all `steps` positions, reads up to them). A slot keeps decoding
+        after it is done within the call (its extra tokens are discarded by the caller and their KV writes fall on
+        no page or its own), so small `steps` trades a little wasted compute for one dispatch and one device->host
+        copy per `steps` tokens. `truncating` compiles in top-k/top-p (only needed when a slot uses it)."""
+        return _generate(self.graphdef, self.max_len, truncating, steps, self.attention, params, state, rows, index)
 
     def refill(self, params: nnx.State, state: DecodeState, tokens: np.ndarray, lengths: np.ndarray,
-               slots: np.ndarray) -> DecodeState:
-        """Recomputes the KV of `slots` from their tokens so far (prompt + outputs but the last) with `params`;
+               writes: PageWrites) -> DecodeState:
+        """Recomputes the KV of sequences [B, T] (prompt + outputs but the last) with `params` into their pages;
         their next input token and position are unchanged. This is the AReaL interrupt after a weight swap."""
-        return _refill(self.graphdef, params, state, tokens, lengths, slots)
+        return _refill(self.graphdef, self.attention, params, state, tokens, lengths, writes)
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:

@@ -8,6 +8,11 @@
 A freed slot is refilled before the next decode step. On a weight update the loop stops between steps and either
 recomputes every in-flight slot's KV with the new params (`recompute`, AReaL) or continues on the stale KV
 (`keep`, PipelineRL). Either way, tokens sampled after the swap carry the new version.
+
+KV lives in pages (generation/pages.py): a sample is admitted when a slot and the pages for its prompt and next
+decode call are free; the n samples of a prompt share its full pages. When a decode call needs more pages than
+are free, the most recently admitted samples are preempted: their pages are returned and they wait at the head of
+the queue, to be re-prefilled (prompt + tokens so far) and continue where they stopped, same sampled tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from arealjax.generation.engine import Engine, SamplingParams, SlotSampling, bucket
+from arealjax.generation.engine import Engine, PageWrites, SamplingParams, SlotSampling, bucket
+from arealjax.generation.pages import PagePool, decode_index
 
 MODES = ("recompute", "keep")
 MIN_PREFILL_LEN = 16
@@ -55,7 +61,8 @@ class _Seq:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     interrupts: int = 0
-    done: bool = False
+    pages: list[int] = dataclasses.field(default_factory=list)  # KV pages of the sequence, in order
+    order: int = 0  # admission order: the latest admitted is preempted first
 
 
 @dataclasses.dataclass
@@ -83,6 +90,9 @@ class GeneratorStats:
     idle_seconds: float = 0.0  # waiting with no work
     requests_done: int = 0
     aborted: int = 0
+    preemptions: int = 0  # samples preempted for lack of KV pages (re-prefilled later)
+    pages_in_use: int = 0  # KV pages held after the last round
+    peak_pages: int = 0  # most KV pages held at once (× engine.page_bytes = peak KV bytes)
 
 
 class Generator:
@@ -100,6 +110,8 @@ class Generator:
         self.max_prefill_batch = max_prefill_batch
         self._params, self._version = params, version
         self._state = engine.init_decode_state()
+        self._pages = PagePool(engine.num_pages, engine.page_size)
+        self._admissions = itertools.count()
         self._slots: list[_Seq | None] = [None] * engine.slots
         self._queue: collections.deque[_Seq] = collections.deque()
         self._requests: dict[str, _Request] = {}
@@ -183,7 +195,7 @@ class Generator:
         """request id -> tokens generated so far (all samples), for requests not yet finished."""
         with self._cv:
             out = {rid: 0 for rid in self._requests}
-            for seq in self._slots:
+            for seq in itertools.chain(self._slots, self._queue):  # the queue holds preempted samples too
                 if seq is not None:
                     out[seq.request.id] += len(seq.tokens)
             return out
@@ -235,18 +247,20 @@ class Generator:
             update, self._update = self._update, None
             for i, seq in enumerate(self._slots):
                 if seq is not None and seq.request.aborted:
-                    self._slots[i] = None
+                    self._free_slot(i)
                     self._finish(seq, "abort")
             free = [i for i, s in enumerate(self._slots) if s is None]
-            admitted = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+            admitted = self._take_admissions(len(free))
         t0 = time.perf_counter()
         if update is not None:
             self._apply_update(*update)
         if admitted:
             self._admit(admitted, free)
         if self._active():
+            self._reserve()
             self._decode()
         self.stats.busy_seconds += time.perf_counter() - t0
+        self.stats.pages_in_use, self.stats.peak_pages = self._pages.used, self._pages.peak
         return True
 
     def _active(self) -> list[int]:
@@ -258,40 +272,114 @@ class Generator:
         self.stats.swaps += 1
         self._swap_started = requested_at
         active = self._active()
-        for i in active:
-            self._slots[i].interrupts += 1
-        self.stats.interrupts += len(active)
+        with self._cv:  # samples preempted to the queue are in flight too (they resume on the new params)
+            interrupted = [self._slots[i] for i in active] + [s for s in self._queue if s.tokens]
+        for seq in interrupted:
+            seq.interrupts += 1
+        self.stats.interrupts += len(interrupted)
         if self.mode == "recompute" and active:
-            # each slot's cache holds prompt + outputs[:-1]; the last output is the next input token
-            seqs = [(i, self._slots[i].request.prompt + self._slots[i].tokens[:-1]) for i in active]
-            for group in self._batches(seqs, lambda item: len(item[1])):
-                tokens, lengths, slots = self._pad([s for _, s in group], [i for i, _ in group])
-                self._state = self.engine.refill(self._params, self._state, tokens, lengths, slots)
-                self.stats.refill_tokens += int(sum(len(s) for _, s in group))
-            jax.block_until_ready(self._state.cache)
+            # each slot's pages hold prompt + outputs[:-1]; the last output is the next input token
+            seqs = [self._slots[i] for i in active]
+            written: set[int] = set()  # a prompt page shared by n samples is written once
+            for group in self._batches(seqs, lambda seq: self._position(seq)):
+                prefixes = [self._prefix(seq) for seq in group]
+                tokens, lengths = self._pad(prefixes)
+                writes = []
+                for row, (seq, p) in enumerate(zip(group, prefixes)):
+                    for j, page in enumerate(seq.pages[:self._pages.pages_for(len(p))]):
+                        if page not in written:
+                            written.add(page)
+                            writes.append((page, row, j))
+                self._state = self.engine.refill(self._params, self._state, tokens, lengths, self._writes(writes))
+                self.stats.refill_tokens += int(sum(map(len, prefixes)))
+            jax.block_until_ready(self._state.pages)
         self.stats.swap_apply_seconds += time.perf_counter() - t0
         for fut in waiters:
             fut.set_result(time.perf_counter() - requested_at)
 
+    # ---- pages: a sequence's next input sits at `_position`; a decode call writes up to `_last` ----
+
+    def _position(self, seq: _Seq) -> int:
+        return len(seq.request.prompt) + len(seq.tokens) - 1
+
+    def _last(self, seq: _Seq, position: int) -> int:
+        """The last position `seq` writes in a decode call that starts with its next input at `position`."""
+        left = seq.request.sampling.max_new_tokens - max(len(seq.tokens), 1)
+        return min(position + max(min(self.decode_steps, left), 1) - 1, self.engine.max_len - 1)
+
+    def _prefix(self, seq: _Seq) -> list[int]:
+        """What a (re)admitted sequence prefills: its prompt, or prompt + outputs but the last when resumed."""
+        return seq.request.prompt + seq.tokens[:-1]
+
+    def _growth(self, seq: _Seq) -> int:
+        """Pages an active sequence still needs for the next decode call."""
+        return self._pages.pages_for(self._last(seq, self._position(seq)) + 1) - len(seq.pages)
+
+    def _take_admissions(self, free_slots: int) -> list[_Seq]:
+        """Pops queued samples, in order, while a slot and their pages are free (after the growth of the active
+        ones); samples of one prompt admitted together count its full pages once. Holds the lock."""
+        budget = self._pages.free - sum(self._growth(s) for s in self._slots if s is not None)
+        seen: set[tuple[int, ...]] = set()
+        out = []
+        while self._queue and len(out) < free_slots:
+            seq = self._queue[0]
+            prefix = self._prefix(seq)
+            full = len(prefix) // self._pages.page_size
+            cost = self._pages.pages_for(self._last(seq, len(prefix)) + 1) - (full if tuple(prefix) in seen else 0)
+            if cost > budget:
+                break
+            budget -= cost
+            seen.add(tuple(prefix))
+            out.append(self._queue.popleft())
+        return out
+
+    def _free_slot(self, slot: int) -> None:
+        seq = self._slots[slot]
+        self._slots[slot] = None
+        self._pages.release(seq.pages)
+        seq.pages = []
+
+    def _reserve(self) -> None:
+        """Gives every active sequence the pages its next decode call writes; preempts the latest admitted ones
+        while they do not fit."""
+        active = sorted((s for s in self._slots if s is not None), key=lambda s: s.order)
+        while sum(self._growth(s) for s in active) > self._pages.free:
+            victim = active.pop()
+            self._free_slot(self._slots.index(victim))
+            self.stats.preemptions += 1
+            with self._cv:
+                self._queue.appendleft(victim)
+        for seq in active:
+            seq.pages += self._pages.alloc(self._growth(seq))
+
     def _admit(self, seqs: list[_Seq], free: list[int]) -> None:
-        """Prefills each distinct prompt once (samples of one request, or requests with the same prompt) and
-        inserts one slot per sample."""
-        by_prompt: dict[tuple[int, ...], list[_Seq]] = collections.defaultdict(list)
+        """Prefills each distinct prefix once (samples of one request, or requests with the same prompt), gives
+        each sample the prefix's full pages (shared) and pages of its own, and inserts one slot per sample."""
+        size = self._pages.page_size
+        by_prefix: dict[tuple[int, ...], list[_Seq]] = collections.defaultdict(list)
         for seq in seqs:
-            by_prompt[tuple(seq.request.prompt)].append(seq)
-        groups = [(reqs[0].request.prompt, reqs) for reqs in by_prompt.values()]
+            by_prefix[tuple(self._prefix(seq))].append(seq)
         slot_iter = iter(free)
-        for batch in self._batches(groups, lambda item: len(item[0])):
-            prompts = [p for p, _ in batch]
-            tokens, lengths, _ = self._pad(prompts, [])
+        for batch in self._batches(list(by_prefix.items()), lambda item: len(item[0])):
+            prefixes = [list(p) for p, _ in batch]
+            tokens, lengths = self._pad(prefixes)
             prefix = self.engine.prefill(self._params, tokens, lengths)
-            rows, slots, members = [], [], []
-            for row, (_, group) in enumerate(batch):
-                for seq in group:
+            rows, slots, members, last, remaining, writes = [], [], [], [], [], []
+            for row, (p, group) in enumerate(batch):
+                full = self._pages.alloc(len(p) // size)
+                writes += [(page, row, j) for j, page in enumerate(full)]
+                for k, seq in enumerate(group):
+                    seq.pages = (full if k == 0 else self._pages.share(full))[:]
+                    seq.pages += self._pages.alloc(self._pages.pages_for(self._last(seq, len(p)) + 1) - len(full))
+                    if len(p) % size:  # the partly filled last page of the prefix: a copy per sample
+                        writes.append((seq.pages[len(full)], row, len(full)))
+                    seq.order = next(self._admissions)
                     slot = next(slot_iter)
                     rows.append(row)
                     slots.append(slot)
                     members.append(seq)
+                    last.append(seq.tokens[-1] if seq.tokens else -1)
+                    remaining.append(seq.request.sampling.max_new_tokens - max(len(seq.tokens), 1))
                     self._slots[slot] = seq
             n = bucket(len(rows), 1, max(self.engine.slots, 1))
             pad = n - len(rows)
@@ -299,17 +387,35 @@ class Generator:
             truncating = any(s.request.sampling.truncates for s in members)
             self._state, first = self.engine.insert(
                 prefix, self._state, np.array(rows + [0] * pad, np.int32),
-                np.array(slots + [self.engine.slots] * pad, np.int32), sampling, truncating)
-            self.stats.prefill_tokens += int(sum(map(len, prompts)))
-            self._record(np.asarray(first), [(r, slot, seq) for r, (slot, seq) in enumerate(zip(slots, members))])
+                np.array(slots + [self.engine.slots] * pad, np.int32), sampling, self._writes(writes),
+                np.array(last + [-1] * pad, np.int32), np.array(remaining + [0] * pad, np.int32), truncating)
+            self.stats.prefill_tokens += int(sum(map(len, prefixes)))
+            fresh = [(r, slot, seq) for r, (slot, seq) in enumerate(zip(slots, members)) if not seq.tokens]
+            self._record(np.asarray(first), fresh)
+
+    def _writes(self, writes: list[tuple[int, int, int]]) -> PageWrites:
+        """(page, row, block) triples padded to a power of two with dropped entries."""
+        n = bucket(max(len(writes), 1), 8, max(8, self.engine.num_pages))
+        out = np.zeros((3, n), np.int32)
+        out[0] = self.engine.num_pages
+        if writes:
+            out[:, :len(writes)] = np.array(writes, np.int32).T
+        return PageWrites(*out)
 
     def _decode(self) -> None:
-        truncating = any(s is not None and s.request.sampling.truncates for s in self._slots)
-        max_pos = max(len(s.request.prompt) + len(s.tokens) - 1 for s in self._slots if s is not None)
-        self._state, result = self.engine.generate(self._params, self._state, truncating, self.decode_steps, max_pos)
+        active = [i for i, s in enumerate(self._slots) if s is not None]
+        seqs = [self._slots[i] for i in active]
+        truncating = any(s.request.sampling.truncates for s in seqs)
+        n = bucket(len(active), 1, self.engine.slots)
+        rows = np.full(n, self.engine.slots, np.int32)
+        rows[:len(active)] = active
+        index = decode_index([s.pages for s in seqs], [self._last(s, self._position(s)) for s in seqs], n,
+                             self.engine.max_pages, self.engine.num_pages, self.engine.page_size)
+        self._state, result = self.engine.generate(self._params, self._state, rows, index, truncating,
+                                                   self.decode_steps)
         result = np.asarray(result)
         for step in result:  # a slot done at one step ignores the rest of the chunk
-            entries = [(i, i, s) for i, s in enumerate(self._slots) if s is not None]
+            entries = [(r, i, self._slots[i]) for r, i in enumerate(active) if self._slots[i] is not None]
             if not entries:
                 break
             self.stats.steps += 1
@@ -327,7 +433,7 @@ class Generator:
             seq.versions.append(self._version)
             self.stats.tokens += 1
             if done:
-                self._slots[slot] = None
+                self._free_slot(slot)
                 stop = token in seq.request.sampling.stop_token_ids
                 with self._cv:
                     self._finish(seq, "stop" if stop else "length")
@@ -366,19 +472,16 @@ class Generator:
         items = sorted(items, key=length, reverse=True)
         return [items[i: i + self.max_prefill_batch] for i in range(0, len(items), self.max_prefill_batch)]
 
-    def _pad(self, seqs: list[list[int]], slots: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """[B, T] right-padded tokens, lengths and slots, with B and T rounded up to buckets (padding rows:
-        length 1, slot S so the write is dropped)."""
+    def _pad(self, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """[B, T] right-padded tokens and lengths, with B and T rounded up to buckets (padding rows: length 1)."""
         b = bucket(len(seqs), 1, max(self.max_prefill_batch, 1))
         t = bucket(max(map(len, seqs)), MIN_PREFILL_LEN, self.engine.max_len)
         tokens = np.zeros((b, t), np.int32)
         lengths = np.ones(b, np.int32)
-        out_slots = np.full(b, self.engine.slots, np.int32)
         for i, s in enumerate(seqs):
             tokens[i, : len(s)] = s
             lengths[i] = len(s)
-        out_slots[: len(slots)] = slots
-        return tokens, lengths, out_slots
+        return tokens, lengths
 
 
 def _check_same_tree(old: Any, new: Any) -> None:

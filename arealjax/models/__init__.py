@@ -19,12 +19,13 @@ from flax import nnx
 
 from arealjax.models import hf
 from arealjax.models.config import ModelConfig, from_hf_config, to_hf_config
-from arealjax.models.transformer import KVCache, Transformer, decode_step, forward, init_cache, insert, prefill
+from arealjax.models.paged import DecodeIndex, PagedKV, init_pages
+from arealjax.models.transformer import KVCache, Transformer, decode_step, forward, prefill
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, reshard, tree_shardings
 
 __all__ = [
-    "KVCache", "Model", "ModelConfig", "Transformer", "decode_step", "forward", "from_config", "from_hf_config",
-    "init_cache", "insert", "load_pretrained", "prefill", "save_pretrained", "to_hf_config",
+    "DecodeIndex", "KVCache", "Model", "ModelConfig", "PagedKV", "Transformer", "decode_step", "forward",
+    "from_config", "from_hf_config", "init_pages", "load_pretrained", "prefill", "save_pretrained", "to_hf_config",
 ]
 
 

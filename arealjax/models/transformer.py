@@ -6,8 +6,8 @@ conversion is a rename plus a reshape. Every parameter carries logical axis name
 
 Three entry points, pure functions of (params, inputs) at the bottom of the file:
   forward      packed training rows: tokens, positions, segment ids [B, T] -> fp32 logits [B, T, V]
-  prefill      prompts [B, T] with true lengths -> last-token logits and KV, ready to `insert` into cache slots
-  decode_step  one token for each of S cache slots -> logits [S, V] and the updated cache
+  prefill      prompts [B, T] with true lengths -> last-token logits and KV, to be written into cache pages
+  decode_step  one token for each of A sequences whose KV is in pages (models/paged.py) -> logits [A, V], pages
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from arealjax.models.config import ModelConfig
+from arealjax.models.paged import DecodeIndex, PagedKV, pallas_attention, pool_axes, ragged_attention, write_token
 from arealjax.sharding import LogicalSharding, constrain
 
 Array = jax.Array
@@ -30,12 +31,10 @@ CAUSAL_BLOCK = 128  # query block of the training/prefill attention
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer for S slots of up to T tokens: [layers, S, T, kv_heads, head_dim]."""
+    """Keys and values of every layer for B sequences of T tokens: [layers, B, T, kv_heads, head_dim] (prefill)."""
 
     k: Array
     v: Array
-
-    AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 
 
 class Linear(nnx.Module):
@@ -98,20 +97,10 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
     return x * cos + jnp.concatenate([-x2, x1], -1) * sin
 
 
-def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Grouped-query attention. q [B,Tq,H,D], k/v [B,Tk,Hkv,D], mask [B,Tq,Tk] (True = may attend)."""
-    b, tq, h, d = q.shape
-    hkv = k.shape[2]
-    q = q.reshape(b, tq, hkv, h // hkv, d)  # query head j*G+g reads kv head j, as HF's repeat_kv
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(d).astype(np.float32)
-    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhgqk,bkhd->bqhgd", p, v).reshape(b, tq, h, d)
-
-
 def attend_causal(q: Array, k: Array, v: Array, mask: Array, block: int = CAUSAL_BLOCK) -> Array:
-    """`attend` for self-attention under a causal `mask` [B,T,T]: each block of queries reads only the keys up to
-    its last position, in a heads-major layout. Same result; on CPU 2-3x faster for T ≥ 256 (a block's scores
+    """Grouped-query self-attention, q [B,T,H,D], k/v [B,T,Hkv,D], under a causal `mask` [B,T,T] (True = may
+    attend; query head j*G+g reads kv head j, as HF's repeat_kv). Each block of queries reads only the keys up to
+    its last position, in a heads-major layout: on CPU 2-3x faster than one block for T ≥ 256 (a block's scores
     stay in cache and the masked upper triangle is skipped)."""
     b, t, h, d = q.shape
     hkv, g = k.shape[2], h // k.shape[2]
@@ -223,28 +212,25 @@ class Transformer(nnx.Module):
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         return self._logits(x), KVCache(jnp.stack(ks), jnp.stack(vs))
 
-    def decode(self, cache: KVCache, tokens: Array, positions: Array, kv_len: int | None = None
-               ) -> tuple[Array, KVCache]:
-        """One token per slot. tokens [S] sit at positions [S] (= tokens already cached in that slot).
-
-        `kv_len` (static, > every position) limits attention to the cache prefix in use, so short sequences in a
-        long cache do not pay for its full length.
-        """
-        s = cache.k.shape[1]
-        t = cache.k.shape[2] if kv_len is None else kv_len
-        slots = jnp.arange(s)
-        mask = (jnp.arange(t)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, t]
+    def decode(self, pages: PagedKV, tokens: Array, positions: Array, index: DecodeIndex,
+               attention: str = "ragged") -> tuple[Array, PagedKV]:
+        """One token for each of A rows: tokens [A] sit at positions [A] of their sequences, whose KV is in the
+        pages `index` names. Writes each row's new KV into its page, then attends over the row's pages only."""
         inv_freq = rope_inv_freq(self.cfg)
         x = self._act(jnp.take(self.embed_tokens[...], tokens[:, None], axis=0))
-        ck, cv = cache
+        pk, pv = pages
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions[:, None], inv_freq, self.shard)
-            ck = ck.at[i, slots, positions].set(k[:, 0])
-            cv = cv.at[i, slots, positions].set(v[:, 0])
-            x = self._act(x + layer.self_attn.o_proj(attend(q, ck[i, :, :t], cv[i, :, :t], mask)))
+            pk, pv = write_token(pk, pv, i, k[:, 0], v[:, 0], index.table, positions, attention)
+            if attention == "pallas":
+                o = pallas_attention(q[:, 0], pk[i], pv[i], positions, index)
+            else:
+                o = ragged_attention(q[:, 0], pk[i], pv[i], positions, index)
+            x = self._act(x + layer.self_attn.o_proj(o[:, None]))
             x = self._act(x + layer.mlp(layer.post_attention_layernorm(x)))
-        cache = KVCache(constrain(ck, self.shard, KVCache.AXES), constrain(cv, self.shard, KVCache.AXES))
-        return self._logits(x)[:, 0], cache
+        k_axes, v_axes = pool_axes(attention)
+        pages = PagedKV(constrain(pk, self.shard, k_axes), constrain(pv, self.shard, v_axes))
+        return self._logits(x)[:, 0], pages
 
 
 # ---- pure entry points: (graphdef, params, inputs) -> outputs, jitted; graphdef is static ----
@@ -270,27 +256,8 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, lengths: A
     return logits[:, 0], kv
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
-def decode_step(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, tokens: Array,
-                positions: Array, kv_len: int | None = None) -> tuple[Array, KVCache]:
-    """One decode step for all S slots: logits [S, V] and the cache with each slot's new KV written in place."""
-    return nnx.merge(graphdef, params).decode(cache, tokens, positions, kv_len)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def insert(cache: KVCache, kv: KVCache, slot: Array) -> KVCache:
-    """Writes one prefilled sequence's KV (batch 1, length T ≤ cache length) into `slot`, from position 0."""
-    def put(c, x):
-        return jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, slot, 0, 0, 0))
-    return KVCache(put(cache.k, kv.k), put(cache.v, kv.v))
-
-
-def init_cache(cfg: ModelConfig, slots: int, max_len: int, dtype=jnp.float32,
-               shard: LogicalSharding | None = None) -> KVCache:
-    """An empty KV cache for `slots` sequences of up to `max_len` tokens, sharded when `shard` is given."""
-    shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
-    sharding = None if shard is None else shard.named(KVCache.AXES, shape)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return KVCache(zeros(), zeros())
-
-
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
+def decode_step(graphdef: nnx.GraphDef, params: nnx.State, pages: PagedKV, tokens: Array, positions: Array,
+                index: DecodeIndex, attention: str = "ragged") -> tuple[Array, PagedKV]:
+    """One decode step for A rows: logits [A, V] and the pages with each row's new KV written in place."""
+    return nnx.merge(graphdef, params).decode(pages, tokens, positions, index, attention)

@@ -1,0 +1,169 @@
+"""Paged KV cache and the decode attention that reads it.
+
+The cache of every sequence in flight lives in one pool of fixed-size pages per layer, and a sequence owns a list
+of pages (its page table). Memory is then proportional to the tokens in flight, not to slots × max_len, and a
+finished sequence returns its pages at once. Full pages of a prompt can be shared by its n samples.
+
+Decode attention reads, for each sequence, only its own pages; the pool layout follows the attention:
+  ragged   pure JAX, any backend, pool [layers, pages, kv_heads, page_size, head_dim]: the pages of all active
+           sequences flattened into one list of (row, page, first position) triples, gathered (one contiguous
+           block per page), scored page by page and reduced per row with segment max / sum, so the work is
+           proportional to the tokens in flight — a free slot or a long neighbour costs nothing.
+  pallas   the Pallas paged-attention kernel on GPU (per-row page tables and lengths), pool [layers, kv_heads,
+           pages, page_size, head_dim] as the kernel reads it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from arealjax.models.config import ModelConfig
+
+Array = jax.Array
+ATTENTION_KINDS = ("auto", "ragged", "pallas")
+
+
+class PagedKV(NamedTuple):
+    """Keys and values of every layer, in pages (layout: `pool_axes`)."""
+
+    k: Array
+    v: Array
+
+
+class DecodeIndex(NamedTuple):
+    """Where A decoding rows read and write their KV (built on the host, see `generation/pages.py`).
+
+    table      [A, max_pages] each row's pages in order (a never-written entry holds the pool size: writes there
+               are dropped)
+    pair_row   [N] row of each (row, page) pair of the ragged list, sorted; padding pairs have row A
+    pair_page  [N] the page
+    pair_start [N] position of the page's first token in its row's sequence
+    """
+
+    table: Array
+    pair_row: Array
+    pair_page: Array
+    pair_start: Array
+
+
+# Logical axes of the key and the value pools, by attention kind. Pallas kernels read [kv_heads, pages, page,
+# head_dim] per layer. The ragged attention gathers whole pages, so pages come first (one contiguous block each), and
+# keys are stored transposed so that q·kᵀ is a plain matrix product on CPU (a transposed operand is copied first).
+_HEADS_MAJOR = ("layers", "kv_heads", "pages", "page", "head_dim")
+LAYOUTS = {
+    "pallas": (_HEADS_MAJOR, _HEADS_MAJOR),
+    "ragged": (("layers", "pages", "kv_heads", "head_dim", "page"),
+               ("layers", "pages", "kv_heads", "page", "head_dim")),
+}
+_BLOCK = ("layers", "pages", "page", "kv_heads", "head_dim")  # how prefill KV blocks come: [L, M, size, Hkv, D]
+
+
+def pool_axes(attention: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Logical axes of the (key, value) pools for an attention kind ('ragged' or 'pallas')."""
+    return LAYOUTS[attention]
+
+
+def pool_shapes(cfg: ModelConfig, num_pages: int, page_size: int, attention: str) -> tuple[tuple[int, ...], ...]:
+    sizes = {"layers": cfg.num_layers, "pages": num_pages, "kv_heads": cfg.num_kv_heads, "page": page_size,
+             "head_dim": cfg.head_dim}
+    return tuple(tuple(sizes[a] for a in axes) for axes in LAYOUTS[attention])
+
+
+def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, shardings=(None, None),
+               attention: str = "ragged") -> PagedKV:
+    """An empty page pool laid out for `attention`, placed by (key, value) `shardings` (NamedShardings) if given."""
+    shapes = pool_shapes(cfg, num_pages, page_size, attention)
+    return PagedKV(*(jax.jit(lambda s=s: jnp.zeros(s, dtype), out_shardings=sh)() for s, sh in zip(shapes, shardings)))
+
+
+def _at(axes: tuple[str, ...], **index) -> tuple:
+    return tuple(index.get(a, slice(None)) for a in axes)
+
+
+def write_prefill(pool: PagedKV, k: Array, v: Array, page: Array, row: Array, block: Array,
+                  attention: str = "ragged") -> PagedKV:
+    """Copies page-sized blocks of prefill KV [L, B, T, Hkv, D] into the pool: block `block[i]` of row `row[i]`
+    goes to page `page[i]` (an out-of-range page drops the entry: padding)."""
+    size = pool.v.shape[LAYOUTS[attention][1].index("page")]
+    pad = -k.shape[2] % size
+
+    def put(dst, src, axes):
+        src = jnp.pad(src, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
+        layers, b, t, h, d = src.shape
+        blocks = src.reshape(layers, b, t // size, size, h, d)[:, row, block]  # [L, M, size, Hkv, D]
+        blocks = blocks.transpose([_BLOCK.index(a) for a in axes]).astype(dst.dtype)
+        return dst.at[_at(axes, pages=page)].set(blocks, mode="drop")
+
+    k_axes, v_axes = LAYOUTS[attention]
+    return PagedKV(put(pool.k, k, k_axes), put(pool.v, v, v_axes))
+
+
+def write_token(pool_k: Array, pool_v: Array, layer: int, k: Array, v: Array, table: Array, positions: Array,
+                attention: str = "ragged"):
+    """Writes one new token's k, v [A, Hkv, D] per row at its position, into layer `layer` of the pools."""
+    k_axes, v_axes = LAYOUTS[attention]
+    size, num_pages = pool_v.shape[v_axes.index("page")], pool_v.shape[v_axes.index("pages")]
+    page = jnp.take_along_axis(table, (positions // size)[:, None], axis=1, mode="fill", fill_value=num_pages)[:, 0]
+    off = positions % size
+    # `layer`, `page` and `off` are never all adjacent, so the indexed shape is [A, Hkv, D] (numpy's rule)
+    put = lambda dst, x, axes: dst.at[_at(axes, layers=layer, pages=page, page=off)].set(  # noqa: E731
+        x.astype(dst.dtype), mode="drop")
+    return put(pool_k, k, k_axes), put(pool_v, v, v_axes)
+
+
+def ragged_attention(q: Array, k_pages: Array, v_pages: Array, positions: Array, index: DecodeIndex) -> Array:
+    """Attention of one query per row, q [A, H, D], over that row's pages of k_pages [P, Hkv, D, size] and
+    v_pages [P, Hkv, size, D], keys at positions ≤ positions[row]. Work ∝ pairs in the index (the pages in use),
+    not rows × longest sequence."""
+    a, h, d = q.shape
+    _, hkv, size, _ = v_pages.shape
+    row = jnp.minimum(index.pair_row, a - 1)  # padding pairs read row A−1 and are masked out
+    qp = q.reshape(a, hkv, h // hkv, d)[row]  # [N, Hkv, G, D]
+    kp = jnp.take(k_pages, index.pair_page, axis=0, mode="clip")  # [N, Hkv, D, size]
+    vp = jnp.take(v_pages, index.pair_page, axis=0, mode="clip")
+    s = jnp.einsum("nhgd,nhdt->nhgt", qp, kp, preferred_element_type=jnp.float32) / np.sqrt(d).astype(np.float32)
+    valid = (index.pair_start[:, None] + jnp.arange(size)[None] <= positions[row][:, None]) & (
+        index.pair_row < a)[:, None]  # [N, size]
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    seg = dict(segment_ids=index.pair_row, num_segments=a, indices_are_sorted=True)
+    m = jax.ops.segment_max(jnp.max(s, axis=-1), **seg)  # [A, Hkv, G]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m[row][..., None])  # [N, Hkv, G, size]
+    den = jax.ops.segment_sum(jnp.sum(e, axis=-1), **seg)  # [A, Hkv, G]
+    o = jnp.einsum("nhgt,nhtd->nhgd", e.astype(vp.dtype), vp, preferred_element_type=jnp.float32)
+    o = jax.ops.segment_sum(o, **seg) / jnp.maximum(den, 1e-30)[..., None]
+    return o.reshape(a, h, d).astype(q.dtype)
+
+
+def pallas_attention(q: Array, k_pages: Array, v_pages: Array, positions: Array, index: DecodeIndex) -> Array:
+    """The same attention through the Pallas GPU paged-attention kernel (per-row page tables and lengths); off a
+    GPU it runs in Pallas interpret mode (slow: for tests)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as kernel
+
+    pages_per_seq = index.table.shape[1]
+    k_splits = _divisor(pages_per_seq, 16)  # the kernel splits each row's pages into k_splits partitions
+    per_block = _divisor(pages_per_seq // k_splits, 8)
+    table = jnp.where(index.table < k_pages.shape[1], index.table, 0)  # unwritten entries: masked by the lengths
+    scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)  # the kernel does not scale the logits
+    out = kernel.paged_attention((q.astype(jnp.float32) * scale).astype(q.dtype), k_pages, v_pages, table,
+                                 positions + 1, pages_per_compute_block=per_block, k_splits=k_splits,
+                                 interpret=jax.default_backend() != "gpu")
+    return out.astype(q.dtype)
+
+
+def _divisor(n: int, at_most: int) -> int:
+    """The largest divisor of n that is ≤ at_most."""
+    return max(x for x in range(1, min(n, at_most) + 1) if n % x == 0)
+
+
+def pick_attention(kind: str) -> str:
+    """'auto' → the Pallas kernel on GPU, the ragged pure-JAX attention elsewhere."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"generator attention '{kind}' is unknown; expected one of {ATTENTION_KINDS}")
+    if kind == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "ragged"
+    return kind
