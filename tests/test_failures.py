@@ -116,6 +116,9 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
     (["--config.model_path=/nonexistent/model"], r"model_path = '/nonexistent/model': expected an existing dir"),
     (["--config.task.name=sudoku"], r"task\.name = 'sudoku': expected one of \['addition', 'remainder'\]"),
     (["--config.rewards.fn=nocolon"], r"rewards\.fn = 'nocolon': expected 'package\.module:function'"),
+    (["--config.generator.page_size=12"], r"generator\.page_size = 12: expected a power of two"),
+    (["--config.generator.kv_pages=2"], r"generator\.kv_pages = 2: expected 0 \(room for every slot\) or ≥ 4"),
+    (["--config.generator.attention=flash"], r"generator\.attention = 'flash': expected one of"),
 ], ids=lambda x: x[0].split("=")[0][9:] if isinstance(x, list) else None)
 def test_bad_config_is_refused_at_start(tmp_path, flags, pattern):
     assert_clean_failure(main_py(tmp_path, *flags), pattern, within=30)
