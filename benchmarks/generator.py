@@ -5,7 +5,7 @@ side by side in one run; then the decode step's cost against the longest sequenc
 
 Workloads (greedy, no stop tokens, so every request produces exactly its requested length and all systems do the
 same useful work; useful tokens/s = requested output tokens / wall-clock):
-  long-tail  prompts of 16-64 tokens, output lengths lognormal (median 64, σ 1) capped at 512 — run at 16, 64 and
+  long-tail  128 requests (--requests), prompts of 16-64 tokens, output lengths lognormal (median 64, σ 1) capped at 512 — run at 16, 64 and
              256 slots / batch size
   short      prompts of 16-48 tokens, lognormal (median 24, σ 0.9) capped at 192 — 16 slots
 Systems: (a) arealjax continuous batching over paged KV (a freed slot is refilled at once); (b) arealjax static
@@ -194,12 +194,12 @@ def step_times(model, max_len, page_size, decode_steps):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--requests", type=int, default=256, help="long-tail requests")
+    ap.add_argument("--requests", type=int, default=128, help="long-tail requests")
     ap.add_argument("--slots", default="16,64,256")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--swap-every", default="256,1024", help="generated tokens between weight swaps (list)")
     ap.add_argument("--decode-steps", type=int, default=4, help="decode steps per device call in (a) and (b)")
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per system; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per system after the warm-up; the fastest counts")
     ap.add_argument("--skip", default="", help="systems to leave out: tunix,transformers")
     args = ap.parse_args()
     if args.quick:
