@@ -9,12 +9,17 @@ import re
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from arealjax.data import TASKS
 from arealjax.generation.generator import MODES
+from arealjax.models import attention as attn
+from arealjax.models.hf import DTYPES
 from arealjax.models.paged import ATTENTION_KINDS
+from arealjax.models.transformer import REMAT
 from arealjax.rl.advantages import GROUP_BASELINES, AdvantageConfig
 from arealjax.rl.losses import PPOConfig
-from arealjax.rl.trainer import OptimConfig
+from arealjax.rl.trainer import COMPUTE_DTYPES, OptimConfig
 
 
 class ConfigError(ValueError):
@@ -52,6 +57,15 @@ def check_config(config: Any) -> None:
          "checkpoint.every_seconds", "seconds ≥ 0")
     need(g.mode in MODES, "generator.mode", f"one of {MODES}")
     need(g.attention in ATTENTION_KINDS, "generator.attention", f"one of {ATTENTION_KINDS}")
+    need(g.prefill_attention in attn.KINDS, "generator.prefill_attention", f"one of {attn.KINDS}")
+    need(t.attention in attn.KINDS, "trainer.attention", f"one of {attn.KINDS}")
+    need(t.remat in REMAT, "trainer.remat", f"one of {REMAT}")
+    need(t.remat != "offload" or jax.default_backend() in ("gpu", "tpu"), "trainer.remat",
+         f"not 'offload' on {jax.default_backend()} (host offload needs a GPU or TPU)")
+    need(isinstance(t.scan_layers, bool), "trainer.scan_layers", "True or False")
+    positive("trainer.logits_chunk", minimum=0)
+    need(t.compute_dtype in COMPUTE_DTYPES, "trainer.compute_dtype", f"one of {sorted(COMPUTE_DTYPES)}")
+    need(g.dtype in DTYPES, "generator.dtype", f"one of {sorted(DTYPES)}")
     size = g.page_size
     need(isinstance(size, int) and size >= 1 and not size & (size - 1), "generator.page_size", "a power of two")
     if isinstance(size, int) and size >= 1 and isinstance(g.max_len, int) and isinstance(g.kv_pages, int):

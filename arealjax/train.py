@@ -38,7 +38,7 @@ from arealjax.rl.losses import PPOConfig
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
 from arealjax.runtime import Interrupted, Stop, error_text
-from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes, tree_shardings
+from arealjax.sharding import LogicalSharding, normalize_rules, reshard, role_meshes, tree_shardings
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 from arealjax.workflows import load_workflow
@@ -113,14 +113,19 @@ def eval_prompts(config: Any, tokenizer: Tokenizer) -> list[Prompt]:
             for i, p in enumerate(task_problems(t, n, seed=t.seed + 7))]
 
 
-def trainer_config(c: Any, loss: str = "ppo", steps: int = 0) -> TrainerConfig:
-    """`steps` fills an optim.total_steps of 0 (schedules that need the run length)."""
+def trainer_config(c: Any, loss: str = "ppo", steps: int = 0, knobs: Any = None) -> TrainerConfig:
+    """`steps` fills an optim.total_steps of 0 (schedules that need the run length); the memory/speed knobs
+    (attention, remat, ...) come from `knobs` (default `c`; the SFT stage takes config.trainer's; absent ones keep
+    TrainerConfig's defaults)."""
+    knobs = c if knobs is None else knobs
     ppo = PPOConfig(**c.ppo.to_dict()) if loss == "ppo" else PPOConfig()
     optim = c.optim.to_dict()
     if not optim.get("total_steps"):
         optim["total_steps"] = steps
     return TrainerConfig(loss=loss, ppo=ppo, optim=OptimConfig(**optim), max_tokens=c.max_tokens,
-                         micro_rows=c.micro_rows, ppo_n_minibatches=c.get("ppo_n_minibatches", 1))
+                         micro_rows=c.micro_rows, ppo_n_minibatches=c.get("ppo_n_minibatches", 1),
+                         **{k: knobs[k] for k in ("attention", "remat", "scan_layers", "logits_chunk",
+                                                  "compute_dtype") if k in knobs})
 
 
 def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rules, workdir: Path,
@@ -135,7 +140,7 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
     if (out / "sft_config.json").is_file() and (out / "sft_config.json").read_text() == key:
         logging.info("SFT warm start: reusing %s", out)
         return models.load_pretrained(out, mesh=mesh, rules=rules)
-    trainer = Trainer(model, trainer_config(s, loss="sft", steps=s.steps), mesh=mesh, rules=rules)
+    trainer = Trainer(model, trainer_config(s, loss="sft", steps=s.steps, knobs=config.trainer), mesh=mesh, rules=rules)
     rng = np.random.RandomState(config.seed)
     problems = task_problems(t, s.steps * s.batch_size, seed=t.seed)
     bar = tqdm(range(s.steps), desc="SFT warm start", mininterval=2)
@@ -251,11 +256,13 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     for name in ("metrics.jsonl", "trained_prompts.jsonl"):  # rows a killed run wrote after its checkpoint go
         truncate_jsonl(workdir / name, done)
 
-    gen_model = model.to_mesh(meshes["generator"], rules)
+    gen_model = model.to_mesh(meshes["generator"], rules, dtype=models.hf.DTYPES[g.dtype])
     gen_shardings = tree_shardings(gen_model.params, LogicalSharding(meshes["generator"], rules))
-    gen_params = jax.device_put(trainer.params, gen_shardings, may_alias=False) if restored else gen_model.params
+
+    gen_params = reshard(trainer.params, gen_shardings, gen_model.dtype) if restored else gen_model.params
     engine = Engine(gen_model, slots=g.slots, max_len=g.max_len, page_size=g.page_size, num_pages=g.kv_pages or None,
-                    attention=g.attention, shard=LogicalSharding(meshes["generator"], rules))
+                    attention=g.attention, prefill_attention=g.prefill_attention,
+                    shard=LogicalSharding(meshes["generator"], rules))
     sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, n=rl.group_size,
                               stop_token_ids=tuple(tokenizer.eos_ids), seed=config.seed)
     advantage = AdvantageConfig(**config.advantage.to_dict())
@@ -323,8 +330,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
                                    f"{config.trainer.max_skipped_in_a_row}); lower the learning rate or check the "
                                    f"rewards")
             t1 = time.perf_counter()
-            params = jax.device_put(trainer.params, gen_shardings, may_alias=False)  # never alias donated buffers
-            jax.block_until_ready(params)
+            params = reshard(trainer.params, gen_shardings, gen_model.dtype)
             sync_s = time.perf_counter() - t1
             generator.update_weights(params, trainer.version).add_done_callback(
                 lambda f, v=trainer.version: controller.on_weights_applied(v))

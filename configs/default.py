@@ -115,6 +115,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.trainer.ppo = dict(objective="decoupled", eps_clip=0.2, behaviour_weight="mask", behaviour_cap=5.0)
     config.trainer.optim = dict(lr=5e-4, warmup_steps=5, grad_clip=1.0)
     config.trainer.max_skipped_in_a_row = 3  # steps skipped for a non-finite loss/gradient before the run stops
+    # Memory and speed (the numbers stay within float tolerance): attention kernel ("auto": Pallas flash on GPU/TPU,
+    # XLA einsums on CPU; "flash": pure-JAX flash for long rows anywhere), per-layer remat (none | full |
+    # save_dots | offload), layers under lax.scan, logits computed logits_chunk tokens of a row at a time, and
+    # the matmul dtype ("bfloat16" on fp32 master params).
+    config.trainer.attention = "auto"
+    config.trainer.remat = "none"
+    config.trainer.scan_layers = True
+    config.trainer.logits_chunk = 1024
+    config.trainer.compute_dtype = "float32"
 
     # The interruptible generator (arealjax/generation): KV-cache slots, cache length, weight-swap mode.
     config.generator = ml_collections.ConfigDict()
@@ -128,6 +137,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.generator.page_size = 16
     config.generator.kv_pages = 0
     config.generator.attention = "auto"  # "auto": the Pallas paged kernel on GPU, "ragged" (pure JAX) elsewhere
+    config.generator.prefill_attention = "auto"  # prompt attention, as trainer.attention
+    config.generator.dtype = "float32"  # params and KV cache; "bfloat16" halves both (the weight sync casts)
 
     # orbax checkpoints of the whole RL state (see arealjax/checkpoint.py); resume continues the latest one.
     config.resume = False

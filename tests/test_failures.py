@@ -130,6 +130,16 @@ def test_every_problem_is_listed_at_once(tmp_path):
     assert "rl.group_size = 1" in run.err
 
 
+def test_bad_memory_knobs_are_refused_together(tmp_path):
+    run = main_py(tmp_path, "--config.trainer.remat=everything", "--config.trainer.attention=cudnn",
+                  "--config.trainer.compute_dtype=fp8", "--config.trainer.logits_chunk=-1",
+                  "--config.generator.dtype=int8", "--config.generator.prefill_attention=ragged")
+    assert_clean_failure(run, r"trainer\.remat = 'everything': expected one of", within=30)
+    for line in ("trainer.attention = 'cudnn'", "trainer.compute_dtype = 'fp8'", "trainer.logits_chunk = -1",
+                 "generator.dtype = 'int8'", "generator.prefill_attention = 'ragged'"):
+        assert line in run.err, line
+
+
 def test_unknown_config_key_is_one_line_with_the_suggestion(tmp_path):
     run = main_py(tmp_path, "--config.rl.stepz=3")
     assert_clean_failure(run, r'--config\.rl\.stepz: no such config key\. .*Did you mean "steps"', code=2,

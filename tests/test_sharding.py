@@ -1,6 +1,7 @@
 """Meshes, logical-axis rules, sharded forward/decode, and resharding between disjoint device slices."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -70,9 +71,9 @@ def test_sharded_forward_equals_unsharded():
     mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
     ref = from_config(CFG, seed=0)
     sharded = from_config(CFG, seed=0, mesh=mesh)
-    q = sharded.params["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value()
-    assert q.sharding.spec == P("fsdp", "tensor", None) and len(q.addressable_shards) == 8
-    assert q.addressable_shards[0].data.shape == (16, 2, 16)
+    q = sharded.params["layers"]["self_attn"]["q_proj"]["kernel"].get_value()  # [layers, embed, heads, head_dim]
+    assert q.sharding.spec == P(None, "fsdp", "tensor", None) and len(q.addressable_shards) == 8
+    assert q.addressable_shards[0].data.shape == (CFG.num_layers, 16, 2, 16)
     tokens = np.random.RandomState(0).randint(0, 128, (8, 24)).astype(np.int32)
     out = sharded(jax.device_put(tokens, LogicalSharding(mesh).named(("batch", "length"), tokens.shape)))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref(tokens)), atol=1e-5, rtol=0)
@@ -123,3 +124,12 @@ def test_reshard_trainer_slice_to_disjoint_generator_slice():
     generator = trainer.to_mesh(meshes["generator"])
     tokens = np.random.RandomState(5).randint(0, 128, (2, 12)).astype(np.int32)
     np.testing.assert_allclose(np.asarray(generator(tokens)), np.asarray(trainer(tokens)), atol=1e-5)
+    # The weight sync of a bf16 generator: cast on the trainer's devices, then moved; exactly x.astype(bf16), and
+    # back to fp32 exactly the bf16 values (the round trip loses only the rounding, once).
+    bf16 = reshard(trainer.params, target, jnp.bfloat16)
+    back = reshard(bf16, tree_shardings(trainer.params, LogicalSharding(meshes["trainer"])), jnp.float32)
+    for src, half, full in zip(*(jax.tree.leaves(t) for t in (trainer.params, bf16, back))):
+        assert half.dtype == jnp.bfloat16 and set(half.sharding.device_set) == gen_devices
+        np.testing.assert_array_equal(np.asarray(half), np.asarray(src).astype(jnp.bfloat16))
+        np.testing.assert_array_equal(np.asarray(full), np.asarray(half).astype(np.float32))
+    assert trainer.to_mesh(meshes["generator"], dtype=jnp.bfloat16).dtype == jnp.bfloat16

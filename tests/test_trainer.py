@@ -188,3 +188,63 @@ def test_on_policy_data_at_any_temperature_has_unit_weights_and_ratios(model):
     m = trainer.train_step(trajs)  # two minibatches: π_prox is its own pass over the step-start params
     assert abs(m["behaviour_weight_mean"] - 1) < 1e-4 and abs(m["behaviour_weight_max"] - 1) < 1e-4
     assert abs(m["kl_behaviour_prox"]) < 1e-5 and m["masked_fraction"] == 0
+
+
+def test_chunked_logprobs_equal_full_logits_values_and_gradients():
+    """Logits chunk by chunk (chunk 5 of T = 12 pads, chunk 4 divides it): logprobs, entropy and their gradients
+    w.r.t. the hidden states and the output projection equal the full-logits path."""
+    from arealjax.rl.trainer import chunked_logprobs, token_logprobs
+
+    rng = np.random.RandomState(0)
+    hidden = jnp.asarray(rng.normal(size=(3, 12, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 50)), jnp.float32)
+    targets = jnp.asarray(rng.randint(0, 50, (3, 12)))
+    temperature = jnp.asarray(rng.choice([0.7, 1.0, 1.3], (3, 12)), jnp.float32)
+
+    def objective(f):
+        def g(h, w):
+            logp, ent = f(h, w)
+            return jnp.sum(logp * jnp.arange(12)) + 0.3 * jnp.sum(ent), (logp, ent)
+        return jax.jit(jax.value_and_grad(g, argnums=(0, 1), has_aux=True))(hidden, w)
+
+    (_, ref), ref_g = objective(lambda h, w: token_logprobs(jnp.einsum("btd,dv->btv", h, w), targets, temperature))
+    for chunk in (5, 4):
+        (_, out), g = objective(lambda h, w, c=chunk: chunked_logprobs(h, (w, "nd,dv->nv"), targets, temperature, c))
+        for a, b in zip([*out, *g], [*ref, *ref_g]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("knobs", [dict(logits_chunk=8, remat="full", attention="flash"),
+                                   dict(logits_chunk=0, scan_layers=False)])
+def test_memory_knobs_leave_the_gradient_unchanged(model, knobs):
+    """Chunked logits, remat, the flash kernel and unrolled layers change memory or compile time, not the
+    minibatch gradient (to 1e-5 of the default trainer's)."""
+    default, changed = (Trainer(model, TrainerConfig(max_tokens=T, micro_rows=4, **kw)) for kw in ({}, knobs))
+    batch = default.pack(trajectories())[0]
+    assert_trees_close(changed.gradients(batch)[0], default.gradients(batch)[0], 1e-5)
+
+
+def test_bf16_generator_and_bf16_compute_trainer_agree_on_policy(model):
+    """Mixed precision: a bf16 generator (the weight sync casts fp32 master params) and a trainer computing in
+    bf16 on fp32 params score the same on-policy tokens to bf16 tolerance: the behaviour weight π_prox/μ at the
+    step start stays ≈ 1, and the step moves the fp32 master params."""
+    from arealjax.generation import Engine, Generator, SamplingParams
+    from arealjax.models import Model
+
+    bf16 = Model(model.cfg, model.graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params))
+    rng = np.random.RandomState(2)
+    ps = [list(rng.randint(3, 64, rng.randint(2, 8))) for _ in range(8)]
+    with Generator(Engine(bf16, slots=4, max_len=T), bf16.params) as gen:
+        outs = [gen.submit(p, SamplingParams(temperature=1.0, max_new_tokens=18, seed=i)).result(60)[0]
+                for i, p in enumerate(ps)]
+    trajs = [Trajectory.from_completion(p, c.output_tokens, c.logprobs, c.versions, advantage=rng.normal())
+             for p, c in zip(ps, outs)]
+    trainer = Trainer(model, TrainerConfig(max_tokens=T, micro_rows=4, compute_dtype="bfloat16",
+                                           optim=OptimConfig(lr=1e-3)))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.params))
+    before = jax.tree.map(np.asarray, trainer.params)
+    m = trainer.train_step(trajs)
+    assert abs(m["behaviour_weight_mean"] - 1) < 0.01 and m["behaviour_weight_max"] < 1.1, m
+    assert m["masked_fraction"] == 0
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), trainer.params, before)
+    assert min(jax.tree.leaves(moved)) > 0

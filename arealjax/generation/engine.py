@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from arealjax.models import DecodeIndex, KVCache, Model, PagedKV, init_pages, prefill
+from arealjax.models import attention as attn
 from arealjax.models.paged import pick_attention, pool_axes, pool_shapes, write_prefill
 from arealjax.sharding import LogicalSharding
 
@@ -231,10 +232,10 @@ def _generate(graphdef: nnx.GraphDef, max_len: int, truncating: bool, steps: int
     return state, result
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def _refill(graphdef: nnx.GraphDef, attention: str, params: nnx.State, state: DecodeState, tokens, lengths,
-            writes: PageWrites):
-    _, kv = prefill(graphdef, params, tokens, lengths)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
+def _refill(graphdef: nnx.GraphDef, attention: str, prefill_attention: str, params: nnx.State, state: DecodeState,
+            tokens, lengths, writes: PageWrites):
+    _, kv = prefill(graphdef, params, tokens, lengths, prefill_attention)
     return state._replace(pages=write_prefill(state.pages, kv.k, kv.v, *writes, attention))
 
 
@@ -242,10 +243,12 @@ class Engine:
     """prefill / insert / generate / refill over S slots and a pool of KV pages, for one model definition.
 
     `num_pages` pages of `page_size` tokens are shared by all slots (default: enough for every slot at max_len);
-    `attention` picks the decode attention ('auto': the Pallas kernel on GPU, ragged pure JAX elsewhere)."""
+    `attention` picks the decode attention ('auto': the Pallas kernel on GPU, ragged pure JAX elsewhere) and
+    `prefill_attention` the prompt attention (models/attention.py; 'auto': Pallas flash on GPU/TPU, XLA on CPU)."""
 
     def __init__(self, model: Model, *, slots: int, max_len: int, page_size: int = 16, num_pages: int | None = None,
-                 attention: str = "auto", cache_dtype=None, shard: LogicalSharding | None = None):
+                 attention: str = "auto", prefill_attention: str = "auto", cache_dtype=None,
+                 shard: LogicalSharding | None = None):
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         self.cfg, self.graphdef = model.cfg, model.graphdef
@@ -256,6 +259,7 @@ class Engine:
             raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_len={max_len} "
                              f"({self.max_pages} pages of {page_size} tokens)")
         self.attention = pick_attention(attention)
+        self.prefill_attention = attn.pick(prefill_attention)
         self.cache_dtype = cache_dtype or model.dtype
         self.shard = shard
         self._replicated = None if shard is None else NamedSharding(shard.mesh, PartitionSpec())
@@ -278,7 +282,7 @@ class Engine:
 
     def prefill(self, params: nnx.State, tokens: np.ndarray, lengths: np.ndarray) -> Prefix:
         """B prompts right-padded to [B, T] (T ≤ max_len) with their true lengths."""
-        logits, kv = prefill(self.graphdef, params, tokens, lengths)
+        logits, kv = prefill(self.graphdef, params, tokens, lengths, self.prefill_attention)
         return Prefix(kv, logits, jnp.asarray(lengths))
 
     def insert(self, prefix: Prefix, state: DecodeState, rows: np.ndarray, slots: np.ndarray,
@@ -304,7 +308,7 @@ class Engine:
                writes: PageWrites) -> DecodeState:
         """Recomputes the KV of sequences [B, T] (prompt + outputs but the last) with `params` into their pages;
         their next input token and position are unchanged. This is the AReaL interrupt after a weight swap."""
-        return _refill(self.graphdef, self.attention, params, state, tokens, lengths, writes)
+        return _refill(self.graphdef, self.attention, self.prefill_attention, params, state, tokens, lengths, writes)
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:

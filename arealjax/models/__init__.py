@@ -46,11 +46,13 @@ class Model:
     def dtype(self) -> jnp.dtype:
         return jax.tree.leaves(self.params)[0].dtype
 
-    def to_mesh(self, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> Model:
-        """The same weights resharded onto `mesh` (e.g. the generator's slice), with a graphdef for that mesh."""
+    def to_mesh(self, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES, dtype=None) -> Model:
+        """The same weights resharded onto `mesh` (e.g. the generator's slice), with a graphdef for that mesh;
+        cast to `dtype` first if given (e.g. a bf16 generator of an fp32 trainer)."""
         shard = LogicalSharding(mesh, rules)
-        graphdef, abstract = _abstract(self.cfg, self.dtype, shard)
-        return Model(self.cfg, graphdef, reshard(self.params, tree_shardings(abstract, shard)))
+        dtype = self.dtype if dtype is None else dtype
+        graphdef, abstract = _abstract(self.cfg, dtype, shard)
+        return Model(self.cfg, graphdef, reshard(self.params, tree_shardings(abstract, shard), dtype))
 
 
 def _abstract(cfg: ModelConfig, dtype, shard: LogicalSharding | None) -> tuple[nnx.GraphDef, nnx.State]:

@@ -30,7 +30,8 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters write; rec
 
 
 def hf_name(path: tuple) -> str:
-    """('layers', 0, 'self_attn', 'q_proj', 'kernel') -> 'model.layers.0.self_attn.q_proj.weight'."""
+    """('layers', 0, 'self_attn', 'q_proj', 'kernel') -> 'model.layers.0.self_attn.q_proj.weight' (our stacked
+    layer params are one tensor per layer in HF files)."""
     parts = [str(p) for p in path]
     if parts == ["embed_tokens"]:
         parts.append("weight")
@@ -52,7 +53,7 @@ def to_hf_tensor(path: tuple, axes: tuple, x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(math.prod(x.shape[:n_in]), -1).T)
 
 
-def from_hf_tensor(path: tuple, axes: tuple, w: np.ndarray, shape: tuple, where: str) -> np.ndarray:
+def from_hf_tensor(path: tuple, axes: tuple, w: np.ndarray, where: str, shape: tuple) -> np.ndarray:
     """HF tensor -> our layout; `where` ("file: tensor") names it in errors."""
     n_in = _n_in(path, axes)
     if n_in is None:
@@ -120,18 +121,24 @@ def load_params(path: str | os.PathLike, abstract: nnx.State, cfg: ModelConfig, 
     handles: dict[Path, Any] = {}
     used: set[str] = set()
     out = []
+    def read(name: str) -> tuple[np.ndarray, str]:
+        if name not in wmap:
+            where = Path(path) / INDEX_FILE if (Path(path) / INDEX_FILE).is_file() else Path(path)
+            raise KeyError(f"{where}: missing tensor '{name}' needed by this {cfg.family} config")
+        f = wmap[name]
+        if f not in handles:
+            handles[f] = _open(f).__enter__()
+        used.add(name)
+        return handles[f].get_tensor(name), f"{f}: tensor '{name}'"
+
     try:
         for p, var in nnx.to_flat_state(abstract):
-            name = hf_name(p)
-            if name not in wmap:
-                where = Path(path) / INDEX_FILE if (Path(path) / INDEX_FILE).is_file() else Path(path)
-                raise KeyError(f"{where}: missing tensor '{name}' needed by this {cfg.family} config")
-            f = wmap[name]
-            if f not in handles:
-                handles[f] = _open(f).__enter__()
-            used.add(name)
-            axes = var.get_metadata()["axes"]
-            w = from_hf_tensor(p, axes, handles[f].get_tensor(name), var.shape, f"{f}: tensor '{name}'")
+            axes = tuple(var.get_metadata()["axes"])
+            if axes[0] == "layers":  # stacked: one HF tensor per layer
+                w = np.stack([from_hf_tensor(p, axes[1:], *read(hf_name(("layers", i) + p[1:])), var.shape[1:])
+                              for i in range(var.shape[0])])
+            else:
+                w = from_hf_tensor(p, axes, *read(hf_name(p)), var.shape)
             w = np.asarray(w, dtype=jnp.dtype(dtype))
             if p in flat_shardings:
                 arr = jax.make_array_from_callback(w.shape, flat_shardings[p].get_value(), lambda idx, w=w: w[idx])
@@ -163,7 +170,11 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | os.PathLike, ma
             x = multihost_utils.process_allgather(x, tiled=True)
         x = np.asarray(jax.device_get(x))
         dtype = dtype or x.dtype
-        tensors[hf_name(p)] = to_hf_tensor(p, var.get_metadata()["axes"], x)
+        axes = tuple(var.get_metadata()["axes"])
+        if axes[0] == "layers":
+            tensors.update({hf_name(("layers", i) + p[1:]): to_hf_tensor(p, axes[1:], x[i]) for i in range(len(x))})
+        else:
+            tensors[hf_name(p)] = to_hf_tensor(p, axes, x)
     if jax.process_index() != 0:
         return
     path.mkdir(parents=True, exist_ok=True)

@@ -115,16 +115,17 @@ def write_token(pool_k: Array, pool_v: Array, layer: int, k: Array, v: Array, ta
     return put(pool_k, k, k_axes), put(pool_v, v, v_axes)
 
 
-def ragged_attention(q: Array, k_pages: Array, v_pages: Array, positions: Array, index: DecodeIndex) -> Array:
-    """Attention of one query per row, q [A, H, D], over that row's pages of k_pages [P, Hkv, D, size] and
-    v_pages [P, Hkv, size, D], keys at positions ≤ positions[row]. Work ∝ pairs in the index (the pages in use),
-    not rows × longest sequence."""
+def ragged_attention(q: Array, k_pool: Array, v_pool: Array, layer: Array | int, positions: Array,
+                     index: DecodeIndex) -> Array:
+    """Attention of one query per row, q [A, H, D], over that row's pages of layer `layer` of the pools,
+    k [L, P, Hkv, D, size] and v [L, P, Hkv, size, D], keys at positions ≤ positions[row]. Work ∝ pairs in the
+    index (the pages in use), not rows × longest sequence; one gather per pool reads the pages in place."""
     a, h, d = q.shape
-    _, hkv, size, _ = v_pages.shape
+    _, num_pages, hkv, size, _ = v_pool.shape
     row = jnp.minimum(index.pair_row, a - 1)  # padding pairs read row A−1 and are masked out
     qp = q.reshape(a, hkv, h // hkv, d)[row]  # [N, Hkv, G, D]
-    kp = jnp.take(k_pages, index.pair_page, axis=0, mode="clip")  # [N, Hkv, D, size]
-    vp = jnp.take(v_pages, index.pair_page, axis=0, mode="clip")
+    page = jnp.minimum(index.pair_page, num_pages - 1)
+    kp, vp = k_pool[layer, page], v_pool[layer, page]  # [N, Hkv, D, size], [N, Hkv, size, D]
     s = jnp.einsum("nhgd,nhdt->nhgt", qp, kp, preferred_element_type=jnp.float32) / np.sqrt(d).astype(np.float32)
     valid = (index.pair_start[:, None] + jnp.arange(size)[None] <= positions[row][:, None]) & (
         index.pair_row < a)[:, None]  # [N, size]

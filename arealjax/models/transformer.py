@@ -4,10 +4,16 @@ Module and parameter names mirror Hugging Face's (`self_attn.q_proj`, `mlp.gate_
 conversion is a rename plus a reshape. Every parameter carries logical axis names in its `axes` metadata; see
 `arealjax/sharding.py` for how they map onto a mesh.
 
+The layers are one Block with every param stacked on a leading `layers` axis and applied by `jax.lax.scan`, so
+compile time does not grow with depth and rematerialisation (`remat`) is a per-layer jax.checkpoint policy; HF
+checkpoints still hold one tensor per layer (models/hf.py splits and stacks). Attention kernels are in
+models/attention.py (training, prefill) and models/paged.py (decode).
+
 Three entry points, pure functions of (params, inputs) at the bottom of the file:
   forward      packed training rows: tokens, positions, segment ids [B, T] -> fp32 logits [B, T, V]
   prefill      prompts [B, T] with true lengths -> last-token logits and KV, to be written into cache pages
   decode_step  one token for each of A sequences whose KV is in pages (models/paged.py) -> logits [A, V], pages
+The trainer calls `Transformer.hidden` and projects to the vocabulary itself, in chunks (rl/trainer.py).
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from arealjax.models import attention as attn
 from arealjax.models.config import ModelConfig
 from arealjax.models.paged import DecodeIndex, PagedKV, pallas_attention, pool_axes, ragged_attention, write_token
 from arealjax.sharding import LogicalSharding, constrain
 
 Array = jax.Array
 INIT_STD = 0.02  # HF `initializer_range` default for all three families
-CAUSAL_BLOCK = 128  # query block of the training/prefill attention
+REMAT = ("none", "full", "save_dots", "offload")
 
 
 class KVCache(NamedTuple):
@@ -97,25 +104,6 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
     return x * cos + jnp.concatenate([-x2, x1], -1) * sin
 
 
-def attend_causal(q: Array, k: Array, v: Array, mask: Array, block: int = CAUSAL_BLOCK) -> Array:
-    """Grouped-query self-attention, q [B,T,H,D], k/v [B,T,Hkv,D], under a causal `mask` [B,T,T] (True = may
-    attend; query head j*G+g reads kv head j, as HF's repeat_kv). Each block of queries reads only the keys up to
-    its last position, in a heads-major layout: on CPU 2-3x faster than one block for T ≥ 256 (a block's scores
-    stay in cache and the masked upper triangle is skipped)."""
-    b, t, h, d = q.shape
-    hkv, g = k.shape[2], h // k.shape[2]
-    qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
-    outs = []
-    for i in range(0, t, block):
-        j = min(i + block, t)
-        s = jnp.einsum("bhgqd,bhkd->bhgqk", qh[:, :, :, i:j], kh[:, :, :j], preferred_element_type=jnp.float32)
-        s = jnp.where(mask[:, None, None, i:j, :j], s / np.sqrt(d).astype(np.float32), jnp.finfo(jnp.float32).min)
-        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bhgqk,bhkd->bhgqd", p, vh[:, :, :j]))
-    return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -157,15 +145,29 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
 
+def remat_policy(name: str):
+    """jax.checkpoint policy of a scanned layer: none (keep every activation), full (keep only the layer input),
+    save_dots (keep matmul outputs, recompute the rest), offload (matmul outputs to host memory; GPU/TPU)."""
+    if name not in REMAT:
+        raise ValueError(f"remat '{name}' is unknown; expected one of {REMAT}")
+    cp = jax.checkpoint_policies
+    return {"full": cp.nothing_saveable, "save_dots": cp.dots_with_no_batch_dims_saveable,
+            "offload": cp.offload_dot_with_no_batch_dims("device", "pinned_host")}.get(name)
+
+
 class Transformer(nnx.Module):
-    """The model definition. `shard` (static) places activations on a mesh; None runs unconstrained."""
+    """The model definition. `shard` (static) places activations on a mesh; None runs unconstrained.
+
+    The layers are one `Block` whose params are stacked on a leading `layers` axis, applied by `jax.lax.scan`:
+    compile time does not grow with depth, and remat applies per layer. `scan=False` unrolls the same params in
+    Python (the reference the scan is tested against)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, shard: LogicalSharding | None = None):
         self.cfg = cfg
         self.shard = shard
         emb = INIT_STD * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32)
         self.embed_tokens = nnx.Param(emb.astype(dtype), axes=("vocab", "embed"))
-        self.layers = nnx.List([Block(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = _stacked_blocks(cfg, dtype, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             (cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",), use_bias=False, dtype=dtype, rngs=rngs)
@@ -173,64 +175,111 @@ class Transformer(nnx.Module):
     def _act(self, x: Array) -> Array:
         return constrain(x, self.shard, ("batch", "length", "embed"))
 
+    def head(self) -> tuple[Array, str]:
+        """The output projection and its einsum against hidden states [N, D]: tied embeddings or lm_head."""
+        if self.lm_head is None:
+            return self.embed_tokens[...], "nd,vd->nv"
+        return self.lm_head.kernel[...], "nd,dv->nv"
+
     def _logits(self, x: Array) -> Array:
         b, t, d = x.shape
-        x = self.norm(x).reshape(b * t, d)  # 2-D matmul: see Linear
-        if self.lm_head is None:
-            logits = jnp.einsum("nd,vd->nv", x, self.embed_tokens[...], preferred_element_type=jnp.float32)
-        else:
-            logits = jnp.einsum("nd,dv->nv", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        w, eq = self.head()
+        logits = jnp.einsum(eq, x.reshape(b * t, d), w, preferred_element_type=jnp.float32)
         return constrain(logits.reshape(b, t, -1), self.shard, ("batch", "length", "vocab"))
+
+    def _layers(self, body, carry, xs=None, *, scan: bool = True, remat: str = "none"):
+        """Applies body(block, carry, x) -> (carry, y) over the layers: lax.scan over the stacked params (with the
+        remat policy), or a Python loop over their slices when `scan` is False. ys come back stacked."""
+        graphdef, params = nnx.split(self.layers)
+        xs = jnp.arange(self.cfg.num_layers) if xs is None else xs
+
+        def step(carry, px):
+            return body(nnx.merge(graphdef, px[0]), carry, px[1])
+
+        if remat != "none":
+            step = jax.checkpoint(step, policy=remat_policy(remat), prevent_cse=not scan)
+        if scan:
+            return jax.lax.scan(step, carry, (params, xs))
+        ys = []
+        for i in range(self.cfg.num_layers):
+            carry, y = step(carry, jax.tree.map(lambda a, i=i: a[i], (params, xs)))
+            ys.append(y)
+        return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
     def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         return self.forward(tokens, positions, segment_ids)[0]
 
-    def forward(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None,
-                logits_at: Array | None = None):
-        """Logits [B,T,V] and per-layer KV [L,B,T,Hkv,D] over rows of one or more packed sequences.
-
-        A token attends to earlier tokens of its own segment only; segment id 0 marks padding. With `logits_at`
-        [B], logits only at that index of each row ([B,1,V]): prefill needs no vocab projection over the prompt.
-        """
+    def hidden(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None, *,
+               attention: str = "xla", scan: bool = True, remat: str = "none") -> tuple[Array, KVCache]:
+        """Final hidden states [B,T,D] (after the final norm) and per-layer KV [L,B,T,Hkv,D] over rows of one or
+        more packed sequences. A token attends to earlier tokens of its own segment only; segment id 0 marks
+        padding. `attention` picks the kernel (models/attention.py)."""
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
-        idx = jnp.arange(t)
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[:, None] >= idx[None, :])[None]
         inv_freq = rope_inv_freq(self.cfg)
+        kind = attn.pick(attention)
+
+        def layer(block, x, _):
+            q, k, v = block.self_attn.qkv(block.input_layernorm(x), positions, inv_freq, self.shard)
+            x = self._act(x + block.self_attn.o_proj(attn.attend(q, k, v, segment_ids, kind)))
+            x = self._act(x + block.mlp(block.post_attention_layernorm(x)))
+            return x, (k, v)
+
         x = self._act(jnp.take(self.embed_tokens[...], tokens, axis=0))
-        ks, vs = [], []
-        for layer in self.layers:
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq, self.shard)
-            x = self._act(x + layer.self_attn.o_proj(attend_causal(q, k, v, mask)))
-            x = self._act(x + layer.mlp(layer.post_attention_layernorm(x)))
-            ks.append(k)
-            vs.append(v)
+        x, (ks, vs) = self._layers(layer, x, scan=scan, remat=remat)
+        return self.norm(x), KVCache(ks, vs)
+
+    def forward(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None,
+                logits_at: Array | None = None, **kw) -> tuple[Array, KVCache]:
+        """Logits [B,T,V] fp32 and per-layer KV (see `hidden`, which takes the keyword options). With `logits_at`
+        [B], logits only at that index of each row ([B,1,V]): prefill needs no vocab projection over the prompt."""
+        x, kv = self.hidden(tokens, positions, segment_ids, **kw)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-        return self._logits(x), KVCache(jnp.stack(ks), jnp.stack(vs))
+        return self._logits(x), kv
 
     def decode(self, pages: PagedKV, tokens: Array, positions: Array, index: DecodeIndex,
                attention: str = "ragged") -> tuple[Array, PagedKV]:
         """One token for each of A rows: tokens [A] sit at positions [A] of their sequences, whose KV is in the
-        pages `index` names. Writes each row's new KV into its page, then attends over the row's pages only."""
+        pages `index` names. Writes each row's new KV into its page, then attends over the row's pages only.
+        The ragged kind scans the layers with the whole pool in the carry (written in place, read by gather);
+        the Pallas kernel takes one layer's pool as an operand, so its layers are unrolled."""
         inv_freq = rope_inv_freq(self.cfg)
-        x = self._act(jnp.take(self.embed_tokens[...], tokens[:, None], axis=0))
-        pk, pv = pages
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions[:, None], inv_freq, self.shard)
+        k_axes, v_axes = pool_axes(attention)
+
+        def layer(block, carry, i):
+            x, pk, pv = carry
+            q, k, v = block.self_attn.qkv(block.input_layernorm(x), positions[:, None], inv_freq, self.shard)
             pk, pv = write_token(pk, pv, i, k[:, 0], v[:, 0], index.table, positions, attention)
             if attention == "pallas":
                 o = pallas_attention(q[:, 0], pk[i], pv[i], positions, index)
             else:
-                o = ragged_attention(q[:, 0], pk[i], pv[i], positions, index)
-            x = self._act(x + layer.self_attn.o_proj(o[:, None]))
-            x = self._act(x + layer.mlp(layer.post_attention_layernorm(x)))
-        k_axes, v_axes = pool_axes(attention)
-        pages = PagedKV(constrain(pk, self.shard, k_axes), constrain(pv, self.shard, v_axes))
-        return self._logits(x)[:, 0], pages
+                o = ragged_attention(q[:, 0], pk, pv, i, positions, index)
+            x = self._act(x + block.self_attn.o_proj(o[:, None]))
+            x = self._act(x + block.mlp(block.post_attention_layernorm(x)))
+            return (x, constrain(pk, self.shard, k_axes), constrain(pv, self.shard, v_axes)), None
+
+        x = self._act(jnp.take(self.embed_tokens[...], tokens[:, None], axis=0))
+        (x, pk, pv), _ = self._layers(layer, (x, *pages), scan=attention != "pallas")
+        return self._logits(self.norm(x))[:, 0], PagedKV(pk, pv)
+
+
+def _stacked_blocks(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> Block:
+    """num_layers Blocks as one, every param stacked on a leading axis named `layers`."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Block(cfg, dtype, rngs)
+
+    blocks = make(rngs)
+    for _, node in nnx.iter_graph(blocks):
+        if isinstance(node, nnx.Param):
+            node.set_metadata("axes", ("layers",) + tuple(node.get_metadata()["axes"]))
+    return blocks
 
 
 # ---- pure entry points: (graphdef, params, inputs) -> outputs, jitted; graphdef is static ----
@@ -239,12 +288,13 @@ class Transformer(nnx.Module):
 @functools.partial(jax.jit, static_argnums=0)
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, positions: Array | None = None,
             segment_ids: Array | None = None) -> Array:
-    """Training forward over packed rows: fp32 logits [B, T, V]."""
+    """Forward over packed rows: fp32 logits [B, T, V]."""
     return nnx.merge(graphdef, params).forward(tokens, positions, segment_ids)[0]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def prefill(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, lengths: Array) -> tuple[Array, KVCache]:
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def prefill(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, lengths: Array,
+            attention: str = "xla") -> tuple[Array, KVCache]:
     """Prompts [B, T] right-padded to a bucket, `lengths` [B] real tokens each: the logits at each prompt's last
     token [B, V] (they give the first new token) and the KV [L, B, T, Hkv, D].
 
@@ -252,7 +302,8 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, lengths: A
     """
     t = tokens.shape[1]
     segment_ids = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.int32)
-    logits, kv = nnx.merge(graphdef, params).forward(tokens, None, segment_ids, logits_at=lengths - 1)
+    logits, kv = nnx.merge(graphdef, params).forward(tokens, None, segment_ids, logits_at=lengths - 1,
+                                                      attention=attention)
     return logits[:, 0], kv
 
 

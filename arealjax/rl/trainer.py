@@ -11,6 +11,10 @@ micro-batch shape [R, T] is fixed by config:
   apply     global-norm clip + AdamW; if the loss or a gradient is not finite, params and state are kept
 Dividing every micro-batch's loss by the minibatch's global trained-token count makes the accumulated gradient
 that of the whole minibatch, however it is split into micro-batches or over devices.
+
+Memory knobs (TrainerConfig; none moves the numbers beyond float tolerance): the attention kernel, per-layer
+remat, logits computed `logits_chunk` tokens of a row at a time (never tokens × vocab at once), and bf16 compute
+on fp32 master params. benchmarks/memory.py measures what each buys on real model shapes.
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from arealjax.models import Model
+from arealjax.models import attention as attn
+from arealjax.models.transformer import remat_policy
 from arealjax.rl.losses import PPOConfig, ppo_loss
 from arealjax.rl.packing import PackedBatch, pack, split_minibatches
 from arealjax.rl.trajectory import Trajectory
-from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, tree_shardings
+from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, constrain, tree_shardings
 
 LOSSES = ("ppo", "sft")
+COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: compute in the params' dtype
 SCHEDULES = ("constant", "cosine")
 
 
@@ -86,10 +93,23 @@ class TrainerConfig:
     micro_rows: int = 8  # R: rows per micro-batch (a multiple of the data-parallel size)
     ppo_n_minibatches: int = 1  # optimizer steps per RL step
     packing: bool = True  # False: one trajectory per row (the naive baseline)
+    # Memory / speed knobs; none changes the numbers beyond float tolerance.
+    attention: str = "auto"  # training attention kernel (models/attention.py)
+    remat: str = "none"  # per-layer rematerialisation: none | full | save_dots | offload (models/transformer.py)
+    scan_layers: bool = True  # False unrolls the layers (compile time grows with depth)
+    logits_chunk: int = 1024  # tokens per row whose logits exist at once (0: the whole row)
+    compute_dtype: str = "float32"  # "bfloat16": bf16 matmuls on fp32 master params; softmax/logprobs stay fp32
 
     def __post_init__(self):
         if self.loss not in LOSSES:
             raise ValueError(f"TrainerConfig.loss = '{self.loss}'; expected one of {LOSSES}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"TrainerConfig.compute_dtype = '{self.compute_dtype}'; expected one of "
+                             f"{sorted(COMPUTE_DTYPES)}")
+        if self.logits_chunk < 0:
+            raise ValueError(f"TrainerConfig.logits_chunk = {self.logits_chunk}; expected ≥ 0 (0: no chunking)")
+        attn.pick(self.attention)
+        remat_policy(self.remat)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -101,8 +121,127 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: jax.Array
     return logp, entropy
 
 
-def _forward(graphdef: nnx.GraphDef, params: nnx.State, mb: dict[str, jax.Array]) -> jax.Array:
-    return nnx.merge(graphdef, params).forward(mb["tokens"], mb["positions"], mb["segment_ids"])[0]
+def chunked_logprobs(hidden: jax.Array, head: tuple[jax.Array, str], targets: jax.Array, temperature: jax.Array,
+                     chunk: int, shard: LogicalSharding | None = None) -> tuple[jax.Array, jax.Array]:
+    """`token_logprobs` of the logits hidden [B,T,D] · head, `chunk` tokens of each row at a time: a scan whose
+    body is rematerialised, so neither the forward nor the backward pass holds more than B × chunk × V logits
+    (Qwen's 151,936-token vocabulary makes one 8k-token row's fp32 logits ~5 GB). Same values and gradients."""
+    b, t, d = hidden.shape
+    w, eq = head
+    if chunk <= 0 or chunk >= t:  # one chunk: nothing to save, and no recomputation of the logits
+        logits = jnp.einsum(eq, hidden.reshape(b * t, d), w, preferred_element_type=jnp.float32).reshape(b, t, -1)
+        return token_logprobs(constrain(logits, shard, ("batch", "length", "vocab")), targets, temperature)
+    c = chunk
+    pad = -t % c
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        temperature = jnp.pad(temperature, ((0, 0), (0, pad)), constant_values=1.0)
+    split = lambda x: jnp.moveaxis(x.reshape(b, -1, c, *x.shape[2:]), 1, 0)  # noqa: E731 — [n, B, c, ...]
+
+    @jax.checkpoint
+    def body(_, xs):
+        x, tgt, temp = xs
+        logits = jnp.einsum(eq, x.reshape(b * c, d), w, preferred_element_type=jnp.float32).reshape(b, c, -1)
+        return None, token_logprobs(constrain(logits, shard, ("batch", "length", "vocab")), tgt, temp)
+
+    _, out = jax.lax.scan(body, None, (split(hidden), split(targets), split(temperature)))
+    return tuple(jnp.moveaxis(x, 0, 1).reshape(b, t + pad)[:, :t] for x in out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """The trainer's jitted device functions, with explicit shardings on a mesh: what `Trainer` runs, and what
+    benchmarks/memory.py lowers with abstract shapes to read a real model's memory without allocating it."""
+
+    copy: Any  # params -> an owned copy
+    init: Any  # params -> optimizer state
+    zeros: Any  # params -> an fp32 gradient accumulator
+    logprobs: Any  # (params, micro-batch) -> per-token logprobs [R, T]
+    grad: Any  # (params, acc, micro-batch, prox, ref, n_tokens) -> (acc + grad, metrics)
+    apply: Any  # (params, opt_state, grads, loss) -> (params, opt_state, grad_norm, ok)
+    p_sh: Any
+    o_sh: Any
+    b_sh: Any
+
+
+def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx: optax.GradientTransformation,
+               mesh: jax.sharding.Mesh | None = None, rules: Rules = DEFAULT_RULES) -> Steps:
+    """The jitted step functions for a model definition; `params` may be abstract (shapes and axes only)."""
+    if mesh is None:
+        p_sh = o_sh = b_sh = r_sh = None
+    else:
+        shard = LogicalSharding(mesh, tuple(rules))
+        p_sh = tree_shardings(params, shard)
+        o_sh = _opt_shardings(tx, params, p_sh, mesh)
+        b_sh = shard.named(("batch", "length"), (cfg.micro_rows, cfg.max_tokens))
+        r_sh = NamedSharding(mesh, PartitionSpec())
+    # Explicit in/out shardings on a mesh (gradient accumulators are fp32 and laid out like the params).
+    def jit(f, in_shardings, out_shardings, **kw):
+        if mesh is None:
+            return jax.jit(f, **kw)
+        return jax.jit(f, in_shardings=in_shardings, out_shardings=out_shardings, **kw)
+
+    dtype = COMPUTE_DTYPES[cfg.compute_dtype]
+    act_shard = None if mesh is None else LogicalSharding(mesh, tuple(rules))
+
+    def forward(params, mb):  # per-token logprob of the targets and entropy, [R, T] fp32
+        if dtype is not None:  # bf16 compute: the cast is differentiated, so gradients reach the fp32 params
+            params = jax.tree.map(lambda p: p.astype(dtype), params)
+        model = nnx.merge(graphdef, params)
+        hidden, _ = model.hidden(mb["tokens"], mb["positions"], mb["segment_ids"], attention=cfg.attention,
+                                 scan=cfg.scan_layers, remat=cfg.remat)
+        return chunked_logprobs(hidden, model.head(), mb["targets"], mb["temperature"], cfg.logits_chunk,
+                                act_shard)
+
+    def logprobs(params, mb):
+        return forward(params, mb)[0]
+
+    def loss(params, mb, prox, ref, n_tokens):
+        logp, entropy = forward(params, mb)
+        mask = mb["loss_mask"]
+        if cfg.loss == "sft":
+            nll = jnp.where(mask, -logp, 0.0)
+            value = jnp.sum(nll) / n_tokens
+            metrics = {"tokens": jnp.sum(mask.astype(jnp.float32)), "nll_sum": jnp.sum(nll)}
+        else:
+            prox = jax.lax.stop_gradient(logp) if prox is None else prox  # one minibatch: π_prox = π_θ now
+            value, metrics = ppo_loss(logp, prox, mb["behav_logp"], mb["advantages"], mask, cfg.ppo, n_tokens,
+                                      seq_ids=mb["segment_ids"], ref_logp=ref)
+        metrics["entropy_sum"] = jnp.sum(jnp.where(mask, jax.lax.stop_gradient(entropy), 0.0))
+        metrics["loss"] = value
+        return value, metrics
+
+    def grad(params, acc, mb, prox, ref, n_tokens):
+        g, metrics = jax.grad(loss, has_aux=True)(params, mb, prox, ref, n_tokens)
+        return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), metrics
+
+    def apply(params, opt_state, grads, loss_value):
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss_value)
+        grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, params)
+        updates, new_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        return keep(new_params, params), keep(new_state, opt_state), grad_norm, ok
+
+    return Steps(
+        copy=jit(lambda p: jax.tree.map(jnp.copy, p), (p_sh,), p_sh), init=jit(tx.init, (p_sh,), o_sh),
+        zeros=jit(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), (p_sh,), p_sh),
+        logprobs=jit(logprobs, (p_sh, b_sh), b_sh),
+        grad=jit(grad, (p_sh, p_sh, b_sh, b_sh, b_sh, r_sh), (p_sh, r_sh), donate_argnums=1),
+        apply=jit(apply, (p_sh, o_sh, p_sh, r_sh), (p_sh, o_sh, r_sh, r_sh), donate_argnums=(0, 1)),
+        p_sh=p_sh, o_sh=o_sh, b_sh=b_sh)
+
+
+def _opt_shardings(tx: optax.GradientTransformation, params: nnx.State, p_sh: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Optimizer-state shardings: subtrees shaped like the params (moments) follow the params; the rest
+    (step counts) is replicated."""
+    abstract = jax.eval_shape(tx.init, params)
+    structure = jax.tree.structure(params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    is_params = lambda x: jax.tree.structure(x) == structure  # noqa: E731
+    return jax.tree.map(lambda x: p_sh if is_params(x) else replicated, abstract, is_leaf=is_params)
 
 
 class Trainer:
@@ -116,77 +255,17 @@ class Trainer:
         self.version = version
         self.skipped_steps = 0
         self.tx = make_optimizer(cfg.optim)
+        steps = make_steps(model.graphdef, model.params, cfg, self.tx, mesh, rules)
         if cfg.loss == "ppo" and cfg.ppo.kl_coef and ref_params is None:
             ref_params = model.params  # the initial policy is the reference
-        self.ref_params = ref_params
-        if mesh is None:
-            p_sh = o_sh = b_sh = r_sh = None
-        else:
-            shard = LogicalSharding(mesh, tuple(rules))
-            p_sh = tree_shardings(model.params, shard)
-            o_sh = self._opt_shardings(model.params, p_sh, mesh)
-            b_sh = shard.named(("batch", "length"), (cfg.micro_rows, cfg.max_tokens))
-            r_sh = NamedSharding(mesh, PartitionSpec())
-            if self.ref_params is not None:
-                self.ref_params = jax.device_put(self.ref_params, p_sh)
-        # Explicit in/out shardings on a mesh (gradient accumulators are fp32 and laid out like the params).
-        def jit(f, in_shardings, out_shardings, **kw):
-            if mesh is None:
-                return jax.jit(f, **kw)
-            return jax.jit(f, in_shardings=in_shardings, out_shardings=out_shardings, **kw)
-
+        self.ref_params = ref_params if mesh is None or ref_params is None else jax.device_put(ref_params, steps.p_sh)
         # The step donates params: own a copy so the caller's model (and a colocated generator) stay valid.
-        self.params = jit(lambda p: jax.tree.map(jnp.copy, p), (p_sh,), p_sh)(model.params)
-        self.opt_state = jit(self.tx.init, (p_sh,), o_sh)(self.params)
-        self._b_sh = b_sh
-        graphdef = self.graphdef
-
-        def logprobs(params, mb):
-            return token_logprobs(_forward(graphdef, params, mb), mb["targets"], mb["temperature"])[0]
-
-        def loss(params, mb, prox, ref, n_tokens):
-            logp, entropy = token_logprobs(_forward(graphdef, params, mb), mb["targets"], mb["temperature"])
-            mask = mb["loss_mask"]
-            if cfg.loss == "sft":
-                nll = jnp.where(mask, -logp, 0.0)
-                value = jnp.sum(nll) / n_tokens
-                metrics = {"tokens": jnp.sum(mask.astype(jnp.float32)), "nll_sum": jnp.sum(nll)}
-            else:
-                prox = jax.lax.stop_gradient(logp) if prox is None else prox  # one minibatch: π_prox = π_θ now
-                value, metrics = ppo_loss(logp, prox, mb["behav_logp"], mb["advantages"], mask, cfg.ppo, n_tokens,
-                                          seq_ids=mb["segment_ids"], ref_logp=ref)
-            metrics["entropy_sum"] = jnp.sum(jnp.where(mask, jax.lax.stop_gradient(entropy), 0.0))
-            metrics["loss"] = value
-            return value, metrics
-
-        def grad(params, acc, mb, prox, ref, n_tokens):
-            g, metrics = jax.grad(loss, has_aux=True)(params, mb, prox, ref, n_tokens)
-            return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), metrics
-
-        def apply(params, opt_state, grads, loss_value):
-            grad_norm = optax.global_norm(grads)
-            ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss_value)
-            grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, params)
-            updates, new_state = self.tx.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-            return keep(new_params, params), keep(new_state, opt_state), grad_norm, ok
-
-        self._zeros = jit(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), (p_sh,), p_sh)
-        self._logprobs = jit(logprobs, (p_sh, b_sh), b_sh)
-        self._grad = jit(grad, (p_sh, p_sh, b_sh, b_sh, b_sh, r_sh), (p_sh, r_sh), donate_argnums=1)
-        self._apply = jit(apply, (p_sh, o_sh, p_sh, r_sh), (p_sh, o_sh, r_sh, r_sh), donate_argnums=(0, 1))
+        self.params = steps.copy(model.params)
+        self.opt_state = steps.init(self.params)
+        self._b_sh = steps.b_sh
+        self._zeros, self._logprobs, self._grad, self._apply = steps.zeros, steps.logprobs, steps.grad, steps.apply
         self._schedule = make_schedule(cfg.optim)
         self.optimizer_steps = 0
-
-    def _opt_shardings(self, params: nnx.State, p_sh: Any, mesh: jax.sharding.Mesh) -> Any:
-        """Optimizer-state shardings: subtrees shaped like the params (moments) follow the params; the rest
-        (step counts) is replicated."""
-        abstract = jax.eval_shape(self.tx.init, params)
-        structure = jax.tree.structure(params)
-        replicated = NamedSharding(mesh, PartitionSpec())
-        is_params = lambda x: jax.tree.structure(x) == structure  # noqa: E731
-        return jax.tree.map(lambda x: p_sh if is_params(x) else replicated, abstract, is_leaf=is_params)
 
     @property
     def model(self) -> Model:

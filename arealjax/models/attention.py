@@ -1,0 +1,240 @@
+"""Causal self-attention over packed rows (training forward and prefill): one interface, a kernel per backend.
+
+All kinds take q [B, T, H, D], k / v [B, T, Hkv, D] (grouped-query: query head j·G+g reads kv head j, as HF's
+repeat_kv) and segment ids [B, T]; a token attends to tokens at or before its index with the same segment id
+(0 marks padding). They agree to float tolerance (tests/test_models.py).
+
+  xla     block-causal einsums (each block of queries reads the keys up to its end, heads-major): fastest on CPU.
+          The scores of a layer live in full ([B, H, T, T/2] on average), so memory grows with T².
+  flash   FlashAttention in pure JAX: online softmax over key blocks under lax.scan, fully masked blocks skipped,
+          and a custom VJP that recomputes the scores block by block from the saved log-sum-exp. Memory
+          O(T · block), compile time independent of T, any backend: what makes 32k-token rows fit.
+  pallas  the Pallas flash-attention kernels with segment ids: Triton on GPU (`ops.gpu.attention.mha`), Mosaic on
+          TPU (`ops.tpu.flash_attention`); interpret mode on CPU (tests only: slow).
+  auto    pallas on GPU and TPU, xla on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+KINDS = ("auto", "xla", "flash", "pallas")
+XLA_BLOCK = 128  # query block of the xla kind
+FLASH_BLOCK = 512  # query and key block of the flash kind
+
+
+def pick(kind: str) -> str:
+    """Resolves 'auto' by backend; validates the name."""
+    if kind not in KINDS:
+        raise ValueError(f"attention '{kind}' is unknown; expected one of {KINDS}")
+    if kind == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    return kind
+
+
+def attend(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "xla") -> Array:
+    """Causal attention within segments, [B, T, H, D] out, by `kind` (see the module docstring)."""
+    kind = pick(kind)
+    if kind == "xla":
+        return attend_xla(q, k, v, segment_ids)
+    if kind == "flash":
+        return attend_flash(q, k, v, segment_ids)
+    return attend_pallas(q, k, v, segment_ids)
+
+
+def _mask(segment_ids: Array, q_start, k_start, q_len: int, k_len: int) -> Array:
+    """[B, q_len, k_len]: same segment and key index ≤ query index, for blocks starting at q_start / k_start."""
+    qi = q_start + jnp.arange(q_len)
+    ki = k_start + jnp.arange(k_len)
+    q_seg = jax.lax.dynamic_slice_in_dim(segment_ids, q_start, q_len, axis=1)
+    k_seg = jax.lax.dynamic_slice_in_dim(segment_ids, k_start, k_len, axis=1)
+    return (q_seg[:, :, None] == k_seg[:, None, :]) & (qi[:, None] >= ki[None, :])[None]
+
+
+def attend_xla(q: Array, k: Array, v: Array, segment_ids: Array, block: int = XLA_BLOCK) -> Array:
+    """Query blocks read only the keys up to their last index, heads-major: on CPU 2-3× faster than one block for
+    T ≥ 256 (a block's scores stay in cache and the masked upper triangle is skipped)."""
+    b, t, h, d = q.shape
+    hkv, g = k.shape[2], h // k.shape[2]
+    qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    outs = []
+    for i in range(0, t, block):
+        j = min(i + block, t)
+        s = jnp.einsum("bhgqd,bhkd->bhgqk", qh[:, :, :, i:j], kh[:, :, :j], preferred_element_type=jnp.float32)
+        mask = _mask(segment_ids, i, 0, j - i, j)
+        s = jnp.where(mask[:, None, None], s / np.sqrt(d).astype(np.float32), jnp.finfo(jnp.float32).min)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        outs.append(jnp.einsum("bhgqk,bhkd->bhgqd", p, vh[:, :, :j]))
+    return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def attend_flash(q: Array, k: Array, v: Array, segment_ids: Array, block: int = FLASH_BLOCK) -> Array:
+    b, t, h, d = q.shape
+    hkv, g = k.shape[2], h // k.shape[2]
+    bs = min(block, t)
+    pad = -t % bs
+    if pad:  # padded tokens get their own segment (-1): they attend only to each other and are cut off below
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
+    qh = q.reshape(b, t + pad, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    o = _flash(qh, kh, vh, segment_ids, bs)
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, t + pad, h, d)[:, :t]
+
+
+def _blocks(x: Array, axis: int, bs: int) -> Array:
+    """Splits `axis` into [n, bs] and moves n to the front (the scanned axis)."""
+    shape = x.shape[:axis] + (x.shape[axis] // bs, bs) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unblocks(x: Array, axis: int) -> Array:
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _scores(qi, kj, seg, i, j, bs):
+    """Scaled scores of query block i and key block j [B, Hkv, G, bs, bs] fp32, and their mask."""
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32)
+    s = s / np.sqrt(qi.shape[-1]).astype(np.float32)
+    return s, _mask(seg, i * bs, j * bs, bs, bs)[:, None, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q: Array, k: Array, v: Array, seg: Array, bs: int) -> Array:
+    return _flash_fwd(q, k, v, seg, bs)[0]
+
+
+def _flash_fwd(q, k, v, seg, bs):
+    n = q.shape[3] // bs
+    qb, kb, vb = _blocks(q, 3, bs), _blocks(k, 2, bs), _blocks(v, 2, bs)
+
+    def q_block(_, xs):
+        i, qi = xs
+
+        def k_block(carry, xs):
+            j, kj, vj = xs
+
+            def update(carry):
+                m, den, acc = carry
+                s, mask = _scores(qi, kj, seg, i, j, bs)
+                s = jnp.where(mask, s, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet in this block
+                p = jnp.exp(s - m_safe[..., None])
+                corr = jnp.exp(m - m_safe)
+                acc = acc * corr[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vj.dtype), vj,
+                                                         preferred_element_type=jnp.float32)
+                return m_new, den * corr + jnp.sum(p, axis=-1), acc
+
+            return jax.lax.cond(j <= i, update, lambda c: c, carry), None  # blocks above the diagonal: skipped
+
+        stats = qi.shape[:-1]
+        init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
+                jnp.zeros(qi.shape, jnp.float32))
+        (m, den, acc), _ = jax.lax.scan(k_block, init, (jnp.arange(n), kb, vb))
+        return None, ((acc / den[..., None]).astype(q.dtype), m + jnp.log(den))  # each row sees itself: den > 0
+
+    _, (o, lse) = jax.lax.scan(q_block, None, (jnp.arange(n), qb))
+    o, lse = _unblocks(o, 3), _unblocks(lse, 3)
+    return o, (q, k, v, seg, o, lse)
+
+
+def _flash_bwd(bs, res, do):
+    q, k, v, seg, o, lse = res
+    n = q.shape[3] // bs
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, Hkv, G, T]
+    qb, kb, vb, dob = _blocks(q, 3, bs), _blocks(k, 2, bs), _blocks(v, 2, bs), _blocks(do, 3, bs)
+    lseb, deltab = _blocks(lse, 3, bs), _blocks(delta, 3, bs)
+    scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)
+
+    def probs(qi, kj, vj, doi, lse_i, delta_i, i, j):
+        s, mask = _scores(qi, kj, seg, i, j, bs)
+        p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
+        dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
+        return p, p * (dp - delta_i[..., None])
+
+    def dq_block(_, xs):  # dq_i = Σ_j≤i ds_ij k_j
+        i, qi, doi, lse_i, delta_i = xs
+
+        def k_block(dq, xs):
+            j, kj, vj = xs
+
+            def update(dq):
+                _, ds = probs(qi, kj, vj, doi, lse_i, delta_i, i, j)
+                return dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(kj.dtype), kj,
+                                       preferred_element_type=jnp.float32) * scale
+
+            return jax.lax.cond(j <= i, update, lambda x: x, dq), None
+
+        dq, _ = jax.lax.scan(k_block, jnp.zeros(qi.shape, jnp.float32), (jnp.arange(n), kb, vb))
+        return None, dq.astype(q.dtype)
+
+    def dkv_block(_, xs):  # dk_j = Σ_i≥j ds_ijᵀ q_i, dv_j = Σ_i≥j p_ijᵀ do_i (summed over the G query heads)
+        j, kj, vj = xs
+
+        def q_block(carry, xs):
+            i, qi, doi, lse_i, delta_i = xs
+
+            def update(carry):
+                dk, dv = carry
+                p, ds = probs(qi, kj, vj, doi, lse_i, delta_i, i, j)
+                dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
+                dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(qi.dtype), qi,
+                                     preferred_element_type=jnp.float32) * scale
+                return dk, dv
+
+            return jax.lax.cond(i >= j, update, lambda c: c, carry), None
+
+        zeros = jnp.zeros(kj.shape, jnp.float32)
+        (dk, dv), _ = jax.lax.scan(q_block, (zeros, zeros), (jnp.arange(n), qb, dob, lseb, deltab))
+        return None, (dk.astype(k.dtype), dv.astype(v.dtype))
+
+    _, dq = jax.lax.scan(dq_block, None, (jnp.arange(n), qb, dob, lseb, deltab))
+    _, (dk, dv) = jax.lax.scan(dkv_block, None, (jnp.arange(n), kb, vb))
+    return _unblocks(dq, 3), _unblocks(dk, 2), _unblocks(dv, 2), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def attend_pallas(q: Array, k: Array, v: Array, segment_ids: Array, platform: str | None = None) -> Array:
+    """The Pallas flash kernels for `platform` (default: this backend; 'tpu' or else the GPU kernel). Off their
+    hardware the GPU kernel runs in interpret mode; the TPU kernel needs `pltpu.force_tpu_interpret_mode()` around
+    the whole traced computation (tests). kv heads are repeated to the query heads (the kernels want equal head
+    counts) and T is padded to the kernels' block multiple with a segment of its own."""
+    platform = platform or jax.default_backend()
+    b, t, h, d = q.shape
+    g = h // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    block = 128 if platform == "tpu" else 64
+    pad = -t % block if t > block or platform == "tpu" else 0
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
+    scale = float(1.0 / np.sqrt(d))
+    if platform == "tpu":
+        from jax.experimental.pallas.ops.tpu import flash_attention as tpu
+
+        heads_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+        sizes = dict(block_q=block, block_k_major=block, block_k=block, block_b=1, block_q_major_dkv=block,
+                     block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block, block_k_major_dq=block,
+                     block_k_dq=block, block_q_dq=block)
+
+        out = tpu.flash_attention(heads_major(q), heads_major(k), heads_major(v), causal=True, sm_scale=scale,
+                                  segment_ids=tpu.SegmentIds(segment_ids, segment_ids),
+                                  block_sizes=tpu.BlockSizes(**sizes))
+        return heads_major(out)[:, :t]
+    from jax.experimental.pallas.ops.gpu import attention as gpu
+
+    bq, bk = min(block, t + pad), min(32, t + pad)
+    blocks = gpu.BlockSizes(block_q=bq, block_k=bq, block_q_dkv=bk, block_kv_dkv=bk, block_q_dq=bk, block_kv_dq=bk)
+    out = gpu.mha(q, k, v, segment_ids, sm_scale=scale, causal=True, block_sizes=blocks,
+                  interpret=jax.default_backend() != "gpu")
+    return out[:, :t]

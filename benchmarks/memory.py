@@ -1,0 +1,188 @@
+"""What fits: per-device memory of a real model's train step and generator, measured by the XLA compiler on fake
+CPU devices (abstract shapes: nothing is allocated), before and after each memory item of the trainer.
+
+  python benchmarks/memory.py            # Qwen3-1.7B at 8k/16k/32k tokens per row, Qwen3-8B at 8k/32k
+  python benchmarks/memory.py --quick    # Qwen3-1.7B at 8k only, and compile times at fewer depths
+  --part memory | compile                # one of the two tables (the compile times are timings: run them alone)
+
+Every item in turn on FSDP 8, all of them on FSDP 4 × TP 2. Train step: one micro-batch of one row of T tokens
+per data-parallel rank (the smallest a step can be), AdamW.
+Peak per device = the larger of the gradient program (params, fp32 accumulator, micro-batch, activations) and the
+optimizer program (params, moments, gradients), each as XLA reports it (arguments + outputs − aliased + temporaries),
+plus the optimizer moments that stay resident during the gradient program. Items, cumulatively:
+  baseline      layers scanned, no remat, XLA attention (scores materialised), full-row logits, fp32 compute
+                (not compiled above XLA_MAX_TOKENS tokens per row)
+  flash         trainer.attention = flash (O(T · block) attention memory)
+  chunked       trainer.logits_chunk = 1024 (logits of 1024 tokens of a row at a time)
+  remat         trainer.remat = full (one activation kept per layer)
+  bf16          trainer.compute_dtype = bfloat16 (fp32 master params, bf16 matmuls and activations)
+Generator: bf16 params tensor-parallel over 8 devices, a KV page pool for `--gen-slots` sequences of T tokens, one
+decode call of 4 steps with every sequence at full length. Then compile time of the train step against depth,
+layers scanned vs unrolled.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from arealjax.models import ModelConfig  # noqa: E402
+from arealjax.models import _abstract as abstract_model  # noqa: E402
+from arealjax.rl.packing import FIELDS  # noqa: E402
+from arealjax.rl.trainer import OptimConfig, TrainerConfig, make_optimizer, make_steps  # noqa: E402
+from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh, tree_shardings  # noqa: E402
+
+GiB = 2**30
+SHAPES = {  # the Hugging Face configs' numbers
+    "qwen3-1.7b": dict(family="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
+                       num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                     num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+STAGES = [
+    ("baseline", dict(remat="none", attention="xla", logits_chunk=0, compute_dtype="float32")),
+    ("+ flash", dict(attention="flash")),
+    ("+ chunked logits", dict(logits_chunk=1024)),
+    ("+ remat", dict(remat="full")),
+    ("+ bf16 compute", dict(compute_dtype="bfloat16")),
+]
+XLA_MAX_TOKENS = 16384  # beyond, XLA attention's T² scores take > 8 minutes to compile (and ~3 TB at 32k): not run
+ROWS = [("qwen3-1.7b", 8192), ("qwen3-1.7b", 16384), ("qwen3-1.7b", 32768), ("qwen3-8b", 8192), ("qwen3-8b", 32768)]
+MESHES = {"FSDP 8": {"fsdp": 8}, "FSDP 4 × TP 2": {"fsdp": 4, "tensor": 2}}
+FIT = {"H100 80 GB": 80e9, "TPU v5p 95 GB": 95e9, "TPU v6e 32 GB": 32e9}
+BATCH_DTYPES = {"loss_mask": jnp.bool_, "behav_logp": jnp.float32, "advantages": jnp.float32,
+                "temperature": jnp.float32}
+
+
+def sds(tree, shardings):
+    """ShapeDtypeStructs carrying their shardings (what `lower` needs to place each argument)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def per_device(tree, shardings) -> int:
+    """Bytes one device holds of a sharded tree."""
+    return sum(int(np.prod(s.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+               for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
+def program_bytes(compiled) -> int:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def train_step_bytes(cfg: ModelConfig, t: int, axes: dict, knobs: dict, scan: bool = True) -> tuple[int, float]:
+    """Peak bytes per device of one train step, and the seconds to compile its gradient program."""
+    mesh = make_mesh(axes)
+    shard = LogicalSharding(mesh, DEFAULT_RULES)
+    graphdef, params = abstract_model(cfg, jnp.float32, shard)
+    rows = axes.get("fsdp", 1) * axes.get("data", 1)
+    tcfg = TrainerConfig(max_tokens=t, micro_rows=rows, scan_layers=scan, **knobs)
+    tx = make_optimizer(OptimConfig())
+    steps = make_steps(graphdef, params, tcfg, tx, mesh, DEFAULT_RULES)
+    p = sds(jax.tree.map(lambda v: v, params), steps.p_sh)
+    acc = sds(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, jnp.float32), params), steps.p_sh)
+    opt = sds(jax.eval_shape(tx.init, params), steps.o_sh)
+    mb = {f: jax.ShapeDtypeStruct((rows, t), BATCH_DTYPES.get(f, jnp.int32), sharding=steps.b_sh) for f in FIELDS}
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    prox = jax.ShapeDtypeStruct((rows, t), jnp.float32, sharding=steps.b_sh)
+    t0 = time.perf_counter()
+    grad = steps.grad.lower(p, acc, mb, prox, None, scalar).compile()
+    compile_s = time.perf_counter() - t0
+    apply = steps.apply.lower(p, opt, acc, scalar).compile()
+    opt_bytes = per_device(opt, steps.o_sh)
+    return max(program_bytes(grad) + opt_bytes, program_bytes(apply)), compile_s
+
+
+def generator_bytes(cfg: ModelConfig, t: int, slots: int, page_size: int = 16, steps: int = 4) -> int:
+    """Peak bytes per device of a decode call over `slots` sequences of t tokens (bf16, TP over 8 devices)."""
+    from arealjax.generation.engine import DecodeState, SlotSampling, _generate
+    from arealjax.models.paged import DecodeIndex, PagedKV, pool_axes, pool_shapes
+
+    mesh = make_mesh({"tensor": 8})
+    shard = LogicalSharding(mesh, DEFAULT_RULES)
+    graphdef, params = abstract_model(cfg, jnp.bfloat16, shard)
+    p = sds(jax.tree.map(lambda v: v, params), tree_shardings(params, shard))
+    pages_per_seq = t // page_size
+    num_pages = slots * pages_per_seq
+    pool = PagedKV(*(jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=shard.named(a, s)) for s, a in
+                     zip(pool_shapes(cfg, num_pages, page_size, "ragged"), pool_axes("ragged"))))
+    rep = shard.named((), ())
+    vec = lambda n, dtype=jnp.int32: jax.ShapeDtypeStruct((n,), dtype, sharding=rep)  # noqa: E731
+    sampling = SlotSampling(*(vec(slots, np.asarray(x).dtype) for x in SlotSampling.of([], [], slots)))
+    state = DecodeState(pool, vec(slots), vec(slots), vec(slots), sampling)
+    pairs = slots * pages_per_seq
+    index = DecodeIndex(jax.ShapeDtypeStruct((slots, pages_per_seq), jnp.int32, sharding=rep), vec(pairs), vec(pairs),
+                        vec(pairs))
+    compiled = _generate.lower(graphdef, t, False, steps, "ragged", p, state, vec(slots), index).compile()
+    return program_bytes(compiled)
+
+
+def fits(b: int) -> str:
+    return ", ".join(name.split()[0] + " " + name.split()[1] for name, cap in FIT.items() if b <= cap) or "none"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rows", default=",".join(f"{m}:{t}" for m, t in ROWS), help="model:tokens_per_row,...")
+    ap.add_argument("--part", default="all", choices=("all", "memory", "compile"))
+    ap.add_argument("--gen-slots", type=int, default=32)
+    args = ap.parse_args()
+    rows = [(r.split(":")[0], int(r.split(":")[1])) for r in args.rows.split(",")]
+    if args.quick:
+        rows = rows[:1]
+    print(f"{jax.device_count()} fake {jax.devices()[0].platform} devices; bytes per device as compiled by XLA\n")
+    if args.part in ("all", "memory"):
+        memory_tables(rows, args.gen_slots)
+    if args.part in ("all", "compile"):
+        compile_times((4, 28) if args.quick else (4, 28, 36))
+
+
+def memory_tables(rows, gen_slots):
+    """Every item in turn on FSDP 8; the other meshes with all items on."""
+    print("| model | tokens / row | mesh | " + " | ".join(s for s, _ in STAGES) + " | fits (all items) |")
+    print("|---|---|---|" + "---|" * len(STAGES) + "---|")
+    for name, t in rows:
+        cfg = ModelConfig.make(**SHAPES[name])
+        for m, (mesh_name, axes) in enumerate(MESHES.items()):
+            knobs, cells = {}, []
+            for i, (_, change) in enumerate(STAGES):
+                knobs.update(change)
+                if (m and i < len(STAGES) - 1) or (knobs["attention"] == "xla" and t > XLA_MAX_TOKENS):
+                    cells.append("")
+                    continue
+                b, _ = train_step_bytes(cfg, t, axes, knobs)
+                cells.append(f"{b / GiB:.1f} GiB")
+                print(f"  {name} T={t} {mesh_name} {knobs}: {cells[-1]}", file=sys.stderr, flush=True)
+            print(f"| {name} ({cfg.num_params() / 1e9:.2f}B) | {t:,} | {mesh_name} | " + " | ".join(cells)
+                  + f" | {fits(b)} |", flush=True)
+
+    print(f"\nGenerator (bf16, TP 8, {gen_slots} sequences at full length, KV pool in pages of 16 tokens):\n")
+    print("| model | tokens / sequence | params + KV pool + decode temporaries, per device | fits |\n|---|---|---|---|")
+    for name, t in rows:
+        b = generator_bytes(ModelConfig.make(**SHAPES[name]), t, gen_slots)
+        print(f"| {name} | {t:,} | {b / GiB:.1f} GiB | {fits(b)} |", flush=True)
+
+
+def compile_times(depths):
+    base = SHAPES["qwen3-1.7b"]
+    print("\nCompile time of the gradient program (Qwen3-1.7B width, 2,048 tokens / row, FSDP 8):\n")
+    print("| layers | scanned | unrolled |\n|---|---|---|")
+    for depth in depths:
+        cfg = ModelConfig.make(**{**base, "num_layers": depth})
+        knobs = dict(STAGES[0][1], logits_chunk=1024)
+        times = [train_step_bytes(cfg, 2048, MESHES["FSDP 8"], knobs, scan=scan)[1] for scan in (True, False)]
+        print(f"| {depth} | {times[0]:.1f} s | {times[1]:.1f} s |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
