@@ -5,8 +5,8 @@ side by side in one run; then the decode step's cost against the longest sequenc
 
 Workloads (greedy, no stop tokens, so every request produces exactly its requested length and all systems do the
 same useful work; useful tokens/s = requested output tokens / wall-clock):
-  long-tail  128 requests (--requests), prompts of 16-64 tokens, output lengths lognormal (median 64, σ 1) capped at 512 — run at 16, 64 and
-             256 slots / batch size
+  long-tail  128 requests (--requests), prompts of 16-64 tokens, output lengths lognormal (median 64, σ 1)
+             capped at 512 — run at 16, 64 and 256 slots / batch size
   short      prompts of 16-48 tokens, lognormal (median 24, σ 0.9) capped at 192 — 16 slots
 Systems: (a) arealjax continuous batching over paged KV (a freed slot is refilled at once); (b) arealjax static
 batches that wait for their longest (the synchronous baseline, short workload only); (c) Tunix's vanilla sampler
@@ -199,7 +199,7 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--swap-every", default="256,1024", help="generated tokens between weight swaps (list)")
     ap.add_argument("--decode-steps", type=int, default=4, help="decode steps per device call in (a) and (b)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per system after the warm-up; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per system after warm-up; the fastest counts")
     ap.add_argument("--skip", default="", help="systems to leave out: tunix,transformers")
     args = ap.parse_args()
     if args.quick:

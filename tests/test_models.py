@@ -313,3 +313,23 @@ def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
                                    atol=2e-5, rtol=0)
     for a, r in zip(g, ref_g):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=5e-5, rtol=0)
+
+
+def test_flash_attention_inside_a_differentiated_layer_scan_keeps_no_scores():
+    """Regression: inside the model's differentiated layer scan, JAX partially evaluated the scans of flash's
+    forward rule and saved every block pair's scores (O(T²): 100 GiB at 32k tokens). The gradient program must stay
+    far below the size of the full score matrix."""
+    from arealjax.models import attention as attn
+
+    t, h, hkv, d = 2048, 4, 2, 32
+    q = jax.ShapeDtypeStruct((1, t, h, d), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, t, hkv, d), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    w = jax.ShapeDtypeStruct((2, d, d), jnp.float32)
+
+    def f(w, q, k, v, s):
+        body = lambda x, wi: (attn.attend_flash(x @ wi, k, v, s, block=128), None)  # noqa: E731
+        return jnp.sum(jax.lax.scan(body, q, w)[0])
+
+    temp = jax.jit(jax.grad(f)).lower(w, q, kv, kv, seg).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 0.25 * t * t * h * 4, temp / 2**20

@@ -138,12 +138,29 @@ def _flash_fwd(q, k, v, seg, bs):
         stats = qi.shape[:-1]
         init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
                 jnp.zeros(qi.shape, jnp.float32))
-        (m, den, acc), _ = jax.lax.scan(k_block, init, (jnp.arange(n), kb, vb))
+        (m, den, acc), _ = _loop(k_block, init, (jnp.arange(n), kb, vb))
         return None, ((acc / den[..., None]).astype(q.dtype), m + jnp.log(den))  # each row sees itself: den > 0
 
-    _, (o, lse) = jax.lax.scan(q_block, None, (jnp.arange(n), qb))
+    _, (o, lse) = _loop(q_block, None, (jnp.arange(n), qb))
     o, lse = _unblocks(o, 3), _unblocks(lse, 3)
     return o, (q, k, v, seg, o, lse)
+
+
+def _loop(body, carry, xs):
+    """lax.scan's semantics as a while loop. Inside an outer differentiated scan (the model's layers), JAX
+    partially evaluates the scans of a custom-VJP forward rule as if it would differentiate them and stacks
+    their per-iteration values — every block pair's scores, O(T²) — as residuals; a while loop has no such rule."""
+    n = jax.tree.leaves(xs)[0].shape[0]
+    y_shapes = jax.eval_shape(lambda c, x: body(c, x)[1], carry, jax.tree.map(lambda a: a[0], xs))
+    ys = jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), y_shapes)
+
+    def step(state):
+        i, c, ys = state
+        c, y = body(c, jax.tree.map(lambda a: a[i], xs))
+        return i + 1, c, jax.tree.map(lambda acc, v: acc.at[i].set(v), ys, y)
+
+    _, carry, ys = jax.lax.while_loop(lambda st: st[0] < n, step, (0, carry, ys))
+    return carry, ys
 
 
 def _flash_bwd(bs, res, do):
