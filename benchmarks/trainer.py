@@ -95,9 +95,10 @@ def main():
                "model": dict(d_model=d, layers=args.layers, params_m=cfg.num_params() / 1e6),
                "trajectories": n, "tokens": sum(len(t) for t in trajs),
                "mean_len": float(np.mean([len(t) for t in trajs])), "max_len": max(len(t) for t in trajs)}
-    for name, packing in (("packed", True), ("naive", False)):
+    variants = (("packed", True, True), ("naive", False, True), ("packed, layers unrolled", True, False))
+    for name, packing, scan in variants:
         trainer = Trainer(model, TrainerConfig(max_tokens=args.max_tokens, micro_rows=args.rows, packing=packing,
-                                               optim=OptimConfig(lr=1e-6)))
+                                               scan_layers=scan, optim=OptimConfig(lr=1e-6)))
         metrics = {}
 
         def step(trainer=trainer, metrics=metrics):
@@ -110,6 +111,8 @@ def main():
                              non_padding_fraction=metrics["non_padding_fraction"])
         print(name, json.dumps(results[name]), flush=True)
     results["packed_over_naive"] = results["packed"]["tokens_per_s"] / results["naive"]["tokens_per_s"]
+    results["scanned_over_unrolled"] = (results["packed"]["tokens_per_s"]
+                                        / results["packed, layers unrolled"]["tokens_per_s"])
     print(json.dumps(results, indent=1))
 
 
