@@ -41,12 +41,13 @@ def check_config(config: Any) -> None:
                  f"an integer ≥ {minimum}")
 
     rl, g, t, s = config.rl, config.generator, config.trainer, config.sft
-    positive("rl.steps", "rl.batch_size", "rl.group_size", "rl.max_concurrent", "rl.max_new_tokens",
+    positive("rl.batch_size", "rl.group_size", "rl.max_concurrent", "rl.max_new_tokens",
              "generator.slots", "generator.decode_steps", "generator.max_prefill_batch", "trainer.max_tokens",
              "trainer.micro_rows", "trainer.ppo_n_minibatches", "rewards.workers", "checkpoint.max_to_keep",
-             "eval.num_problems", "trainer.max_skipped_in_a_row", "rewards.failure_window")
-    positive("rl.max_staleness", "rl.max_filtered_in_a_row", "rl.eval_every", "rewards.retries", "sft.steps",
-             "checkpoint.every_steps", "data.epochs", "data.max_prompt_tokens", "generator.kv_pages", minimum=0)
+             "eval.n", "trainer.max_skipped_in_a_row", "rewards.failure_window")
+    positive("rl.steps", "rl.max_staleness", "rl.max_filtered_in_a_row", "rl.eval_every", "rewards.retries",
+             "sft.steps", "checkpoint.every_steps", "data.epochs", "eval.num_problems", "data.max_prompt_tokens",
+             "generator.kv_pages", minimum=0)
     positive("generator.max_len", minimum=2)
     need(_number(rl.temperature) and rl.temperature > 0, "rl.temperature",
          "> 0 (at 0 all samples of a prompt are the same greedy answer: no group has a learning signal)")
@@ -76,8 +77,26 @@ def check_config(config: Any) -> None:
          "rewards.fn", "'package.module:function'")
     need(isinstance(config.workflow.path, str) and ":" in config.workflow.path, "workflow.path",
          "'package.module:Class'")
+    need(rl.steps != 0 or s.steps != 0, "rl.steps", "≥ 1, or sft.steps ≥ 1 for an SFT-only run (rl.steps = 0)")
+    if s.steps and s.get("data") and s.data.path:
+        path = Path(s.data.path)
+        need(path.is_dir() and (path / "dataset_info.json").is_file(), "sft.data.path",
+             "a converted dataset directory (python -m arealjax.data.convert --layout=sft ...)")
+    e = config.eval
+    need(config.data.path or e.num_problems != 0, "eval.num_problems", "≥ 1 on a synthetic task (0 = the whole "
+         "split needs data.path)")
+    need(isinstance(e.k, (tuple, list)) and e.k and all(_ints(k) and 1 <= k <= (e.n if _ints(e.n) else k)
+                                                         for k in e.k), "eval.k",
+         f"a tuple of integers in [1, eval.n = {e.n}], e.g. (1, 4) (on the command line: --config.eval.k='(1,4)')")
+    need(isinstance(e.greedy, bool), "eval.greedy", "True or False")
+    need(_number(e.temperature) and (e.temperature >= 0 or e.temperature == -1), "eval.temperature",
+         "≥ 0 (0 = greedy samples), or -1 for rl.temperature")
+    need(isinstance(e.answer_fn, str) and (not e.answer_fn or re.fullmatch(r"[\w.]+:\w+", e.answer_fn)),
+         "eval.answer_fn", "'' (no maj@k) or 'package.module:function' returning a completion's final answer")
     template = config.data.template
     need(template == "chat" or "{prompt}" in str(template), "data.template", "'chat' or a string with {prompt}")
+    need(_formats(config.data.instruction), "data.instruction", "a format string with {prompt} (literal braces "
+         "doubled: \\boxed{{}})")
 
     for cls, key, values in ((PPOConfig, "trainer.ppo", t.ppo), (AdvantageConfig, "advantage", config.advantage),
                              (OptimConfig, "trainer.optim", t.optim), (OptimConfig, "sft.optim", s.optim)):
@@ -146,6 +165,14 @@ def _get(config: Any, key: str) -> Any:
 
 def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _formats(text: Any) -> bool:
+    """A str.format template that takes exactly {prompt}."""
+    try:
+        return isinstance(text, str) and "{prompt}" in text and text.format(prompt="") is not None
+    except (KeyError, IndexError, ValueError):
+        return False
 
 
 def _ints(*xs: Any) -> bool:

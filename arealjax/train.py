@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import shutil
 import signal
 import time
 from concurrent.futures import Future
@@ -24,12 +25,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from arealjax import evaluate as evaluation
 from arealjax import models
 from arealjax.checkpoint import Checkpointer
 from arealjax.checks import check_config, output_dir
 from arealjax.controller import Prompt, RolloutController, staleness_of, token_staleness
 from arealjax.data import TASKS
-from arealjax.data.pipeline import PromptStream, ReissueFirst, format_prompt
+from arealjax.data.pipeline import PromptStream, ReissueFirst, SFTStream, format_prompt
 from arealjax.generation import Engine, Generator, SamplingParams
 from arealjax.metrics import MetricsWriter, plot_curves
 from arealjax.rewards.service import RewardService
@@ -68,7 +70,8 @@ def train_prompts(config: Any, tokenizer: Tokenizer) -> ReissueFirst:
     d = config.data
     if d.path:
         return ReissueFirst(PromptStream(d.path, d.split, tokenizer, seed=d.seed, epochs=d.epochs or None,
-                                         template=d.template, max_prompt_tokens=d.max_prompt_tokens, key="data.split"))
+                                         template=d.template, max_prompt_tokens=d.max_prompt_tokens, key="data.split",
+                                         instruction=d.instruction))
     return ReissueFirst(SyntheticPrompts(config, tokenizer))
 
 
@@ -79,6 +82,7 @@ class SyntheticPrompts:
 
     def __init__(self, config: Any, tokenizer: Tokenizer):
         self.task, self.template, self.tokenizer = config.task, config.data.template, tokenizer
+        self.instruction = config.data.instruction
         self.next_index, self._chunk = 0, (-1, [])
 
     def __iter__(self) -> SyntheticPrompts:
@@ -91,7 +95,8 @@ class SyntheticPrompts:
             self._chunk = (c, task_problems(t, self.CHUNK, seed=t.seed + 1000 * (c * self.CHUNK + 1)))
         p = self._chunk[1][i % self.CHUNK]
         self.next_index += 1
-        return Prompt(f"train-{i}", format_prompt(self.tokenizer, p.prompt, self.template), {"answer": p.answer})
+        tokens = format_prompt(self.tokenizer, p.prompt, self.template, self.instruction)
+        return Prompt(f"train-{i}", tokens, {"answer": p.answer})
 
     def get_state(self) -> dict[str, int]:
         return {"next_index": self.next_index}
@@ -101,15 +106,16 @@ class SyntheticPrompts:
 
 
 def eval_prompts(config: Any, tokenizer: Tokenizer) -> list[Prompt]:
-    """`eval.num_problems` held-out prompts: the first of `data.eval_split` (unshuffled), or synthetic problems
-    from a seed never trained on."""
+    """`eval.num_problems` held-out prompts: the first of `data.eval_split` (unshuffled; 0 = all of them), or
+    synthetic problems from a seed never trained on."""
     d, n = config.data, config.eval.num_problems
     if d.path:
         stream = PromptStream(d.path, d.eval_split, tokenizer, shuffle=False, epochs=1, template=d.template,
-                              max_prompt_tokens=d.max_prompt_tokens, key="data.eval_split")
-        return list(itertools.islice(stream, n))
+                              max_prompt_tokens=d.max_prompt_tokens, key="data.eval_split",
+                              instruction=d.instruction)
+        return list(itertools.islice(stream, n or None))
     t = config.task
-    return [Prompt(f"eval-{i}", format_prompt(tokenizer, p.prompt, d.template), {"answer": p.answer})
+    return [Prompt(f"eval-{i}", format_prompt(tokenizer, p.prompt, d.template, d.instruction), {"answer": p.answer})
             for i, p in enumerate(task_problems(t, n, seed=t.seed + 7))]
 
 
@@ -130,35 +136,72 @@ def trainer_config(c: Any, loss: str = "ppo", steps: int = 0, knobs: Any = None)
 
 def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rules, workdir: Path,
                stop: Stop) -> models.Model:
-    """SFT on imperfect demonstrations of the synthetic task (each step wrong with probability `sft.demo_error`;
-    demonstrations longer than `sft.max_tokens` left out), cached by config in `sft.cache_dir` (default
-    workdir/sft)."""
-    s, t = config.sft, config.task
+    """The SFT stage: `sft.steps` steps of masked next-token cross-entropy on `sft.data.path` (a converted
+    dataset of conversations, layout 'sft': loss on the assistant turns) or, without one, on imperfect
+    demonstrations of the synthetic task (each step wrong with probability `sft.demo_error`). Batches of
+    `sft.batch_size` conversations (longer than `sft.max_tokens`: left out), packed. The result is cached by
+    config in `sft.cache_dir` (default workdir/sft) and checkpointed there every `checkpoint.every_steps` steps:
+    a run killed during SFT continues from its last SFT checkpoint."""
+    s, t, d = config.sft, config.task, config.data
     key = json.dumps({"sft": {k: v for k, v in s.to_dict().items() if k != "cache_dir"},
-                      "model": config.model.to_dict(), "task": t.to_dict(), "seed": config.seed}, sort_keys=True)
+                      "model": config.model.to_dict(), "model_path": config.model_path, "task": t.to_dict(),
+                      "prompt": [d.template, d.instruction], "seed": config.seed}, sort_keys=True)
     out = Path(s.cache_dir) if s.get("cache_dir") else workdir / "sft"
     if (out / "sft_config.json").is_file() and (out / "sft_config.json").read_text() == key:
         logging.info("SFT warm start: reusing %s", out)
         return models.load_pretrained(out, mesh=mesh, rules=rules)
     trainer = Trainer(model, trainer_config(s, loss="sft", steps=s.steps, knobs=config.trainer), mesh=mesh, rules=rules)
-    rng = np.random.RandomState(config.seed)
-    problems = task_problems(t, s.steps * s.batch_size, seed=t.seed)
-    bar = tqdm(range(s.steps), desc="SFT warm start", mininterval=2)
-    for step in bar:
-        stop.check()
-        batch = []
-        for p in problems[step * s.batch_size:(step + 1) * s.batch_size]:
-            demo = tokenizer.encode(TASKS[t.name].demonstration(p, rng, s.demo_error)) + [tokenizer.eos_ids[0]]
-            prompt = format_prompt(tokenizer, p.prompt, config.data.template)
-            if len(prompt) + len(demo) > s.max_tokens:
-                continue
-            batch.append(Trajectory.from_completion(prompt, demo, np.zeros(len(demo)), np.zeros(len(demo))))
-        m = trainer.train_step(batch)
-        bar.set_postfix(nll=f"{m['nll']:.3f}", refresh=False)
     out.mkdir(parents=True, exist_ok=True)
+    if (out / "sft_key.json").is_file() and (out / "sft_key.json").read_text() != key:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # another config's partial SFT: start afresh
+    (out / "sft_key.json").write_text(key)
+    ckpt = Checkpointer(out / "checkpoints", every_steps=config.checkpoint.every_steps, max_to_keep=1)
+    restored = ckpt.restore_latest(trainer) if ckpt.latest_step() is not None else None
+    first = restored[0] if restored else 0
+    if s.data.path:
+        stream = SFTStream(s.data.path, s.data.split, tokenizer, seed=config.seed, epochs=s.data.epochs or None,
+                           max_tokens=s.max_tokens)
+        if restored:
+            stream.set_state(restored[1]["stream"])
+        batches = (list(itertools.islice(stream, s.batch_size)) for _ in itertools.count())
+    else:
+        stream, batches = None, demonstrations(config, tokenizer)
+        for _ in range(first):  # the demonstrations' random errors are drawn in order: replay the trained ones
+            next(batches)
+    bar = tqdm(range(first, s.steps), desc="SFT", mininterval=2, initial=first, total=s.steps)
+    try:
+        for step in bar:
+            stop.check()
+            batch = next(batches)
+            if not batch:
+                logging.warning("sft.data.path: the dataset is exhausted (sft.data.epochs) after %d SFT steps", step)
+                break
+            m = trainer.train_step(batch)
+            bar.set_postfix(nll=f"{m['nll']:.3f}", refresh=False)
+            ckpt.maybe_save(step + 1, trainer, {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
+                                                "skipped_steps": trainer.skipped_steps,
+                                                "stream": stream.get_state() if stream else None})
+    finally:
+        ckpt.close()
     models.save_pretrained(trainer.model, out)
     (out / "sft_config.json").write_text(key)
     return trainer.model
+
+
+def demonstrations(config: Any, tokenizer: Tokenizer):
+    """Batches of `sft.batch_size` imperfect demonstrations of the synthetic task, one per SFT step."""
+    s, t, d = config.sft, config.task, config.data
+    rng = np.random.RandomState(config.seed)
+    problems = task_problems(t, s.steps * s.batch_size, seed=t.seed)
+    for step in range(s.steps):
+        batch = []
+        for p in problems[step * s.batch_size:(step + 1) * s.batch_size]:
+            demo = tokenizer.encode(TASKS[t.name].demonstration(p, rng, s.demo_error)) + [tokenizer.eos_ids[0]]
+            prompt = format_prompt(tokenizer, p.prompt, d.template, d.instruction)
+            if len(prompt) + len(demo) > s.max_tokens:
+                continue
+            batch.append(Trajectory.from_completion(prompt, demo, np.zeros(len(demo)), np.zeros(len(demo))))
+        yield batch
 
 
 def wait(future: Future, stop: Stop) -> Any:
@@ -172,22 +215,17 @@ def wait(future: Future, stop: Stop) -> Any:
 
 
 def evaluate(generator: Generator, rewards: RewardService, tokenizer: Tokenizer, prompts: list[Prompt],
-             config: Any, stop: Stop) -> dict[str, float]:
-    """Held-out accuracy (pass@1 at the training temperature) and greedy accuracy, and the percentiles of the
-    sampled outputs' lengths in tokens."""
-    out = {}
-    for name, temperature in (("eval_accuracy", config.rl.temperature), ("eval_greedy_accuracy", 0.0)):
-        futs = [generator.submit(p.tokens, SamplingParams(
-            temperature=temperature, max_new_tokens=config.rl.max_new_tokens, stop_token_ids=tuple(tokenizer.eos_ids),
-            seed=p.sampling_seed(config.seed + 99))) for p in prompts]
-        outputs = [wait(f, stop)[0].output_tokens for f in futs]
-        scores = [rewards.submit(tokenizer.decode(x), **p.reward_kwargs) for x, p in zip(outputs, prompts)]
-        out[name] = float(np.mean([wait(s, stop) for s in scores]))
-        if temperature:
-            lengths = [len(x) for x in outputs]
-            out.update(eval_length_p50=float(np.percentile(lengths, 50)),
-                       eval_length_p99=float(np.percentile(lengths, 99)), eval_length_max=float(max(lengths)))
-    return out
+             config: Any, stop: Stop, step: int, workdir: Path) -> dict[str, float]:
+    """Held-out evaluation inside training (arealjax/evaluate.py: pass@k, maj@k, greedy accuracy, lengths); the
+    per-problem rows go to workdir/eval/<step>.jsonl."""
+    summary, rows = evaluation.evaluate(generator, rewards, tokenizer, prompts, wait=lambda f: wait(f, stop),
+                                        answer_fn=evaluation.load_fn(config.eval.answer_fn),
+                                        **evaluation.sampling_kwargs(config))
+    (workdir / "eval").mkdir(exist_ok=True)
+    with open(workdir / "eval" / f"{step}.jsonl", "w") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    return {(k if k.startswith("eval_") else f"eval_{k}").replace("@", "_at_"): v for k, v in summary.items()
+            if k not in ("problems", "samples_per_problem", "problems_per_s")}
 
 
 def rollout_reward(scored: tuple[int, float], last: tuple[int, float]) -> dict[str, float]:
@@ -229,7 +267,7 @@ def run(config: Any, workdir: str, stop: Stop | None = None) -> dict[str, Any]:
 
 def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, summary: dict[str, Any]) -> None:
     """run()'s body: every component it starts is stopped by `stack`; `summary` is filled in as it goes."""
-    rl, g, c, r = config.rl, config.generator, config.checkpoint, config.rewards
+    rl, g, c = config.rl, config.generator, config.checkpoint
     rules = normalize_rules(config.sharding_rules)
     meshes = role_meshes(config.mesh)
     tokenizer, model = build(config, meshes["trainer"], rules)
@@ -247,6 +285,10 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     workflow = load_workflow(config.workflow.path, config.workflow.kwargs)
     if config.sft.steps and latest is None:
         model = warm_start(config, tokenizer, model, meshes["trainer"], rules, workdir, stop)
+    if rl.steps == 0:  # an SFT-only run: its model is the result
+        save_model(model, tokenizer, workdir / "model", config.model_path)
+        summary.update(status="completed", steps=0, model=str(workdir / "model"))
+        return
     trainer = Trainer(model, trainer_config(config.trainer), mesh=meshes["trainer"], rules=rules)
     restored = ckpt.restore_latest(trainer) if latest is not None else None
     done = 0 if restored is None else restored[0]  # completed RL steps
@@ -260,20 +302,14 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     gen_shardings = tree_shardings(gen_model.params, LogicalSharding(meshes["generator"], rules))
 
     gen_params = reshard(trainer.params, gen_shardings, gen_model.dtype) if restored else gen_model.params
-    engine = Engine(gen_model, slots=g.slots, max_len=g.max_len, page_size=g.page_size, num_pages=g.kv_pages or None,
-                    attention=g.attention, prefill_attention=g.prefill_attention,
-                    shard=LogicalSharding(meshes["generator"], rules))
     sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, n=rl.group_size,
                               stop_token_ids=tuple(tokenizer.eos_ids), seed=config.seed)
     advantage = AdvantageConfig(**config.advantage.to_dict())
     writer = MetricsWriter(workdir, purge_step=done + 1 if restored else None)
     stack.callback(writer.close)
-    generator = Generator(engine, gen_params, version=trainer.version, mode=g.mode, decode_steps=g.decode_steps,
-                          max_prefill_batch=g.max_prefill_batch)
+    generator = make_generator(config, gen_model, gen_params, trainer.version, meshes["generator"], rules)
     stack.callback(generator.close)
-    rewards = RewardService(r.fn, workers=r.workers, timeout=r.timeout, retries=r.retries,
-                            failure_reward=r.failure_reward, max_failure_rate=r.max_failure_rate,
-                            failure_window=r.failure_window)
+    rewards = make_rewards(config)
     stack.callback(rewards.close)
     controller = RolloutController(generator, rewards, tokenizer, prompts,
                                    StalenessManager(rl.batch_size, rl.max_staleness, rl.max_concurrent), sampling,
@@ -293,7 +329,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     if restored:
         first = restored[1]["first_eval"]
     else:
-        first = evaluate(generator, rewards, tokenizer, held_out, config, stop)
+        first = evaluate(generator, rewards, tokenizer, held_out, config, stop, 0, workdir)
         writer.write(0, first)
         logging.info("after warm start: %s", first)
     summary.update(steps=done, eval_accuracy_start=first["eval_accuracy"],
@@ -365,7 +401,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
             last_reward = metrics.get("rollout_reward", last_reward)
             last_stats, last_tokens, last_t, last_scored = dataclasses.replace(gs), tokens, now, scored
             if rl.eval_every and done % rl.eval_every == 0 or done == rl.steps:
-                latest_eval = evaluate(generator, rewards, tokenizer, held_out, config, stop)
+                latest_eval = evaluate(generator, rewards, tokenizer, held_out, config, stop, done, workdir)
                 metrics.update(latest_eval)
                 eval_s += time.perf_counter() - now  # rates of the next step leave the evaluation out:
                 last_stats, last_t = dataclasses.replace(generator.stats), time.perf_counter()
@@ -385,13 +421,62 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
             logging.warning("SIGTERM: saved checkpoint %d", done)
         raise
     if done < rl.steps:  # the dataset ran out: evaluate and save what was trained
-        latest_eval = evaluate(generator, rewards, tokenizer, held_out, config, stop)
+        latest_eval = evaluate(generator, rewards, tokenizer, held_out, config, stop, done, workdir)
         writer.write(done, latest_eval)
         checkpoint(force=True)
     summary.update(eval_accuracy_end=latest_eval["eval_accuracy"],
                    eval_greedy_accuracy_end=latest_eval["eval_greedy_accuracy"])
     plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
-    save_model(trainer, tokenizer, workdir / "model")
+    save_model(trainer.model, tokenizer, workdir / "model", config.model_path)
+
+
+def make_generator(config: Any, gen_model: models.Model, params: Any, version: int, mesh, rules) -> Generator:
+    """The interruptible generator of `config.generator` serving `params` (on `mesh`, `gen_model`'s layout)."""
+    g = config.generator
+    engine = Engine(gen_model, slots=g.slots, max_len=g.max_len, page_size=g.page_size, num_pages=g.kv_pages or None,
+                    attention=g.attention, prefill_attention=g.prefill_attention, shard=LogicalSharding(mesh, rules))
+    return Generator(engine, params, version=version, mode=g.mode, decode_steps=g.decode_steps,
+                     max_prefill_batch=g.max_prefill_batch)
+
+
+def make_rewards(config: Any) -> RewardService:
+    """The reward service of `config.rewards` (worker processes: close it)."""
+    r = config.rewards
+    return RewardService(r.fn, workers=r.workers, timeout=r.timeout, retries=r.retries,
+                         failure_reward=r.failure_reward, max_failure_rate=r.max_failure_rate,
+                         failure_window=r.failure_window)
+
+
+@contextlib.contextmanager
+def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | None = None):
+    """(generator, rewards, tokenizer, wait) for evaluation: the model at `model_path` (default config.model_path)
+    or, with `workdir`, the params of that run's latest checkpoint; on the generator mesh in generator.dtype.
+    Everything is stopped on exit; `wait` raises Interrupted once `stop` is set."""
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.model_path = model_path or config.model_path
+        config.sft.steps = 0  # nothing is trained here
+    check_config(config)
+    rules = normalize_rules(config.sharding_rules)
+    meshes = role_meshes(config.mesh)
+    tokenizer, model = build(config, meshes["trainer"], rules)
+    version = 0
+    if workdir:
+        c = config.checkpoint
+        trainer = Trainer(model, trainer_config(config.trainer), mesh=meshes["trainer"], rules=rules)
+        restored = Checkpointer(c.dir or Path(workdir) / "checkpoints", create=False).restore_latest(trainer)
+        if restored is None:
+            raise FileNotFoundError(f"no complete checkpoint in {c.dir or Path(workdir) / 'checkpoints'}")
+        model, version = trainer.model, trainer.version
+        del trainer  # its optimizer state is not needed to generate
+    gen_model = model.to_mesh(meshes["generator"], rules, dtype=models.hf.DTYPES[config.generator.dtype])
+    stop = stop or Stop()
+    with contextlib.ExitStack() as stack:
+        generator = make_generator(config, gen_model, gen_model.params, version, meshes["generator"], rules)
+        stack.callback(generator.close)
+        rewards = make_rewards(config)
+        stack.callback(rewards.close)
+        yield generator, rewards, tokenizer, lambda f: wait(f, stop)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -401,11 +486,20 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def save_model(trainer: Trainer, tokenizer: Tokenizer, out: str | Path) -> None:
-    """The trainer's params as a Hugging Face directory, with the tokenizer when it is our own."""
-    models.save_pretrained(trainer.model, out)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def save_model(model: models.Model, tokenizer: Tokenizer, out: str | Path, model_path: str = "") -> None:
+    """`model` as a Hugging Face directory with its tokenizer: ours, or the files of the checkpoint it came from
+    (`model_path`), so the directory serves, evaluates and loads in transformers on its own."""
+    models.save_pretrained(model, out)
     if isinstance(tokenizer, CharTokenizer):
         tokenizer.save(out)
+    elif model_path:
+        for name in TOKENIZER_FILES:
+            if (Path(model_path) / name).is_file():
+                shutil.copyfile(Path(model_path) / name, Path(out) / name)
 
 
 def export(config: Any, workdir: str, out: str) -> int:
@@ -419,6 +513,6 @@ def export(config: Any, workdir: str, out: str) -> int:
     restored = ckpt.restore_latest(trainer)
     if restored is None:
         raise FileNotFoundError(f"no complete checkpoint in {ckpt.manager.directory} to export")
-    save_model(trainer, tokenizer, out)
+    save_model(trainer.model, tokenizer, out, config.model_path)
     logging.info("exported checkpoint %d (version %d) to %s", restored[0], trainer.version, out)
     return restored[0]

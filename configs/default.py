@@ -65,6 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.seed = 0  # shuffle
     config.data.epochs = 0  # 0 = endless
     config.data.template = "chat"  # the tokenizer's chat template, or a string with {prompt}
+    config.data.instruction = "{prompt}"  # the user message, the question in it as {prompt}
     config.data.max_prompt_tokens = 32  # longer prompts are skipped and counted
 
     # SFT warm start on demonstrations that forget each carry with probability demo_error (0 steps = none).
@@ -73,6 +74,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sft.cache_dir = ""  # where the warm-started model is cached; empty = workdir/sft
     config.sft.batch_size = 64
     config.sft.demo_error = 0.7
+    # A converted SFT dataset (layout 'sft': chat messages, or prompt + response) instead of the demonstrations.
+    config.sft.data = dict(path="", split="train", epochs=0)
     config.sft.max_tokens = 128
     config.sft.micro_rows = 32
     config.sft.optim = dict(lr=3e-3, schedule="cosine", warmup_steps=20, total_steps=0,  # 0 = sft.steps
@@ -148,6 +151,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint.every_seconds = 0.0  # also save when this much time has passed (0 = off)
     config.checkpoint.max_to_keep = 3
 
+    # Held-out evaluation (arealjax/evaluate.py; also `python -m arealjax.evaluate`): n samples per problem at
+    # eval.temperature (-1: rl.temperature) → pass@k / maj@k / mean@k for each k ≤ n, plus one greedy sample.
     config.eval = ml_collections.ConfigDict()
-    config.eval.num_problems = 256
+    config.eval.num_problems = 256  # the first N of data.eval_split (0 = all of it)
+    config.eval.n = 1
+    config.eval.k = (1,)
+    config.eval.temperature = -1.0
+    config.eval.greedy = True
+    config.eval.answer_fn = "arealjax.data.arithmetic:extract_answer"  # final answers for maj@k ('' = none)
     return config

@@ -181,3 +181,70 @@ def test_convert_refuses_mistakes_with_one_line_each(tmp_path, capsys):
     assert "split 'train' (" in (err := capsys.readouterr().err) and "has no usable rows (2 skipped)" in err
     assert main([f"--out={tmp_path / 'd'}", f"--train={tmp_path}"]) == 2
     assert "is a directory; give the .jsonl or .parquet files in it" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory):
+    """The recipes' tiny fixtures: BPE tokenizers with each family's chat template, datasets in real layouts."""
+    from arealjax import tiny
+
+    out = tmp_path_factory.mktemp("tiny")
+    tiny.write_datasets(out, train=16, test=4)
+    texts = tiny.corpus(out)
+    for name, (_, template, specials, bos, eos, extra) in tiny.MODELS.items():
+        tiny.write_tokenizer(out / name, texts, template, specials, bos, eos, extra)
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5-math", "r1-distill", "llama3"])
+def test_format_prompt_writes_bos_once(tiny_root, name):
+    """Llama 3's and DeepSeek-R1's templates write the BOS themselves: the prompt must not start with two."""
+    from arealjax.data.pipeline import format_prompt
+    from arealjax.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_root / name)
+    ids = format_prompt(tok, "What is 2 + 3?", "chat", "{prompt} Think.")
+    assert "What is 2 + 3? Think." in tok.decode(ids)
+    if tok.bos_id is None:
+        assert tok.bos_id not in ids
+    else:
+        assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5-math", "r1-distill", "llama3"])
+def test_chat_tokens_train_on_assistant_turns_only(tiny_root, name):
+    from arealjax.data.pipeline import chat_tokens
+    from arealjax.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_root / name)
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "It is \\boxed{5}."},
+            {"role": "user", "content": "And plus 4?"}, {"role": "assistant", "content": "Then \\boxed{9}."}]
+    tokens, mask = chat_tokens(tok, msgs)
+    assert len(tokens) == len(mask) and not mask[0]
+    trained = tok.decode([t for t, m in zip(tokens, mask) if m])
+    untrained = tok.decode([t for t, m in zip(tokens, mask) if not m])
+    assert trained.replace("\n", "") == "It is \\boxed{5}.Then \\boxed{9}."  # contents (+ end markers, skipped)
+    assert "What is 2 + 3?" in untrained and "And plus 4?" in untrained and "boxed{5}" not in untrained
+    # each assistant turn's end-of-turn token is trained, so the model learns to stop
+    assert sum(t in tok.eos_ids for t, m in zip(tokens, mask) if m) == 2
+    if tok.bos_id is not None:
+        assert tokens.count(tok.bos_id) == 1
+
+
+def test_sft_layout_converts_and_streams(tmp_path, tiny_root):
+    from arealjax.data.pipeline import SFTStream
+    from arealjax.tokenizer import load_tokenizer
+
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"prompt": "2+2?", "response": "4"}]
+    out = convert({"train": [write_jsonl(tmp_path / "s.jsonl", rows)]}, tmp_path / "tfds")
+    assert out == tmp_path / "tfds" / "sft" / "1.0.0"
+    stream = SFTStream(out, "train", load_tokenizer(tiny_root / "qwen3"), epochs=1)
+    trajs = list(stream)
+    assert len(trajs) == 2 and all(t.loss_mask.any() and not t.loss_mask[0] for t in trajs)
+    bad = [{"messages": [{"role": "user", "content": "no answer"}]}]
+    with pytest.raises(RowError, match=r"b\.jsonl:1: no non-empty assistant message"):
+        convert({"train": [write_jsonl(tmp_path / "b.jsonl", bad)]}, tmp_path / "tfds_bad", layout="sft")
+    with pytest.raises(RowError, match=r"c\.jsonl:1: message 0 is .*expected"):
+        convert({"train": [write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "bot", "content": "x"}]}])]},
+                tmp_path / "tfds_bad2", layout="sft")

@@ -4,8 +4,9 @@ TensorFlow) that `pipeline.py` streams with grain.
     path = convert({"train": ["gsm8k/train.jsonl"], "test": ["gsm8k/test.jsonl"]}, data_dir="/data/tfds")
     # -> /data/tfds/gsm8k/1.0.0 ; layout detected from the first row (or layout="gsm8k")
 
-Every layout becomes one record shape: `id`, `prompt` (the question), `answer` (the reference final answer) and
-`tests` (JSON list of code tests, as `rewards.code.code_reward` takes them; "" otherwise). A malformed row is an
+Every RL layout becomes one record shape: `id`, `prompt` (the question), `answer` (the reference final answer) and
+`tests` (JSON list of code tests, as `rewards.code.code_reward` takes them; "" otherwise); the SFT layout becomes
+`id` and `messages` (a JSON list of {role, content}). A malformed row is an
 error naming its file and line (row, for Parquet) and what the layout expects, or with on_error="skip" it is left
 out and counted (the counts are in the dataset's description and returned).
 """
@@ -101,6 +102,33 @@ def _code(row: dict) -> dict:
     return {"prompt": _text(row, "question", "prompt", "problem"), "answer": "", "tests": json.dumps(_tests(row))}
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _sft(row: dict) -> dict:
+    """A conversation for SFT: 'messages' ([{role, content}], trained on the assistant turns) or 'prompt' +
+    'response' (one user turn, one assistant turn)."""
+    if row.get("messages") is not None:
+        messages = row["messages"]
+        if isinstance(messages, str):
+            try:
+                messages = json.loads(messages)
+            except ValueError as e:
+                raise RowError(f"key 'messages' is not valid JSON: {e}") from None
+        if not isinstance(messages, list) or not messages:
+            raise RowError("key 'messages' must be a non-empty list of {'role', 'content'}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise RowError(f"message {i} is {m!r:.80}; expected {{'role': one of {ROLES}, 'content': str}}")
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            raise RowError("no non-empty assistant message: nothing to train on")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    else:
+        messages = [{"role": "user", "content": _text(row, "prompt")},
+                    {"role": "assistant", "content": _text(row, "response")}]
+    return {"messages": json.dumps(messages, ensure_ascii=False)}
+
+
 def _arithmetic(row: dict) -> dict:
     return {"prompt": _text(row, "prompt"), "answer": _text(row, "answer"), "tests": ""}
 
@@ -120,6 +148,8 @@ LAYOUTS = {layout.name: layout for layout in (
            lambda r: "question" in r and "answer" in r, _gsm8k),
     Layout("math", "'problem' and 'answer' (or a 'solution' with a \\boxed{} answer) — MATH, DeepScaleR",
            lambda r: "problem" in r and ("answer" in r or "solution" in r), _math),
+    Layout("sft", "'messages' (a list of {'role', 'content'}) or 'prompt' and 'response' — SFT conversations",
+           lambda r: "messages" in r or ("prompt" in r and "response" in r), _sft),
     Layout("arithmetic", "'prompt' and 'answer' (the synthetic task)",
            lambda r: "prompt" in r and "answer" in r, _arithmetic),
 )}
@@ -194,6 +224,7 @@ class _Rows(tfds.core.GeneratorBasedBuilder):
     """Base of the layout builders: splits of records from local files (given at construction)."""
 
     VERSION = tfds.core.Version(VERSION)
+    FIELDS = ("id", "prompt", "answer", "tests")
 
     def __init__(self, *, files: dict[str, Sequence[str]], layout: Layout, on_error: str = "raise", **kwargs: Any):
         self._files, self._layout, self._on_error = files, layout, on_error
@@ -205,7 +236,7 @@ class _Rows(tfds.core.GeneratorBasedBuilder):
         text = tfds.features.Text()
         return tfds.core.DatasetInfo(
             builder=self, description=f"layout {self._layout.name} from {self._files}",
-            features=tfds.features.FeaturesDict({"id": text, "prompt": text, "answer": text, "tests": text}))
+            features=tfds.features.FeaturesDict(dict.fromkeys(self.FIELDS, text)))
 
     def _split_generators(self, dl_manager):
         del dl_manager
@@ -237,7 +268,13 @@ class Arithmetic(_Rows):
     """The synthetic task's layout."""
 
 
-_BUILDERS = {"gsm8k": Gsm8k, "math": Math, "code": Code, "arithmetic": Arithmetic}
+class Sft(_Rows):
+    """SFT conversations: id and messages (JSON)."""
+
+    FIELDS = ("id", "messages")
+
+
+_BUILDERS = {"gsm8k": Gsm8k, "math": Math, "code": Code, "sft": Sft, "arithmetic": Arithmetic}
 
 
 def convert(files: dict[str, Sequence[str | Path]], data_dir: str | Path, layout: str = "auto",

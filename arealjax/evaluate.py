@@ -1,0 +1,213 @@
+"""Evaluation: n samples per problem on the generator → rewards → pass@k, maj@k and mean@k, plus greedy accuracy.
+
+  python -m arealjax.evaluate --config=configs/math.py:qwen3-1.7b --model=/runs/math/model --out=/tmp/eval \
+      --config.eval.n=16 --config.eval.k=1,4,16 --config.eval.num_problems=0 --config.data.eval_split=test
+  python -m arealjax.evaluate --config=configs/math.py:tiny --workdir=/tmp/run --out=/tmp/eval   # latest checkpoint
+
+Writes `<out>/problems.jsonl` (per problem: id, reward and extracted answer of every sample, its completions,
+correct count, greedy result) and `<out>/summary.json`, and prints a table. The same `evaluate()` runs inside
+training every `rl.eval_every` steps. Estimators, from n ≥ k samples per problem with c correct (reward > 0.5):
+  pass@k  1 − C(n−c, k) / C(n, k): the unbiased estimator (Chen et al. 2021) of P(one of k samples is correct)
+  maj@k   the expected reward of the majority answer of k samples drawn without replacement from the n (exact
+          over every k-subset up to MAJ_EXACT subsets, else the mean over MAJ_DRAWS seeded draws); ties split the
+          vote evenly; samples without an extracted answer do not vote
+  mean@k  the mean reward of the samples (= pass@1 for 0/1 rewards; its expectation does not depend on k)
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import logging
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+MAJ_EXACT = 20_000
+MAJ_DRAWS = 2_000
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 − C(n−c, k)/C(n, k), as a stable product."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def majority_reward(answers: Sequence[str | None], rewards: Sequence[float]) -> float:
+    """The reward of the most common answer (None does not vote; ties: the mean over the tied answers)."""
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return 0.0
+    top = max(votes.values())
+    winners = [a for a, v in votes.items() if v == top]
+    return float(np.mean([np.mean([r for a, r in zip(answers, rewards) if a == w]) for w in winners]))
+
+
+def maj_at_k(answers: Sequence[str | None], rewards: Sequence[float], k: int, seed: int = 0) -> float:
+    """Expected majority-vote reward of k of the n samples (see the module docstring)."""
+    n = len(answers)
+    if not 1 <= k <= n:
+        raise ValueError(f"maj_at_k: need 1 <= k <= n = {n}, got k={k}")
+    if math.comb(n, k) <= MAJ_EXACT:
+        subsets = itertools.combinations(range(n), k)
+    else:
+        rng = np.random.default_rng(seed)
+        subsets = (rng.choice(n, k, replace=False) for _ in range(MAJ_DRAWS))
+    return float(np.mean([majority_reward([answers[i] for i in s], [rewards[i] for i in s]) for s in subsets]))
+
+
+def load_fn(path: str) -> Callable | None:
+    """"module:function" → the function; "" → None."""
+    if not path:
+        return None
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"eval.answer_fn = '{path}': cannot import it ({e}); expected 'module:function'") from e
+
+
+def evaluate(generator, rewards, tokenizer, prompts: Sequence, *, n: int = 1, ks: Sequence[int] = (1,),
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 256,
+             seed: int = 0, greedy: bool = True, answer_fn: Callable | None = None, wait: Callable = None,
+             progress: bool = False) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Samples `n` completions of every prompt (and one greedy one), scores them with the reward service and
+    returns (summary, per-problem rows). `wait(future)` resolves futures (the training loop's checks for a stop
+    request); `answer_fn(completion) -> str | None` extracts final answers for maj@k (None: no maj@k)."""
+    from arealjax.generation import SamplingParams
+
+    ks = sorted({k for k in ks if k <= n})
+    wait = wait or (lambda f: f.result())
+    stops = tuple(tokenizer.eos_ids)
+    futs = [generator.submit(p.tokens, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                                      max_new_tokens=max_new_tokens, stop_token_ids=stops, n=n,
+                                                      seed=p.sampling_seed(seed + 99))) for p in prompts]
+    greedy_futs = [generator.submit(p.tokens, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+                                                             stop_token_ids=stops)) for p in prompts] if greedy else []
+    rows, t0 = [], time.perf_counter()
+    bar = tqdm(total=len(prompts), desc="evaluate", unit="problem", disable=not progress, mininterval=2)
+    for i, (p, f) in enumerate(zip(prompts, futs)):
+        samples = wait(f)
+        texts = [tokenizer.decode(s.output_tokens) for s in samples]
+        scores = [rewards.submit(t, **p.reward_kwargs) for t in texts]
+        row = {"id": p.id, "rewards": [float(wait(s)) for s in scores], "completions": texts,
+               "lengths": [len(s.output_tokens) for s in samples],
+               "truncated": sum(s.stop_reason == "length" for s in samples)}
+        row["correct"] = sum(r > 0.5 for r in row["rewards"])
+        if answer_fn is not None:
+            row["answers"] = [answer_fn(t) for t in texts]
+        if greedy:
+            g = wait(greedy_futs[i])[0]
+            text = tokenizer.decode(g.output_tokens)
+            row.update(greedy_completion=text, greedy_reward=float(wait(rewards.submit(text, **p.reward_kwargs))))
+        rows.append(row)
+        bar.update()
+    bar.close()
+    return summarize(rows, n, ks, seconds=time.perf_counter() - t0), rows
+
+
+def summarize(rows: list[dict[str, Any]], n: int, ks: Sequence[int], seconds: float = 0.0) -> dict[str, float]:
+    """The estimators over problems, and output-length percentiles (tokens)."""
+    out: dict[str, float] = {"problems": len(rows), "samples_per_problem": n,
+                             "eval_accuracy": float(np.mean([np.mean(r["rewards"]) for r in rows]))}
+    out[f"mean@{n}"] = out["eval_accuracy"]
+    for k in ks:
+        out[f"pass@{k}"] = float(np.mean([pass_at_k(n, r["correct"], k) for r in rows]))
+        if rows and "answers" in rows[0]:
+            out[f"maj@{k}"] = float(np.mean([maj_at_k(r["answers"], r["rewards"], k) for r in rows]))
+    if rows and "greedy_reward" in rows[0]:
+        out["eval_greedy_accuracy"] = float(np.mean([r["greedy_reward"] for r in rows]))
+    lengths = [x for r in rows for x in r["lengths"]]
+    out.update(eval_length_p50=float(np.percentile(lengths, 50)), eval_length_p99=float(np.percentile(lengths, 99)),
+               eval_length_max=float(max(lengths)),
+               eval_truncated=float(sum(r["truncated"] for r in rows) / max(len(lengths), 1)))
+    if seconds:
+        out["eval_seconds"], out["problems_per_s"] = seconds, len(rows) / seconds
+    return out
+
+
+def table(summary: dict[str, float]) -> str:
+    keys = [k for k in summary if "@" in k or k in ("eval_accuracy", "eval_greedy_accuracy")]
+    return "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {summary[k]:.4f} |\n" for k in keys)
+
+
+def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", progress: bool = True,
+        stop=None) -> dict[str, float]:
+    """The command: config → model (a HF directory, or a run's latest checkpoint) → generator + reward workers →
+    `evaluate` over the first `eval.num_problems` problems of `data.eval_split` (0 = all) → files in `out`."""
+    from arealjax import train
+
+    e = config.eval
+    if any(k > e.n for k in e.k):
+        raise ValueError(f"eval.k = {list(e.k)}: every k must be ≤ eval.n = {e.n} (samples per problem)")
+    answer_fn = load_fn(e.answer_fn)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with train.serving(config, model_path=model, workdir=workdir, stop=stop) as (generator, rewards, tokenizer, wait):
+        prompts = train.eval_prompts(config, tokenizer)
+        summary, rows = evaluate(generator, rewards, tokenizer, prompts, answer_fn=answer_fn, wait=wait,
+                                 progress=progress, **sampling_kwargs(config))
+    with open(out / "problems.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def sampling_kwargs(config: Any) -> dict[str, Any]:
+    """evaluate()'s sampling arguments from a config: eval.* where set, else the RL sampling (rl.*)."""
+    e, r = config.eval, config.rl
+    temperature = e.temperature if e.get("temperature", -1.0) >= 0 else r.temperature
+    return dict(n=e.n, ks=list(e.k), temperature=temperature, top_p=r.get("top_p", 1.0), top_k=r.get("top_k", 0),
+                max_new_tokens=r.max_new_tokens, seed=config.seed, greedy=e.greedy)
+
+
+def main(argv: list[str]) -> None:
+    from absl import flags
+
+    f = flags.FLAGS
+    if len(argv) > 1:
+        raise SystemExit(f"error: unexpected arguments {argv[1:]}")
+    from arealjax import runtime
+
+    try:
+        runtime.setup(f.config)
+        summary = run(f.config, f.out, model=f.model, workdir=f.workdir, stop=STOP)
+    except runtime.Interrupted as e:
+        print(f"interrupted ({e}): generator and reward workers stopped", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    except Exception as e:  # noqa: BLE001 — one paragraph instead of a traceback
+        if f.debug:
+            raise
+        print(f"error: {runtime.error_text(e)}\n(run with --debug for the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(table(summary))
+
+
+if __name__ == "__main__":
+    from arealjax import runtime
+
+    STOP = runtime.install_signal_handlers()
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "A config file[:arg] with get_config(): data, rewards, "
+                                    "generator, eval.* (override with --config.eval.n=16 ...).", lock_config=True)
+    flags.DEFINE_string("model", "", "A Hugging Face directory (default: the config's model_path).")
+    flags.DEFINE_string("workdir", "", "Evaluate this run's latest checkpoint (its config must be the run's).")
+    flags.DEFINE_string("out", None, "Directory for problems.jsonl and summary.json.")
+    flags.DEFINE_bool("debug", False, "Show the traceback of an error.")
+    flags.mark_flags_as_required(["config", "out"])
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    app.run(main)
