@@ -16,7 +16,6 @@ training every `rl.eval_every` steps. Estimators, from n ≥ k samples per probl
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import logging
@@ -68,14 +67,10 @@ def maj_at_k(answers: Sequence[str | None], rewards: Sequence[float], k: int, se
 
 
 def load_fn(path: str) -> Callable | None:
-    """"module:function" → the function; "" → None."""
-    if not path:
-        return None
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"eval.answer_fn = '{path}': cannot import it ({e}); expected 'module:function'") from e
+    """eval.answer_fn: "module:function" → the function; "" → None (no maj@k)."""
+    from arealjax.rewards.service import resolve
+
+    return resolve(path, "eval.answer_fn") if path else None
 
 
 def evaluate(generator, rewards, tokenizer, prompts: Sequence, *, n: int = 1, ks: Sequence[int] = (1,),
