@@ -15,6 +15,9 @@ from arealjax.data import TASKS
 from arealjax.generation.generator import MODES
 from arealjax.models import attention as attn
 from arealjax.models.hf import DTYPES
+from arealjax.models.lora import EXPORTS as LORA_EXPORT
+from arealjax.models.lora import SERVING as LORA_GENERATOR
+from arealjax.models.lora import TARGETS as LORA_TARGETS
 from arealjax.models.paged import ATTENTION_KINDS
 from arealjax.models.transformer import REMAT
 from arealjax.rl.advantages import GROUP_BASELINES, AdvantageConfig
@@ -93,6 +96,15 @@ def check_config(config: Any) -> None:
          "≥ 0 (0 = greedy samples), or -1 for rl.temperature")
     need(isinstance(e.answer_fn, str) and (not e.answer_fn or re.fullmatch(r"[\w.]+:\w+", e.answer_fn)),
          "eval.answer_fn", "'' (no maj@k) or 'package.module:function' returning a completion's final answer")
+    lo = config.lora
+    positive("lora.rank", minimum=0)
+    if lo.rank:
+        need(_number(lo.alpha) and lo.alpha > 0, "lora.alpha", "> 0 (adapters are scaled by alpha / rank)")
+        need(isinstance(lo.targets, (tuple, list)) and lo.targets and set(lo.targets) <= set(LORA_TARGETS),
+             "lora.targets", f"a non-empty tuple of {LORA_TARGETS} (on the command line: "
+             f"--config.lora.targets='(\"q_proj\",\"v_proj\")')")
+    need(lo.generator in LORA_GENERATOR, "lora.generator", f"one of {LORA_GENERATOR}")
+    need(lo.export in LORA_EXPORT, "lora.export", f"one of {LORA_EXPORT}")
     template = config.data.template
     need(template == "chat" or "{prompt}" in str(template), "data.template", "'chat' or a string with {prompt}")
     need(_formats(config.data.instruction), "data.instruction", "a format string with {prompt} (literal braces "

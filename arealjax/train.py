@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
 from arealjax import evaluate as evaluation
@@ -54,6 +55,49 @@ def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, model
     cfg = models.ModelConfig.make(**config.model.to_dict(), vocab_size=tokenizer.vocab_size,
                                   eos_token_id=tokenizer.eos_ids[0], bos_token_id=tokenizer.bos_id)
     return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)
+
+
+def lora_config(config: Any) -> models.LoraConfig | None:
+    lo = config.lora
+    return models.LoraConfig(lo.rank, lo.alpha, tuple(lo.targets)) if lo.rank else None
+
+
+def make_trainer(config: Any, model: models.Model, mesh, rules) -> Trainer:
+    """The RL trainer of `config.trainer` on `mesh`; with `lora.rank` > 0 it trains fresh adapters on `model`."""
+    lora = lora_config(config)
+    if lora is not None:
+        model = models.lora.add_lora(model, lora, seed=config.seed, mesh=mesh, rules=rules)
+    return Trainer(model, trainer_config(config.trainer), mesh=mesh, rules=rules)
+
+
+class WeightSync:
+    """Trainer params -> the generator's: resharded (and cast) onto the generator mesh between two RL steps.
+
+    With LoRA only the adapters move (the generator keeps its copy of the frozen base) and the generator serves
+    base + adapters `merged` (W + (α/r)·A·B, computed on the generator mesh once per version) or `on_the_fly`.
+    `model` is the generator's model with the trainer's current params; `bytes` what one sync moves."""
+
+    def __init__(self, trainer_model: models.Model, mesh, rules, dtype, serving: str = "merged"):
+        shard = LogicalSharding(mesh, rules)
+        gen = trainer_model.to_mesh(mesh, rules, dtype=dtype)
+        self.dtype, self.base, self.merge = gen.dtype, None, None
+        moved = gen.params
+        if gen.lora is not None:
+            moved, self.base = models.lora.split(gen.params)
+            if serving == "merged":
+                graphdef, self.merge = models.lora.merger(gen, shard)
+                gen = models.Model(gen.cfg, graphdef, self.merge(gen.params))
+        self.model = gen
+        self.targets = tree_shardings(moved, shard)
+        self.bytes = sum(x.nbytes for x in jax.tree.leaves(moved))
+
+    def __call__(self, params: Any) -> Any:
+        """The generator's params for the trainer's `params` (its trainable ones: the adapters under LoRA)."""
+        moved = reshard(params, self.targets, self.dtype)
+        if self.base is None:
+            return moved
+        full = nnx.merge_state(moved, self.base)
+        return full if self.merge is None else self.merge(full)
 
 
 def task_problems(task: Any, n: int, seed: int) -> list:
@@ -158,6 +202,8 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
     ckpt = Checkpointer(out / "checkpoints", every_steps=config.checkpoint.every_steps, max_to_keep=1)
     restored = ckpt.restore_latest(trainer) if ckpt.latest_step() is not None else None
     first = restored[0] if restored else 0
+    if restored:
+        logging.info("SFT: resumed from checkpoint %d of %d in %s", first, s.steps, out / "checkpoints")
     if s.data.path:
         stream = SFTStream(s.data.path, s.data.split, tokenizer, seed=config.seed, epochs=s.data.epochs or None,
                            max_tokens=s.max_tokens)
@@ -283,13 +329,14 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     # Everything that reads user input comes before anything starts: prompts, held-out set, workflow.
     prompts, held_out = train_prompts(config, tokenizer), eval_prompts(config, tokenizer)
     workflow = load_workflow(config.workflow.path, config.workflow.kwargs)
-    if config.sft.steps and latest is None:
+    # A checkpoint holds the full params, or (LoRA) only the adapters: then the base is the SFT result again.
+    if config.sft.steps and (latest is None or config.lora.rank):
         model = warm_start(config, tokenizer, model, meshes["trainer"], rules, workdir, stop)
     if rl.steps == 0:  # an SFT-only run: its model is the result
         save_model(model, tokenizer, workdir / "model", config.model_path)
         summary.update(status="completed", steps=0, model=str(workdir / "model"))
         return
-    trainer = Trainer(model, trainer_config(config.trainer), mesh=meshes["trainer"], rules=rules)
+    trainer = make_trainer(config, model, meshes["trainer"], rules)
     restored = ckpt.restore_latest(trainer) if latest is not None else None
     done = 0 if restored is None else restored[0]  # completed RL steps
     if done >= rl.steps:
@@ -298,16 +345,13 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     for name in ("metrics.jsonl", "trained_prompts.jsonl"):  # rows a killed run wrote after its checkpoint go
         truncate_jsonl(workdir / name, done)
 
-    gen_model = model.to_mesh(meshes["generator"], rules, dtype=models.hf.DTYPES[g.dtype])
-    gen_shardings = tree_shardings(gen_model.params, LogicalSharding(meshes["generator"], rules))
-
-    gen_params = reshard(trainer.params, gen_shardings, gen_model.dtype) if restored else gen_model.params
+    sync = WeightSync(trainer.model, meshes["generator"], rules, models.hf.DTYPES[g.dtype], config.lora.generator)
     sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, n=rl.group_size,
                               stop_token_ids=tuple(tokenizer.eos_ids), seed=config.seed)
     advantage = AdvantageConfig(**config.advantage.to_dict())
     writer = MetricsWriter(workdir, purge_step=done + 1 if restored else None)
     stack.callback(writer.close)
-    generator = make_generator(config, gen_model, gen_params, trainer.version, meshes["generator"], rules)
+    generator = make_generator(config, sync.model, sync.model.params, trainer.version, meshes["generator"], rules)
     stack.callback(generator.close)
     rewards = make_rewards(config)
     stack.callback(rewards.close)
@@ -366,7 +410,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
                                    f"{config.trainer.max_skipped_in_a_row}); lower the learning rate or check the "
                                    f"rewards")
             t1 = time.perf_counter()
-            params = reshard(trainer.params, gen_shardings, gen_model.dtype)
+            params = sync(trainer.params)
             sync_s = time.perf_counter() - t1
             generator.update_weights(params, trainer.version).add_done_callback(
                 lambda f, v=trainer.version: controller.on_weights_applied(v))
@@ -384,7 +428,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
                 **{f"staleness_tokens_{k}": int(n) for k, n in enumerate(tokens_by_staleness)},
                 "queue_depth": controller.queue_depth(), "in_flight": controller.in_flight(),
                 "generated_tokens_per_s": (tokens - last_tokens) / (now - last_t),
-                "weight_sync_seconds": sync_s, "batch_wait_seconds": wait_s,
+                "weight_sync_seconds": sync_s, "weight_sync_bytes": sync.bytes, "batch_wait_seconds": wait_s,
                 "generator_idle_share": idle / max(busy + idle, 1e-9), "generator_idle_seconds": idle,
                 "generator_busy_seconds": busy,
                 "interrupts": gs.interrupts - last_stats.interrupts,
@@ -427,7 +471,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     summary.update(eval_accuracy_end=latest_eval["eval_accuracy"],
                    eval_greedy_accuracy_end=latest_eval["eval_greedy_accuracy"])
     plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
-    save_model(trainer.model, tokenizer, workdir / "model", config.model_path)
+    save_model(trainer.model, tokenizer, workdir / "model", config.model_path, config.lora.export)
 
 
 def make_generator(config: Any, gen_model: models.Model, params: Any, version: int, mesh, rules) -> Generator:
@@ -455,24 +499,22 @@ def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | N
     config = config.copy_and_resolve_references()
     with config.unlocked():
         config.model_path = model_path or config.model_path
-        config.sft.steps = 0  # nothing is trained here
+        if not workdir:
+            config.sft.steps = 0  # nothing is trained here
     check_config(config)
     rules = normalize_rules(config.sharding_rules)
     meshes = role_meshes(config.mesh)
     tokenizer, model = build(config, meshes["trainer"], rules)
     version = 0
     if workdir:
-        c = config.checkpoint
-        trainer = Trainer(model, trainer_config(config.trainer), mesh=meshes["trainer"], rules=rules)
-        restored = Checkpointer(c.dir or Path(workdir) / "checkpoints", create=False).restore_latest(trainer)
-        if restored is None:
-            raise FileNotFoundError(f"no complete checkpoint in {c.dir or Path(workdir) / 'checkpoints'}")
+        trainer, _ = restore_trainer(config, workdir, tokenizer, model, meshes["trainer"], rules)
         model, version = trainer.model, trainer.version
         del trainer  # its optimizer state is not needed to generate
-    gen_model = model.to_mesh(meshes["generator"], rules, dtype=models.hf.DTYPES[config.generator.dtype])
+    gen = WeightSync(model, meshes["generator"], rules, models.hf.DTYPES[config.generator.dtype],
+                     config.lora.generator).model
     stop = stop or Stop()
     with contextlib.ExitStack() as stack:
-        generator = make_generator(config, gen_model, gen_model.params, version, meshes["generator"], rules)
+        generator = make_generator(config, gen, gen.params, version, meshes["generator"], rules)
         stack.callback(generator.close)
         rewards = make_rewards(config)
         stack.callback(rewards.close)
@@ -490,10 +532,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
                    "special_tokens_map.json", "vocab.json", "merges.txt")
 
 
-def save_model(model: models.Model, tokenizer: Tokenizer, out: str | Path, model_path: str = "") -> None:
+def save_model(model: models.Model, tokenizer: Tokenizer, out: str | Path, model_path: str = "",
+               lora_export: str = "merged") -> None:
     """`model` as a Hugging Face directory with its tokenizer: ours, or the files of the checkpoint it came from
-    (`model_path`), so the directory serves, evaluates and loads in transformers on its own."""
-    models.save_pretrained(model, out)
+    (`model_path`), so the directory serves, evaluates and loads in transformers on its own. A LoRA model is
+    written merged, or with `lora_export` = 'adapters' as PEFT adapters of `model_path`."""
+    if model.lora is not None and lora_export == "adapters":
+        models.lora.save_adapters(model, out, model_path)
+    else:
+        models.save_pretrained(model, out)
     if isinstance(tokenizer, CharTokenizer):
         tokenizer.save(out)
     elif model_path:
@@ -502,17 +549,30 @@ def save_model(model: models.Model, tokenizer: Tokenizer, out: str | Path, model
                 shutil.copyfile(Path(model_path) / name, Path(out) / name)
 
 
+def restore_trainer(config: Any, workdir: str | Path, tokenizer: Tokenizer, model: models.Model, mesh,
+                    rules) -> tuple[Trainer, int]:
+    """The trainer of the run in `workdir` at its latest checkpoint, and that step. A LoRA checkpoint holds only
+    the adapters: their base is `model` after the run's SFT stage (reused from its cache)."""
+    if config.lora.rank and config.sft.steps:
+        model = warm_start(config, tokenizer, model, mesh, rules, Path(workdir), Stop())
+    trainer = make_trainer(config, model, mesh, rules)
+    ckpt = Checkpointer(config.checkpoint.dir or Path(workdir) / "checkpoints", create=False)
+    try:
+        restored = ckpt.restore_latest(trainer)
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"no complete checkpoint in {ckpt.manager.directory}")
+    return trainer, restored[0]
+
+
 def export(config: Any, workdir: str, out: str) -> int:
     """The latest checkpoint's params as a Hugging Face directory (config.json, safetensors, tokenizer) for
-    serving; returns its step."""
+    serving — merged, or with LoRA and lora.export = 'adapters' the adapters in PEFT's format; returns its step."""
     rules = normalize_rules(config.sharding_rules)
     mesh = role_meshes(config.mesh)["trainer"]
     tokenizer, model = build(config, mesh, rules)
-    trainer = Trainer(model, trainer_config(config.trainer), mesh=mesh, rules=rules)
-    ckpt = Checkpointer(config.checkpoint.dir or Path(workdir) / "checkpoints", create=False)
-    restored = ckpt.restore_latest(trainer)
-    if restored is None:
-        raise FileNotFoundError(f"no complete checkpoint in {ckpt.manager.directory} to export")
-    save_model(trainer.model, tokenizer, out, config.model_path)
-    logging.info("exported checkpoint %d (version %d) to %s", restored[0], trainer.version, out)
-    return restored[0]
+    trainer, step = restore_trainer(config, workdir, tokenizer, model, mesh, rules)
+    save_model(trainer.model, tokenizer, out, config.model_path, config.lora.export)
+    logging.info("exported checkpoint %d (version %d) to %s", step, trainer.version, out)
+    return step

@@ -3,7 +3,8 @@ CPU devices (abstract shapes: nothing is allocated), before and after each memor
 
   python benchmarks/memory.py            # Qwen3-1.7B at 8k/16k/32k tokens per row, Qwen3-8B at 8k/32k
   python benchmarks/memory.py --quick    # Qwen3-1.7B at 8k only, and compile times at fewer depths
-  --part memory | compile                # one of the two tables (the compile times are timings: run them alone)
+  --part memory | compile | lora         # one table (the compile times are timings: run them alone); lora: full
+                                         # fine-tuning vs LoRA adapters on the same step
 
 Every item in turn on FSDP 8, all of them on FSDP 4 × TP 2. Train step: one micro-batch of one row of T tokens
 per data-parallel rank (the smallest a step can be), AdamW.
@@ -34,9 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
-from arealjax.models import ModelConfig  # noqa: E402
+from arealjax.models import LoraConfig, ModelConfig  # noqa: E402
 from arealjax.models import _abstract as abstract_model  # noqa: E402
+from arealjax.models.lora import split as split_lora  # noqa: E402
 from arealjax.rl.packing import FIELDS  # noqa: E402
 from arealjax.rl.trainer import OptimConfig, TrainerConfig, make_optimizer, make_steps  # noqa: E402
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh, tree_shardings  # noqa: E402
@@ -79,27 +82,32 @@ def program_bytes(compiled) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
-def train_step_bytes(cfg: ModelConfig, t: int, axes: dict, knobs: dict, scan: bool = True) -> tuple[int, float]:
-    """Peak bytes per device of one train step, and the seconds to compile its gradient program."""
+def train_step_bytes(cfg: ModelConfig, t: int, axes: dict, knobs: dict, scan: bool = True,
+                     lora: LoraConfig | None = None) -> tuple[int, float]:
+    """Peak bytes per device of one train step, and the seconds to compile its gradient program. With `lora`,
+    the adapters are trained and the base is frozen (an argument of the gradient program, resident during the
+    optimizer's)."""
     mesh = make_mesh(axes)
     shard = LogicalSharding(mesh, DEFAULT_RULES)
-    graphdef, params = abstract_model(cfg, jnp.float32, shard)
+    graphdef, params = abstract_model(cfg, jnp.float32, shard, lora)
+    params, frozen = split_lora(params) if lora else (params, nnx.State({}))
     rows = axes.get("fsdp", 1) * axes.get("data", 1)
     tcfg = TrainerConfig(max_tokens=t, micro_rows=rows, scan_layers=scan, **knobs)
     tx = make_optimizer(OptimConfig())
-    steps = make_steps(graphdef, params, tcfg, tx, mesh, DEFAULT_RULES)
+    steps = make_steps(graphdef, params, tcfg, tx, mesh, DEFAULT_RULES, frozen)
     p = sds(jax.tree.map(lambda v: v, params), steps.p_sh)
+    f = sds(jax.tree.map(lambda v: v, frozen), steps.f_sh)
     acc = sds(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, jnp.float32), params), steps.p_sh)
     opt = sds(jax.eval_shape(tx.init, params), steps.o_sh)
     mb = {f: jax.ShapeDtypeStruct((rows, t), BATCH_DTYPES.get(f, jnp.int32), sharding=steps.b_sh) for f in FIELDS}
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     prox = jax.ShapeDtypeStruct((rows, t), jnp.float32, sharding=steps.b_sh)
     t0 = time.perf_counter()
-    grad = steps.grad.lower(p, acc, mb, prox, None, scalar).compile()
+    grad = steps.grad.lower(p, f, acc, mb, prox, None, scalar).compile()
     compile_s = time.perf_counter() - t0
     apply = steps.apply.lower(p, opt, acc, scalar).compile()
-    opt_bytes = per_device(opt, steps.o_sh)
-    return max(program_bytes(grad) + opt_bytes, program_bytes(apply)), compile_s
+    opt_bytes, frozen_bytes = per_device(opt, steps.o_sh), per_device(frozen, steps.f_sh)
+    return max(program_bytes(grad) + opt_bytes, program_bytes(apply) + frozen_bytes), compile_s
 
 
 def generator_bytes(cfg: ModelConfig, t: int, slots: int, page_size: int = 16, steps: int = 4) -> int:
@@ -134,7 +142,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rows", default=",".join(f"{m}:{t}" for m, t in ROWS), help="model:tokens_per_row,...")
-    ap.add_argument("--part", default="all", choices=("all", "memory", "compile"))
+    ap.add_argument("--part", default="all", choices=("all", "memory", "compile", "lora"))
     ap.add_argument("--gen-slots", type=int, default=32)
     args = ap.parse_args()
     rows = [(r.split(":")[0], int(r.split(":")[1])) for r in args.rows.split(",")]
@@ -145,6 +153,27 @@ def main():
         memory_tables(rows, args.gen_slots)
     if args.part in ("all", "compile"):
         compile_times((4, 28) if args.quick else (4, 28, 36))
+    if args.part in ("all", "lora"):
+        lora_table(rows[:1] if args.quick else [r for r in rows if r[1] == 8192])
+
+
+def lora_table(rows, ranks=(16, 64)):
+    """Full fine-tuning vs LoRA on every projection: peak per device (FSDP 8, all memory items on), trainable
+    params, and the bytes a weight sync moves (bf16)."""
+    knobs = {k: v for _, change in STAGES for k, v in change.items()}
+    print("\nLoRA vs full fine-tuning (all memory items on, FSDP 8; sync = bf16 bytes moved per RL step):\n")
+    print("| model | tokens / row | trained | trainable params | peak per device | weight sync |")
+    print("|---|---|---|---|---|---|")
+    for name, t in rows:
+        cfg = ModelConfig.make(**SHAPES[name])
+        for rank in (0, *ranks):
+            lora = LoraConfig(rank, 2.0 * rank) if rank else None
+            _, params = abstract_model(cfg, jnp.float32, None, lora)
+            trained = split_lora(params)[0] if lora else params
+            n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trained))
+            b, _ = train_step_bytes(cfg, t, MESHES["FSDP 8"], knobs, lora=lora)
+            print(f"| {name} | {t:,} | {'full' if not rank else f'LoRA r={rank}'} | {n / 1e6:,.1f} M | "
+                  f"{b / GiB:.1f} GiB | {2 * n / 2**20:,.1f} MiB |", flush=True)
 
 
 def memory_tables(rows, gen_slots):

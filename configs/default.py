@@ -127,6 +127,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.trainer.scan_layers = True
     config.trainer.logits_chunk = 1024
     config.trainer.compute_dtype = "float32"
+    # LoRA (arealjax/models/lora.py): rank > 0 trains low-rank adapters on `targets` of every layer (scaled by
+    # alpha / rank) and freezes the rest; the optimizer state and the weight sync are the adapters' only. The
+    # generator serves base + adapters "merged" (W + (α/r)·A·B once per version) or "on_the_fly" (two thin
+    # matmuls per projection per token); the run's model is exported "merged" or as "adapters" (PEFT's format).
+    # The SFT warm start, if any, trains the full model before the adapters are added.
+    config.lora = ml_collections.ConfigDict()
+    config.lora.rank = 0
+    config.lora.alpha = 16.0
+    config.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    config.lora.generator = "merged"
+    config.lora.export = "merged"
 
     # The interruptible generator (arealjax/generation): KV-cache slots, cache length, weight-swap mode.
     config.generator = ml_collections.ConfigDict()

@@ -103,3 +103,13 @@ def gcs_bucket():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def tiny_recipes(tmp_path_factory) -> Path:
+    """`python -m arealjax.tiny`'s output: random checkpoints of each recipe family with BPE tokenizers and chat
+    templates, and datasets in the real layouts (tfds/<name>/1.0.0)."""
+    root = tmp_path_factory.getbasetemp() / "tiny_recipes"
+    subprocess.run([sys.executable, "-m", "arealjax.tiny", f"--out={root}"], cwd=Path(__file__).resolve().parents[1],
+                   check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    return root

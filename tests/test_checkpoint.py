@@ -231,3 +231,42 @@ def test_the_kl_reference_policy_is_checkpointed(tmp_path):
     Checkpointer(tmp_path).restore_latest(resumed)
     for a, b in zip(jax.tree.leaves(resumed.ref_params), jax.tree.leaves(first.ref_params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_kill_minus_9_during_dataset_sft_then_rerun_continues_exactly(tmp_path, tiny_recipes):
+    """An SFT-only run of the code recipe's :tiny variant on the conversation fixture, SIGKILLed at a random moment
+    after SFT checkpoint 4 and rerun with the same command, ends with the uninterrupted run's params (the batches
+    after the checkpoint come from the restored dataset position, none twice)."""
+    root = tiny_recipes
+    args = ["--config=configs/code.py:tiny", f"--config.model_path={root / 'r1-distill'}",
+            f"--config.data.path={root / 'tfds' / 'code' / '1.0.0'}",
+            f"--config.sft.data.path={root / 'tfds' / 'sft' / '1.0.0'}", "--config.rl.steps=0",
+            "--config.sft.steps=12", "--config.checkpoint.every_steps=4"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+    def start(workdir):
+        return subprocess.Popen([sys.executable, "main.py", *args, f"--workdir={workdir}"], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    full = start(tmp_path / "full")
+    out, _ = full.communicate(timeout=600)
+    assert full.returncode == 0, out[-3000:]
+    run = tmp_path / "killed"
+    proc = start(run)
+    deadline = time.monotonic() + 600
+    while not list((run / "sft" / "checkpoints").glob("4")):  # orbax renames a step's directory in once complete
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    time.sleep(random.uniform(0, 0.5))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "model").exists(), "the SFT run finished before the kill"
+    rerun = start(run)
+    out, _ = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, out[-3000:]
+    assert re.search(r"SFT: resumed from checkpoint (4|8) of 12", out), out[-3000:]
+    a, b = params(run), params(tmp_path / "full")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)

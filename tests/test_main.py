@@ -51,39 +51,45 @@ def test_bad_mesh_config_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["math", "code"])
-def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, recipe):
+@pytest.mark.parametrize("recipe", ["math", "code+lora"])
+def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_recipes, recipe):
     """Each recipe's :tiny variant (a random checkpoint of the recipe's family with a BPE tokenizer and chat template,
     a dataset in the real layout; code: an SFT stage on conversations first) trains through main.py, and the
-    evaluation command scores the run's latest checkpoint."""
-    root = tmp_path_factory.getbasetemp() / "tiny_recipes"
-    if not (root / "tfds").is_dir():
-        subprocess.run([sys.executable, "-m", "arealjax.tiny", f"--out={root}"], cwd=ROOT, check=True,
-                       capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
-    model = {"math": "qwen3", "code": "r1-distill"}[recipe]
-    data = {"math": "gsm8k", "code": "code"}[recipe]
+    evaluation command scores the run's latest checkpoint. The code run trains LoRA adapters after its (full) SFT
+    stage: the weight sync moves the adapters only, the run exports them in PEFT's format, and the evaluation
+    restores them onto the SFT result."""
+    root = tiny_recipes
+    name = recipe.split("+")[0]
+    model = {"math": "qwen3", "code": "r1-distill"}[name]
+    data = {"math": "gsm8k", "code": "code"}[name]
     paths = [f"--config.model_path={root / model}", f"--config.data.path={root / 'tfds' / data / '1.0.0'}",
              f"--config.sft.data.path={root / 'tfds' / 'sft' / '1.0.0'}"]
-    workdir = tmp_path_factory.mktemp(recipe)
+    if recipe == "code+lora":
+        paths += ["--config.lora.rank=4", "--config.lora.export=adapters", "--config.lora.generator=on_the_fly"]
+    workdir = tmp_path_factory.mktemp(name)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    run = subprocess.run([sys.executable, "main.py", f"--config=configs/{recipe}.py:tiny", f"--workdir={workdir}",
+    run = subprocess.run([sys.executable, "main.py", f"--config=configs/{name}.py:tiny", f"--workdir={workdir}",
                           *paths], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3
-    if recipe == "code":
-        assert (workdir / "sft" / "sft_config.json").is_file()  # the SFT stage ran on the conversations
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert "eval_pass_at_4" in rows[-1] and "eval_pass_at_4" in rows[0]
+    if recipe == "code+lora":
+        assert (workdir / "sft" / "sft_config.json").is_file()  # the SFT stage ran on the conversations
+        config = json.loads((workdir / "model" / "adapter_config.json").read_text())
+        assert config["r"] == 4 and config["peft_type"] == "LORA"
+        full_bytes = sum(f.stat().st_size for f in (workdir / "sft").glob("*.safetensors"))
+        assert 0 < rows[-1]["weight_sync_bytes"] < full_bytes / 10  # adapters only (fp32 both)
 
     out = workdir / "evaluation"
-    ev = subprocess.run([sys.executable, "-m", "arealjax.evaluate", f"--config=configs/{recipe}.py:tiny",
+    ev = subprocess.run([sys.executable, "-m", "arealjax.evaluate", f"--config=configs/{name}.py:tiny",
                          f"--workdir={workdir}", f"--out={out}", *paths], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
     assert ev.returncode == 0, ev.stderr[-3000:]
     result = json.loads((out / "summary.json").read_text())
     assert result["problems"] == 8 and result["samples_per_problem"] == 4
     assert {"pass@1", "pass@2", "pass@4", "eval_greedy_accuracy"} <= set(result)
-    assert ("maj@4" in result) == (recipe == "math") and "| pass@4 |" in ev.stdout
+    assert ("maj@4" in result) == (name == "math") and "| pass@4 |" in ev.stdout
     problems = [json.loads(x) for x in (out / "problems.jsonl").read_text().splitlines()]
     assert len(problems) == 8 and all(len(p["completions"]) == 4 for p in problems)

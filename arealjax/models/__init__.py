@@ -17,14 +17,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arealjax.models import hf
+from arealjax.models import hf, lora
 from arealjax.models.config import ModelConfig, from_hf_config, to_hf_config
+from arealjax.models.lora import LoraConfig
 from arealjax.models.paged import DecodeIndex, PagedKV, init_pages
 from arealjax.models.transformer import KVCache, Transformer, decode_step, forward, prefill
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, reshard, tree_shardings
 
 __all__ = [
-    "DecodeIndex", "KVCache", "Model", "ModelConfig", "PagedKV", "Transformer", "decode_step", "forward",
+    "DecodeIndex", "KVCache", "LoraConfig", "Model", "ModelConfig", "PagedKV", "Transformer", "decode_step", "forward",
     "from_config", "from_hf_config", "init_pages", "load_pretrained", "prefill", "save_pretrained", "to_hf_config",
 ]
 
@@ -36,6 +37,7 @@ class Model:
     cfg: ModelConfig
     graphdef: nnx.GraphDef
     params: nnx.State
+    lora: LoraConfig | None = None  # the adapters' config when the params hold LoRA adapters (models/lora.py)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
@@ -51,13 +53,14 @@ class Model:
         cast to `dtype` first if given (e.g. a bf16 generator of an fp32 trainer)."""
         shard = LogicalSharding(mesh, rules)
         dtype = self.dtype if dtype is None else dtype
-        graphdef, abstract = _abstract(self.cfg, dtype, shard)
-        return Model(self.cfg, graphdef, reshard(self.params, tree_shardings(abstract, shard), dtype))
+        graphdef, abstract = _abstract(self.cfg, dtype, shard, self.lora)
+        return Model(self.cfg, graphdef, reshard(self.params, tree_shardings(abstract, shard), dtype), self.lora)
 
 
-def _abstract(cfg: ModelConfig, dtype, shard: LogicalSharding | None) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graphdef and shape-only params for `cfg`, without allocating anything."""
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), shard=shard)))
+def _abstract(cfg: ModelConfig, dtype, shard: LogicalSharding | None,
+              lora: LoraConfig | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graphdef and shape-only params for `cfg` (with adapters if `lora`), without allocating anything."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), shard=shard, lora=lora)))
 
 
 def _sharding(mesh, rules) -> LogicalSharding | None:
@@ -95,5 +98,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, mesh: jax.sharding.M
 
 
 def save_pretrained(model: Model, path: str | os.PathLike, *, max_shard_bytes: int = 5 << 30) -> None:
-    """Writes config.json + safetensors that `transformers.AutoModelForCausalLM.from_pretrained` loads."""
+    """Writes config.json + safetensors that `transformers.AutoModelForCausalLM.from_pretrained` loads; a model with
+    LoRA adapters is written merged (models/lora.py `save_adapters` writes the adapters alone)."""
+    if model.lora is not None:
+        model = lora.merge(model)
     hf.save_params(model.params, model.cfg, path, max_shard_bytes)

@@ -45,20 +45,35 @@ class KVCache(NamedTuple):
 
 
 class Linear(nnx.Module):
-    """y = x·W + b, contracting the last len(in_shape) dims of x with W of shape in_shape + out_shape."""
+    """y = x·W + b, contracting the last len(in_shape) dims of x with W of shape in_shape + out_shape.
 
-    def __init__(self, in_shape, out_shape, in_axes, out_axes, *, use_bias: bool, dtype, rngs: nnx.Rngs):
+    With `lora` (a LoraConfig, models/lora.py): y = x·W + (α/r)·(x·A)·B + b, adapters A [in, r] and B [r, out] as
+    nnx.LoRAParam. PEFT's initialisation — A ~ U(±1/√fan_in), B = 0 — so an adapted model starts as its base."""
+
+    def __init__(self, in_shape, out_shape, in_axes, out_axes, *, use_bias: bool, dtype, rngs: nnx.Rngs, lora=None):
         self.n_in = len(in_shape)
         shape = tuple(in_shape) + tuple(out_shape)
         w = INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
         self.kernel = nnx.Param(w.astype(dtype), axes=tuple(in_axes) + tuple(out_axes))
         self.bias = nnx.Param(jnp.zeros(out_shape, dtype), axes=tuple(out_axes)) if use_bias else None
+        self.lora_a = self.lora_b = None
+        if lora is not None:
+            bound = 1.0 / math.sqrt(math.prod(in_shape))
+            a = jax.random.uniform(rngs.params(), (*in_shape, lora.rank), jnp.float32, -bound, bound)
+            self.lora_a = nnx.data(nnx.LoRAParam(a.astype(dtype), axes=(*in_axes, "lora_rank")))
+            self.lora_b = nnx.data(nnx.LoRAParam(jnp.zeros((lora.rank, *out_shape), dtype),
+                                                 axes=("lora_rank", *out_axes)))
+            self.lora_scale = lora.scale
 
     def __call__(self, x: Array) -> Array:
         # As one 2-D matmul [tokens, in] x [in, out]: XLA:CPU runs those several times faster than N-D contractions.
         w = self.kernel[...]
-        lead, k_in = x.shape[:x.ndim - self.n_in], w.shape[:self.n_in]
-        y = jnp.matmul(x.reshape(-1, math.prod(k_in)), w.reshape(math.prod(k_in), -1))
+        lead, k_in = x.shape[:x.ndim - self.n_in], math.prod(w.shape[:self.n_in])
+        x2 = x.reshape(-1, k_in)
+        y = jnp.matmul(x2, w.reshape(k_in, -1))
+        if self.lora_a is not None:  # on the fly: two thin matmuls through rank r, never W + A·B
+            a, b = self.lora_a[...], self.lora_b[...]
+            y = y + jnp.matmul(jnp.matmul(x2, a.reshape(k_in, -1)), b.reshape(a.shape[-1], -1)) * self.lora_scale
         y = y.reshape(lead + w.shape[self.n_in:])
         return y if self.bias is None else y + self.bias[...]
 
@@ -104,15 +119,22 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
     return x * cos + jnp.concatenate([-x2, x1], -1) * sin
 
 
+def _lora_for(lora, name: str):
+    """The LoraConfig if projection `name` is one of its targets, else None."""
+    return lora if lora is not None and name in lora.targets else None
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lora=None):
         d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = dict(use_bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.q_proj = Linear((d,), (h, hd), ("embed",), ("heads", "head_dim"), **qkv)
-        self.k_proj = Linear((d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), **qkv)
-        self.v_proj = Linear((d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), **qkv)
+        self.q_proj = Linear((d,), (h, hd), ("embed",), ("heads", "head_dim"), lora=_lora_for(lora, "q_proj"), **qkv)
+        self.k_proj = Linear((d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), lora=_lora_for(lora, "k_proj"),
+                             **qkv)
+        self.v_proj = Linear((d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), lora=_lora_for(lora, "v_proj"),
+                             **qkv)
         self.o_proj = Linear((h, hd), (d,), ("heads", "head_dim"), ("embed",), use_bias=cfg.o_bias, dtype=dtype,
-                             rngs=rngs)
+                             rngs=rngs, lora=_lora_for(lora, "o_proj"))
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -127,22 +149,23 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lora=None):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear((d,), (f,), ("embed",), ("mlp",), use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear((d,), (f,), ("embed",), ("mlp",), use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear((f,), (d,), ("mlp",), ("embed",), use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        kw = dict(use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.gate_proj = Linear((d,), (f,), ("embed",), ("mlp",), lora=_lora_for(lora, "gate_proj"), **kw)
+        self.up_proj = Linear((d,), (f,), ("embed",), ("mlp",), lora=_lora_for(lora, "up_proj"), **kw)
+        self.down_proj = Linear((f,), (d,), ("mlp",), ("embed",), lora=_lora_for(lora, "down_proj"), **kw)
 
     def __call__(self, x: Array) -> Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lora=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        self.self_attn = Attention(cfg, dtype, rngs, lora)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, lora)
 
 
 def remat_policy(name: str):
@@ -160,14 +183,16 @@ class Transformer(nnx.Module):
 
     The layers are one `Block` whose params are stacked on a leading `layers` axis, applied by `jax.lax.scan`:
     compile time does not grow with depth, and remat applies per layer. `scan=False` unrolls the same params in
-    Python (the reference the scan is tested against)."""
+    Python (the reference the scan is tested against). `lora` (models/lora.py) adds low-rank adapters to its
+    target projections."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, shard: LogicalSharding | None = None):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, shard: LogicalSharding | None = None,
+                 lora=None):
         self.cfg = cfg
         self.shard = shard
         emb = INIT_STD * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32)
         self.embed_tokens = nnx.Param(emb.astype(dtype), axes=("vocab", "embed"))
-        self.layers = _stacked_blocks(cfg, dtype, rngs)
+        self.layers = _stacked_blocks(cfg, dtype, rngs, lora)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             (cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",), use_bias=False, dtype=dtype, rngs=rngs)
@@ -267,13 +292,13 @@ class Transformer(nnx.Module):
         return self._logits(self.norm(x))[:, 0], PagedKV(pk, pv)
 
 
-def _stacked_blocks(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> Block:
+def _stacked_blocks(cfg: ModelConfig, dtype, rngs: nnx.Rngs, lora=None) -> Block:
     """num_layers Blocks as one, every param stacked on a leading axis named `layers`."""
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-        return Block(cfg, dtype, rngs)
+        return Block(cfg, dtype, rngs, lora)
 
     blocks = make(rngs)
     for _, node in nnx.iter_graph(blocks):

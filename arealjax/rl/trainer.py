@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from arealjax.models import Model
+from arealjax.models import Model, lora
 from arealjax.models import attention as attn
 from arealjax.models.transformer import remat_policy
 from arealjax.rl.losses import PPOConfig, ppo_loss
@@ -157,22 +157,26 @@ class Steps:
     copy: Any  # params -> an owned copy
     init: Any  # params -> optimizer state
     zeros: Any  # params -> an fp32 gradient accumulator
-    logprobs: Any  # (params, micro-batch) -> per-token logprobs [R, T]
-    grad: Any  # (params, acc, micro-batch, prox, ref, n_tokens) -> (acc + grad, metrics)
+    logprobs: Any  # (params, frozen, micro-batch) -> per-token logprobs [R, T]
+    grad: Any  # (params, frozen, acc, micro-batch, prox, ref, n_tokens) -> (acc + grad, metrics)
     apply: Any  # (params, opt_state, grads, loss) -> (params, opt_state, grad_norm, ok)
     p_sh: Any
+    f_sh: Any
     o_sh: Any
     b_sh: Any
 
 
 def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx: optax.GradientTransformation,
-               mesh: jax.sharding.Mesh | None = None, rules: Rules = DEFAULT_RULES) -> Steps:
-    """The jitted step functions for a model definition; `params` may be abstract (shapes and axes only)."""
+               mesh: jax.sharding.Mesh | None = None, rules: Rules = DEFAULT_RULES,
+               frozen: nnx.State | None = None) -> Steps:
+    """The jitted step functions for a model definition: `params` are trained, `frozen` (the base weights under
+    LoRA adapters; empty otherwise) only read. Either may be abstract (shapes and axes only)."""
+    frozen = nnx.State({}) if frozen is None else frozen
     if mesh is None:
-        p_sh = o_sh = b_sh = r_sh = None
+        p_sh = f_sh = o_sh = b_sh = r_sh = None
     else:
         shard = LogicalSharding(mesh, tuple(rules))
-        p_sh = tree_shardings(params, shard)
+        p_sh, f_sh = tree_shardings(params, shard), tree_shardings(frozen, shard)
         o_sh = _opt_shardings(tx, params, p_sh, mesh)
         b_sh = shard.named(("batch", "length"), (cfg.micro_rows, cfg.max_tokens))
         r_sh = NamedSharding(mesh, PartitionSpec())
@@ -185,20 +189,20 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
     dtype = COMPUTE_DTYPES[cfg.compute_dtype]
     act_shard = None if mesh is None else LogicalSharding(mesh, tuple(rules))
 
-    def forward(params, mb):  # per-token logprob of the targets and entropy, [R, T] fp32
+    def forward(params, frozen, mb):  # per-token logprob of the targets and entropy, [R, T] fp32
         if dtype is not None:  # bf16 compute: the cast is differentiated, so gradients reach the fp32 params
-            params = jax.tree.map(lambda p: p.astype(dtype), params)
-        model = nnx.merge(graphdef, params)
+            params, frozen = jax.tree.map(lambda p: p.astype(dtype), (params, frozen))
+        model = nnx.merge(graphdef, params, frozen)
         hidden, _ = model.hidden(mb["tokens"], mb["positions"], mb["segment_ids"], attention=cfg.attention,
                                  scan=cfg.scan_layers, remat=cfg.remat)
         return chunked_logprobs(hidden, model.head(), mb["targets"], mb["temperature"], cfg.logits_chunk,
                                 act_shard)
 
-    def logprobs(params, mb):
-        return forward(params, mb)[0]
+    def logprobs(params, frozen, mb):
+        return forward(params, frozen, mb)[0]
 
-    def loss(params, mb, prox, ref, n_tokens):
-        logp, entropy = forward(params, mb)
+    def loss(params, frozen, mb, prox, ref, n_tokens):
+        logp, entropy = forward(params, frozen, mb)
         mask = mb["loss_mask"]
         if cfg.loss == "sft":
             nll = jnp.where(mask, -logp, 0.0)
@@ -212,8 +216,8 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
         metrics["loss"] = value
         return value, metrics
 
-    def grad(params, acc, mb, prox, ref, n_tokens):
-        g, metrics = jax.grad(loss, has_aux=True)(params, mb, prox, ref, n_tokens)
+    def grad(params, frozen, acc, mb, prox, ref, n_tokens):
+        g, metrics = jax.grad(loss, has_aux=True)(params, frozen, mb, prox, ref, n_tokens)
         return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), metrics
 
     def apply(params, opt_state, grads, loss_value):
@@ -228,10 +232,10 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
     return Steps(
         copy=jit(lambda p: jax.tree.map(jnp.copy, p), (p_sh,), p_sh), init=jit(tx.init, (p_sh,), o_sh),
         zeros=jit(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), (p_sh,), p_sh),
-        logprobs=jit(logprobs, (p_sh, b_sh), b_sh),
-        grad=jit(grad, (p_sh, p_sh, b_sh, b_sh, b_sh, r_sh), (p_sh, r_sh), donate_argnums=1),
+        logprobs=jit(logprobs, (p_sh, f_sh, b_sh), b_sh),
+        grad=jit(grad, (p_sh, f_sh, p_sh, b_sh, b_sh, b_sh, r_sh), (p_sh, r_sh), donate_argnums=2),
         apply=jit(apply, (p_sh, o_sh, p_sh, r_sh), (p_sh, o_sh, r_sh, r_sh), donate_argnums=(0, 1)),
-        p_sh=p_sh, o_sh=o_sh, b_sh=b_sh)
+        p_sh=p_sh, f_sh=f_sh, o_sh=o_sh, b_sh=b_sh)
 
 
 def _opt_shardings(tx: optax.GradientTransformation, params: nnx.State, p_sh: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -245,22 +249,26 @@ def _opt_shardings(tx: optax.GradientTransformation, params: nnx.State, p_sh: An
 
 
 class Trainer:
-    """Owns the trainer-mesh params and optimizer state; `version` counts completed RL steps."""
+    """Owns the trainer-mesh params and optimizer state; `version` counts completed RL steps.
+
+    A model with LoRA adapters (models/lora.py) trains the adapters only: `params` and the optimizer state are
+    the adapters', and the base weights are `frozen` (read by every step, never differentiated or updated)."""
 
     def __init__(self, model: Model, cfg: TrainerConfig, *, mesh: jax.sharding.Mesh | None = None,
                  rules: Rules = DEFAULT_RULES, ref_params: nnx.State | None = None, version: int = 0):
         if mesh is not None:
             model = model.to_mesh(mesh, rules)
-        self.cfg, self.model_cfg, self.graphdef = cfg, model.cfg, model.graphdef
+        self.cfg, self.model_cfg, self.graphdef, self.lora = cfg, model.cfg, model.graphdef, model.lora
         self.version = version
         self.skipped_steps = 0
         self.tx = make_optimizer(cfg.optim)
-        steps = make_steps(model.graphdef, model.params, cfg, self.tx, mesh, rules)
+        trainable, self.frozen = lora.split(model.params) if model.lora else (model.params, nnx.State({}))
+        steps = make_steps(model.graphdef, trainable, cfg, self.tx, mesh, rules, self.frozen)
         if cfg.loss == "ppo" and cfg.ppo.kl_coef and ref_params is None:
-            ref_params = model.params  # the initial policy is the reference
+            ref_params = trainable  # the initial policy is the reference
         self.ref_params = ref_params if mesh is None or ref_params is None else jax.device_put(ref_params, steps.p_sh)
         # The step donates params: own a copy so the caller's model (and a colocated generator) stay valid.
-        self.params = steps.copy(model.params)
+        self.params = steps.copy(trainable)
         self.opt_state = steps.init(self.params)
         self._b_sh = steps.b_sh
         self._zeros, self._logprobs, self._grad, self._apply = steps.zeros, steps.logprobs, steps.grad, steps.apply
@@ -269,7 +277,7 @@ class Trainer:
 
     @property
     def model(self) -> Model:
-        return Model(self.model_cfg, self.graphdef, self.params)
+        return Model(self.model_cfg, self.graphdef, nnx.merge_state(self.params, self.frozen), self.lora)
 
     def _put(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return jax.device_put(arrays, self._b_sh)  # one transfer call per micro-batch
@@ -283,7 +291,7 @@ class Trainer:
 
     def logprobs(self, params: nnx.State, batch: PackedBatch) -> list[jax.Array]:
         """Per-target-token logprobs [R, T] of every micro-batch under `params` (no gradient)."""
-        return [self._logprobs(params, self._put(batch.micro(i))) for i in range(batch.n_micro)]
+        return [self._logprobs(params, self.frozen, self._put(batch.micro(i))) for i in range(batch.n_micro)]
 
     def gradients(self, batch: PackedBatch) -> tuple[nnx.State, float, dict[str, float]]:
         """fp32 gradient and value of one packed minibatch's loss at the current params (π_prox = current
@@ -300,7 +308,7 @@ class Trainer:
         acc = self._zeros(self.params)
         loss_value = jnp.float32(0.0)
         for m, p, r in zip(micro, prox, ref):
-            acc, metrics = self._grad(self.params, acc, m, p, r, n_tokens)
+            acc, metrics = self._grad(self.params, self.frozen, acc, m, p, r, n_tokens)
             loss_value = loss_value + metrics.pop("loss")
             for k, v in metrics.items():
                 sums[k] = jnp.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0) + v
@@ -315,9 +323,9 @@ class Trainer:
         decoupled = cfg.loss == "ppo" and cfg.ppo.objective == "decoupled"
         # π_prox: params at the start of the step. With one minibatch they are the params being differentiated,
         # so the loss takes a stop-gradient copy of its own logprobs instead of a separate pass.
-        prox = ([[self._logprobs(self.params, m) for m in ms] for ms in micro] if decoupled and len(batches) > 1
-                else [[None] * len(ms) for ms in micro])
-        ref = ([[self._logprobs(self.ref_params, m) for m in ms] for ms in micro]
+        prox = ([[self._logprobs(self.params, self.frozen, m) for m in ms] for ms in micro]
+                if decoupled and len(batches) > 1 else [[None] * len(ms) for ms in micro])
+        ref = ([[self._logprobs(self.ref_params, self.frozen, m) for m in ms] for ms in micro]
                if cfg.loss == "ppo" and cfg.ppo.kl_coef else [[None] * len(ms) for ms in micro])
         sums: dict[str, Any] = {}
         step_stats = []
