@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 from typing import Any
 
@@ -151,7 +150,3 @@ def save_adapters(model, path: str | os.PathLike, base_model: str = "") -> None:
         "init_lora_weights": True, "modules_to_save": None}
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
-
-
-def num_params(params: nnx.State) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
