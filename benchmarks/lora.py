@@ -37,6 +37,7 @@ from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig  # noqa: E40
 from arealjax.rl.trajectory import Trajectory  # noqa: E402
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes  # noqa: E402
 from arealjax.train import WeightSync  # noqa: E402
+from benchmarks.trainer import best_of  # noqa: E402
 from configs import default  # noqa: E402
 
 
@@ -54,16 +55,6 @@ def batch(n: int, vocab: int, seed: int = 0) -> list[Trajectory]:
                                               rng.normal(-2, 0.3, o), np.zeros(o), advantage=rng.normal(),
                                               group=str(i // 8)))
     return out
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def micro(rank: int, repeats: int) -> None:
