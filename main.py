@@ -14,6 +14,7 @@ STOP = runtime.install_signal_handlers()  # first: a Ctrl-C during the imports b
 
 import logging  # noqa: E402
 import re  # noqa: E402
+import traceback  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -23,6 +24,10 @@ flags.DEFINE_string("workdir", "/tmp/arealjax", "Directory for outputs (checkpoi
 flags.DEFINE_string("export_to", "", "Instead of training: write the latest checkpoint's params to this directory "
                     "as a Hugging Face checkpoint (safetensors + config.json + tokenizer) for serving.")
 flags.DEFINE_bool("debug", False, "Show the traceback of an error, not only its message.")
+flags.DEFINE_string("coordinator", "", "Multi-host without a cluster environment (GPU hosts): host:port of process "
+                    "0, the same on every process (TPU pods and SLURM: leave empty, set --config.distributed=True).")
+flags.DEFINE_integer("num_processes", 0, "Multi-host: the number of processes (one per host), with --coordinator.")
+flags.DEFINE_integer("process_id", -1, "Multi-host: this process's index, 0 … num_processes − 1, with --coordinator.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -53,7 +58,8 @@ def main(argv):
     config, debug = flags.FLAGS.config, flags.FLAGS.debug
     try:
         STOP.check()
-        runtime.setup(config)  # JAX must not start before this has set its flags
+        f = flags.FLAGS
+        runtime.setup(config, f.coordinator, f.num_processes, f.process_id)  # before JAX starts: its flags
         logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # quiet "no TPU found" probes on CPU
         logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every step of every save at INFO
         from arealjax import train
@@ -70,8 +76,13 @@ def main(argv):
         raise SystemExit(e.exit_code) from None
     except Exception as e:  # noqa: BLE001 — one paragraph instead of a traceback
         if debug:
-            raise
-        fail(f"{runtime.error_text(e)}\n(run with --debug for the traceback)", 1)
+            traceback.print_exc()
+        fail(runtime.error_text(e) + ("" if debug else "\n(run with --debug for the traceback)"), 1)
+    finally:
+        if flags.FLAGS.coordinator or config.get("distributed", False):
+            from arealjax import distributed
+
+            distributed.shutdown()  # a barrier: no process leaves while the others still need the coordinator
 
 
 if __name__ == "__main__":

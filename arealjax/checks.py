@@ -29,8 +29,9 @@ class ConfigError(ValueError):
     """One or more config values that cannot work; the message names each key."""
 
 
-def check_config(config: Any) -> None:
-    """Raises ConfigError listing every problem with `config` (a configs/*.py ConfigDict)."""
+def check_config(config: Any, processes: int = 1) -> None:
+    """Raises ConfigError listing every problem with `config` (a configs/*.py ConfigDict), for a run of
+    `processes` processes (multi-host: each takes an equal share of every batch)."""
     problems: list[str] = []
 
     def need(ok: bool, key: str, expected: str) -> None:
@@ -128,6 +129,13 @@ def check_config(config: Any) -> None:
         need(rl.group_size != 1, "rl.group_size", f"≥ 2 with advantage.estimator = "
              f"'{config.advantage.get('estimator', 'grpo')}': a group baseline of one sample is the sample itself, "
              f"so every advantage is 0 and nothing is trained (or use advantage.estimator = 'reinforce_pp')")
+    if processes > 1:
+        why = f"a multiple of the {processes} processes (each takes an equal share)"
+        for key in ("rl.batch_size", "trainer.micro_rows", *(("sft.batch_size", "sft.micro_rows") if s.steps else ())):
+            value = _get(config, key)
+            need(_ints(value) and value % processes == 0, key, why)
+        need(config.data.path or _ints(e.num_problems) and e.num_problems >= processes, "eval.num_problems",
+             f"≥ the {processes} processes (each evaluates its share)")
     if s.steps and isinstance(s.steps, int):
         warmup = s.optim.get("warmup_steps", 0)
         need(s.steps > warmup, "sft.steps", f"more than sft.optim.warmup_steps = {warmup} (the learning rate "

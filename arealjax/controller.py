@@ -235,6 +235,17 @@ class RolloutController:
                                f"{trainer_version}")
         return batch
 
+    def put_back(self, batch: Sequence[Group]) -> None:
+        """Returns a batch taken by `get_batch` but not trained (the other processes of a multi-host step did not
+        get theirs): its groups wait in the queue again, counted as before."""
+        with self._cv:
+            for g in batch:
+                self._queue[g.seq] = g
+                self.staleness.queued[g.seq] = g.admitted_at
+            self.staleness.trained -= len(batch)
+            self.stats.trained -= len(batch)
+            self._cv.notify_all()
+
     def on_weights_applied(self, version: int) -> None:
         """The generator now serves `version`: admission may move on."""
         with self._cv:

@@ -30,14 +30,20 @@ class Interrupted(Exception):
 
 
 class Stop:
-    """A stop request: `check()` raises Interrupted once a signal has arrived (or `set` was called)."""
+    """A stop request: `check()` raises Interrupted once a signal has arrived (or `set` was called), or the error
+    given to `fail` (another thread's finding, e.g. that a peer process of a multi-host run failed)."""
 
     def __init__(self):
         self._event = threading.Event()
         self.signum: int | None = None
+        self.error: BaseException | None = None
 
     def set(self, signum: int = signal.SIGINT) -> None:
         self.signum = signum
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
         self._event.set()
 
     def is_set(self) -> bool:
@@ -45,6 +51,8 @@ class Stop:
 
     def check(self) -> None:
         if self._event.is_set():
+            if self.error is not None:
+                raise self.error
             raise Interrupted(self.signum)
 
 
@@ -69,14 +77,15 @@ def install_signal_handlers() -> Stop:
     return stop
 
 
-def setup(config: Any) -> None:
+def setup(config: Any, coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> None:
     """Fakes `config.cpu_devices` host devices (harmless on GPU/TPU, where the accelerators are the devices) and
-    joins a multi-host run through `jax.distributed` when `config.distributed` is set (TPU pods, GPU clusters)."""
+    joins a multi-host run through `jax.distributed` (arealjax/distributed.py) when `config.distributed` is set
+    (TPU pods, SLURM: from the environment) or a coordinator is given (GPU hosts, localhost tests)."""
     n = int(config.get("cpu_devices", 0) or 0)
     flags = os.environ.get("XLA_FLAGS", "")
     if n > 0 and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    import jax
+    if config.get("distributed", False) or coordinator:
+        from arealjax import distributed
 
-    if config.get("distributed", False):
-        jax.distributed.initialize()  # coordinator, process count and id come from the TPU/SLURM environment
+        distributed.initialize(coordinator, num_processes, process_id, int(config.get("heartbeat_seconds", 60)))

@@ -15,8 +15,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from arealjax.distributed import local_devices_by_process, localize
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -95,13 +98,22 @@ def role_meshes(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | Non
 
     `mesh_cfg` = {'trainer': {'devices': n, 'axes': {...}}, 'generator': {'devices': m, 'axes': {...}}}. A generator
     with `devices: 0` shares the trainer's mesh (colocated: no reshard on sync); otherwise the two get disjoint
-    device slices, trainer first.
+    device slices, trainer first. Counts are per host: on several processes (arealjax/distributed.py) the trainer
+    mesh spans the first n local devices of every process, and each process's generator gets its own next m (its
+    share of the trainer's devices when m = 0).
     """
-    devices = list(jax.devices() if devices is None else devices)
     for role in ("trainer", "generator"):
         if role not in mesh_cfg:
             raise KeyError(f"mesh config: missing key '{role}' (expected 'trainer' and 'generator')")
     t, g = mesh_cfg["trainer"], mesh_cfg["generator"]
+    if devices is None and jax.process_count() > 1:
+        per_process = local_devices_by_process()
+        counts = [int(t["devices"])] + ([int(g["devices"])] if int(g["devices"]) else [])
+        slices = [split_devices(local, counts) for local in per_process]
+        mine = slices[jax.process_index()]
+        trainer = make_mesh(dict(t["axes"]), [d for s in slices for d in s[0]])
+        return {"trainer": trainer, "generator": make_mesh(dict(g["axes"]), mine[-1])}
+    devices = list(jax.devices() if devices is None else devices)
     if int(g["devices"]) == 0:
         mesh = make_mesh(dict(t["axes"]), split_devices(devices, [int(t["devices"])])[0])
         return {"trainer": mesh, "generator": mesh}
@@ -179,14 +191,18 @@ def tree_shardings(tree: Any, sharding: LogicalSharding) -> Any:
 def reshard(tree: Any, target_shardings: Any, dtype: Any = None) -> Any:
     """Moves a pytree onto `target_shardings` (any device set, e.g. trainer slice -> generator slice), as new
     buffers (never aliasing the source, which the trainer donates). With `dtype`, floating leaves are cast first,
-    on the source devices: a bf16 generator of an fp32 trainer moves half the bytes.
+    on the source devices: a bf16 generator of an fp32 trainer moves half the bytes. Arrays that span several
+    processes (a multi-host trainer) are gathered onto this process first, to reach its own generator mesh.
 
     Blocks until the copy is done and logs its duration, so callers can time weight sync.
     """
     t0 = time.perf_counter()
     if dtype is not None and any(x.dtype != dtype for x in jax.tree.leaves(tree)):
         tree = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dtype), t))(tree)
-    out = jax.device_put(tree, target_shardings, may_alias=False)
+    if all(s.is_fully_addressable for s in jax.tree.leaves(target_shardings)):
+        out = jax.device_put(localize(tree), target_shardings, may_alias=False)
+    else:  # onto a mesh over several processes (a multi-host trainer): a program on the global arrays
+        out = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=target_shardings)(tree)
     jax.block_until_ready(out)
     logging.debug("reshard: %.4fs", time.perf_counter() - t0)
     return out

@@ -33,6 +33,7 @@ from arealjax.checks import check_config, output_dir
 from arealjax.controller import Prompt, RolloutController, staleness_of, token_staleness
 from arealjax.data import TASKS
 from arealjax.data.pipeline import PromptStream, ReissueFirst, SFTStream, format_prompt
+from arealjax.distributed import Processes, fingerprint, reduce_metrics
 from arealjax.generation import Engine, Generator, SamplingParams
 from arealjax.metrics import MetricsWriter, plot_curves
 from arealjax.rewards.service import RewardService
@@ -62,12 +63,12 @@ def lora_config(config: Any) -> models.LoraConfig | None:
     return models.LoraConfig(lo.rank, lo.alpha, tuple(lo.targets)) if lo.rank else None
 
 
-def make_trainer(config: Any, model: models.Model, mesh, rules) -> Trainer:
+def make_trainer(config: Any, model: models.Model, mesh, rules, processes: Processes | None = None) -> Trainer:
     """The RL trainer of `config.trainer` on `mesh`; with `lora.rank` > 0 it trains fresh adapters on `model`."""
     lora = lora_config(config)
     if lora is not None:
         model = models.lora.add_lora(model, lora, seed=config.seed, mesh=mesh, rules=rules)
-    return Trainer(model, trainer_config(config.trainer), mesh=mesh, rules=rules)
+    return Trainer(model, trainer_config(config.trainer), mesh=mesh, rules=rules, processes=processes)
 
 
 class WeightSync:
@@ -109,31 +110,34 @@ def task_problems(task: Any, n: int, seed: int) -> list:
 
 
 def train_prompts(config: Any, tokenizer: Tokenizer) -> ReissueFirst:
-    """The converted dataset at `data.path` (grain: shuffled, sharded by process) or, when empty, an endless
-    seeded stream of the synthetic task; either way checkpointable, with prompts to re-issue after a resume."""
+    """This process's prompts: its shard of the converted dataset at `data.path` (grain: shuffled) or, when
+    empty, of an endless seeded stream of the synthetic task; either way checkpointable, with prompts to re-issue
+    after a resume."""
     d = config.data
     if d.path:
         return ReissueFirst(PromptStream(d.path, d.split, tokenizer, seed=d.seed, epochs=d.epochs or None,
                                          template=d.template, max_prompt_tokens=d.max_prompt_tokens, key="data.split",
                                          instruction=d.instruction))
-    return ReissueFirst(SyntheticPrompts(config, tokenizer))
+    return ReissueFirst(SyntheticPrompts(config, tokenizer, jax.process_index(), jax.process_count()))
 
 
 class SyntheticPrompts:
-    """An endless seeded stream of the synthetic task, generated in chunks; its position is its state."""
+    """An endless seeded stream of the synthetic task, generated in chunks; its position is its state. Process
+    `shard` of `shards` takes every shards-th prompt from the shard-th: the processes' union is the one stream."""
 
     CHUNK = 1024
 
-    def __init__(self, config: Any, tokenizer: Tokenizer):
+    def __init__(self, config: Any, tokenizer: Tokenizer, shard: int = 0, shards: int = 1):
         self.task, self.template, self.tokenizer = config.task, config.data.template, tokenizer
         self.instruction = config.data.instruction
+        self.shard, self.shards = shard, shards
         self.next_index, self._chunk = 0, (-1, [])
 
     def __iter__(self) -> SyntheticPrompts:
         return self
 
     def __next__(self) -> Prompt:
-        i, t = self.next_index, self.task
+        i, t = self.next_index * self.shards + self.shard, self.task
         c = i // self.CHUNK
         if self._chunk[0] != c:
             self._chunk = (c, task_problems(t, self.CHUNK, seed=t.seed + 1000 * (c * self.CHUNK + 1)))
@@ -179,26 +183,32 @@ def trainer_config(c: Any, loss: str = "ppo", steps: int = 0, knobs: Any = None)
 
 
 def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rules, workdir: Path,
-               stop: Stop) -> models.Model:
+               stop: Stop, processes: Processes | None = None) -> models.Model:
     """The SFT stage: `sft.steps` steps of masked next-token cross-entropy on `sft.data.path` (a converted
     dataset of conversations, layout 'sft': loss on the assistant turns) or, without one, on imperfect
     demonstrations of the synthetic task (each step wrong with probability `sft.demo_error`). Batches of
     `sft.batch_size` conversations (longer than `sft.max_tokens`: left out), packed. The result is cached by
     config in `sft.cache_dir` (default workdir/sft) and checkpointed there every `checkpoint.every_steps` steps:
-    a run killed during SFT continues from its last SFT checkpoint."""
+    a run killed during SFT continues from its last SFT checkpoint. On several processes each trains on its
+    share of every batch."""
     s, t, d = config.sft, config.task, config.data
+    processes = processes or Processes(stop)
     key = json.dumps({"sft": {k: v for k, v in s.to_dict().items() if k != "cache_dir"},
                       "model": config.model.to_dict(), "model_path": config.model_path, "task": t.to_dict(),
                       "prompt": [d.template, d.instruction], "seed": config.seed}, sort_keys=True)
     out = Path(s.cache_dir) if s.get("cache_dir") else workdir / "sft"
-    if (out / "sft_config.json").is_file() and (out / "sft_config.json").read_text() == key:
+    cached = (out / "sft_config.json").is_file() and (out / "sft_config.json").read_text() == key
+    if all(processes.allgather("sft_cache", cached)):
         logging.info("SFT warm start: reusing %s", out)
         return models.load_pretrained(out, mesh=mesh, rules=rules)
-    trainer = Trainer(model, trainer_config(s, loss="sft", steps=s.steps, knobs=config.trainer), mesh=mesh, rules=rules)
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / "sft_key.json").is_file() and (out / "sft_key.json").read_text() != key:
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # another config's partial SFT: start afresh
-    (out / "sft_key.json").write_text(key)
+    trainer = Trainer(model, trainer_config(s, loss="sft", steps=s.steps, knobs=config.trainer), mesh=mesh,
+                      rules=rules, processes=processes)
+    if processes.primary:
+        out.mkdir(parents=True, exist_ok=True)
+        if (out / "sft_key.json").is_file() and (out / "sft_key.json").read_text() != key:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)  # another config's partial SFT: start afresh
+        (out / "sft_key.json").write_text(key)
+    processes.allgather("sft_dir", True)  # the others open the checkpoints only after that
     ckpt = Checkpointer(out / "checkpoints", every_steps=config.checkpoint.every_steps, max_to_keep=1)
     restored = ckpt.restore_latest(trainer) if ckpt.latest_step() is not None else None
     first = restored[0] if restored else 0
@@ -208,10 +218,11 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
         stream = SFTStream(s.data.path, s.data.split, tokenizer, seed=config.seed, epochs=s.data.epochs or None,
                            max_tokens=s.max_tokens)
         if restored:
-            stream.set_state(restored[1]["stream"])
-        batches = (list(itertools.islice(stream, s.batch_size)) for _ in itertools.count())
+            stream.set_state(restored[1]["streams"][processes.index])
+        share = s.batch_size // processes.count
+        batches = (list(itertools.islice(stream, share)) for _ in itertools.count())
     else:
-        stream, batches = None, demonstrations(config, tokenizer)
+        stream, batches = None, demonstrations(config, tokenizer, processes.index, processes.count)
         for _ in range(first):  # the demonstrations' random errors are drawn in order: replay the trained ones
             next(batches)
     bar = tqdm(range(first, s.steps), desc="SFT", mininterval=2, initial=first, total=s.steps)
@@ -219,23 +230,27 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
         for step in bar:
             stop.check()
             batch = next(batches)
-            if not batch:
+            if stream is not None and not all(processes.allgather("sft_batch", bool(batch))):
                 logging.warning("sft.data.path: the dataset is exhausted (sft.data.epochs) after %d SFT steps", step)
                 break
             m = trainer.train_step(batch)
             bar.set_postfix(nll=f"{m['nll']:.3f}", refresh=False)
-            ckpt.maybe_save(step + 1, trainer, {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
-                                                "skipped_steps": trainer.skipped_steps,
-                                                "stream": stream.get_state() if stream else None})
+            if ckpt.due(step + 1):
+                streams = processes.allgather("sft_stream", stream.get_state()) if stream else None
+                ckpt.maybe_save(step + 1, trainer, {"version": trainer.version,
+                                                    "optimizer_steps": trainer.optimizer_steps,
+                                                    "skipped_steps": trainer.skipped_steps, "streams": streams})
     finally:
         ckpt.close()
-    models.save_pretrained(trainer.model, out)
-    (out / "sft_config.json").write_text(key)
+    models.save_pretrained(trainer.model, out)  # written by process 0
+    if processes.primary:
+        (out / "sft_config.json").write_text(key)
     return trainer.model
 
 
-def demonstrations(config: Any, tokenizer: Tokenizer):
-    """Batches of `sft.batch_size` imperfect demonstrations of the synthetic task, one per SFT step."""
+def demonstrations(config: Any, tokenizer: Tokenizer, shard: int = 0, shards: int = 1):
+    """Batches of `sft.batch_size` imperfect demonstrations of the synthetic task, one per SFT step (of which
+    process `shard` of `shards` takes its share)."""
     s, t, d = config.sft, config.task, config.data
     rng = np.random.RandomState(config.seed)
     problems = task_problems(t, s.steps * s.batch_size, seed=t.seed)
@@ -247,7 +262,7 @@ def demonstrations(config: Any, tokenizer: Tokenizer):
             if len(prompt) + len(demo) > s.max_tokens:
                 continue
             batch.append(Trajectory.from_completion(prompt, demo, np.zeros(len(demo)), np.zeros(len(demo))))
-        yield batch
+        yield batch[shard::shards]
 
 
 def wait(future: Future, stop: Stop) -> Any:
@@ -261,15 +276,27 @@ def wait(future: Future, stop: Stop) -> Any:
 
 
 def evaluate(generator: Generator, rewards: RewardService, tokenizer: Tokenizer, prompts: list[Prompt],
-             config: Any, stop: Stop, step: int, workdir: Path) -> dict[str, float]:
+             config: Any, stop: Stop, step: int, workdir: Path, processes: Processes) -> dict[str, float]:
     """Held-out evaluation inside training (arealjax/evaluate.py: pass@k, maj@k, greedy accuracy, lengths); the
-    per-problem rows go to workdir/eval/<step>.jsonl."""
-    summary, rows = evaluation.evaluate(generator, rewards, tokenizer, prompts, wait=lambda f: wait(f, stop),
-                                        answer_fn=evaluation.load_fn(config.eval.answer_fn),
-                                        **evaluation.sampling_kwargs(config))
-    (workdir / "eval").mkdir(exist_ok=True)
-    with open(workdir / "eval" / f"{step}.jsonl", "w") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    per-problem rows go to workdir/eval/<step>.jsonl. On several processes each evaluates its share of the
+    problems on its generator and every process gets the summary over all of them; the rows process 0 writes
+    then carry the completions of its own share only."""
+    kwargs = evaluation.sampling_kwargs(config)
+    summary, rows = evaluation.evaluate(generator, rewards, tokenizer, prompts[processes.index::processes.count],
+                                        wait=lambda f: wait(f, stop),
+                                        answer_fn=evaluation.load_fn(config.eval.answer_fn), **kwargs)
+    if processes.count > 1:
+        mine = {"completions", "greedy_completion"}
+        shares = processes.allgather("eval", [{k: v for k, v in r.items() if k not in mine} for r in rows])
+        shares[processes.index] = rows
+        order = {p.id: i for i, p in enumerate(prompts)}
+        rows = sorted((r for share in shares for r in share), key=lambda r: order[r["id"]])
+        summary = evaluation.summarize(rows, kwargs["n"], sorted({k for k in kwargs["ks"] if k <= kwargs["n"]}),
+                                       seconds=max(processes.allgather("eval_s", summary.get("eval_seconds", 0.0))))
+    if processes.primary:
+        (workdir / "eval").mkdir(exist_ok=True)
+        with open(workdir / "eval" / f"{step}.jsonl", "w") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     return {(k if k.startswith("eval_") else f"eval_{k}").replace("@", "_at_"): v for k, v in summary.items()
             if k not in ("problems", "samples_per_problem", "problems_per_s")}
 
@@ -291,27 +318,64 @@ def truncate_jsonl(path: Path, max_step: int) -> None:
 def run(config: Any, workdir: str, stop: Stop | None = None) -> dict[str, Any]:
     """The RL job. However it ends (its last step, a dataset that runs out, an error, a signal), the controller,
     the generator and the reward workers are stopped and summary.json says how it ended and accounts for every
-    admitted prompt; on SIGTERM (preemption) a checkpoint is saved first, so `resume` loses nothing."""
+    admitted prompt; on SIGTERM (preemption) a checkpoint is saved first, so `resume` loses nothing.
+
+    On several processes (arealjax/distributed.py) every process runs this with the same config: they agree on
+    every step, stop and checkpoint; process 0 writes the logs, metrics, plots, summary and model; a failure in
+    one is raised in all (its message names the process)."""
     stop = stop or Stop()
     workdir = output_dir(workdir)
+    processes = Processes(stop, grace_seconds=config.get("heartbeat_seconds", 60) / 2)
     summary: dict[str, Any] = {"status": "failed"}
     try:
-        check_config(config)  # every size, count and name: seconds, before anything is built
+        check_config(config, processes.count)  # every size, count and name: seconds, before anything is built
+        shared_workdir(workdir, processes)
         with contextlib.ExitStack() as stack:
-            _run(config, workdir, stop, stack, summary)
+            _run(config, workdir, stop, stack, summary, processes)
     except Interrupted as e:
         summary["status"] = f"interrupted ({e})"
+        if not processes.stopping:  # a stop the others did not agree to: tell them
+            processes.abort(str(e))
         raise
     except BaseException as e:
         summary["error"] = error_text(e)
+        processes.abort(error_text(e))
         raise
     finally:
-        write_json(workdir / "summary.json", summary)
-    print(json.dumps(summary, indent=2))
+        processes.close()
+        if processes.primary:
+            write_json(workdir / "summary.json", summary)
+    if processes.primary:
+        print(json.dumps(summary, indent=2))
     return summary
 
 
-def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, summary: dict[str, Any]) -> None:
+def shared_workdir(workdir: Path, processes: Processes) -> None:
+    """Multi-host runs share one workdir (NFS, Filestore, gcsfuse): the SFT cache and checkpoints that process 0
+    finalises must be there for every process. Checked with a token file written by process 0."""
+    if processes.count == 1:
+        return
+    token = f"{time.time_ns()}-{np.random.randint(1 << 30)}"
+    if processes.primary:
+        (workdir / ".process0").write_text(token)
+    token = processes.allgather("workdir", token)[0]
+    marker = workdir / ".process0"
+    sees = [marker.is_file() and marker.read_text() == token]
+    blind = [i for i, ok in enumerate(processes.allgather("workdir_seen", sees[0])) if not ok]
+    if blind:
+        raise ValueError(f"--workdir={workdir}: process(es) {blind} do not see the files process 0 writes there. A "
+                         f"multi-host run needs a workdir on a filesystem every host mounts (NFS, Filestore, gcsfuse)")
+
+
+# Per-process metrics of a step → the run's: these add up over processes, these take the max, the rest average.
+SUMMED = ("queue_depth", "in_flight", "generated_tokens_per_s", "staleness_tokens_", "generator_idle_seconds",
+          "generator_busy_seconds", "interrupts", "refill_tokens", "preemptions", "kv_pages_peak", "filtered_groups",
+          "rejected_episodes", "prompts_too_long", "reward_failures", "reward_timeouts")
+MAXED = ("staleness_max", "batch_wait_seconds", "weight_sync_seconds", "wall_seconds")
+
+
+def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, summary: dict[str, Any],
+         processes: Processes) -> None:
     """run()'s body: every component it starts is stopped by `stack`; `summary` is filled in as it goes."""
     rl, g, c = config.rl, config.generator, config.checkpoint
     rules = normalize_rules(config.sharding_rules)
@@ -331,50 +395,67 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     workflow = load_workflow(config.workflow.path, config.workflow.kwargs)
     # A checkpoint holds the full params, or (LoRA) only the adapters: then the base is the SFT result again.
     if config.sft.steps and (latest is None or config.lora.rank):
-        model = warm_start(config, tokenizer, model, meshes["trainer"], rules, workdir, stop)
+        model = warm_start(config, tokenizer, model, meshes["trainer"], rules, workdir, stop, processes)
     if rl.steps == 0:  # an SFT-only run: its model is the result
         save_model(model, tokenizer, workdir / "model", config.model_path)
         summary.update(status="completed", steps=0, model=str(workdir / "model"))
         return
-    trainer = make_trainer(config, model, meshes["trainer"], rules)
+    trainer = make_trainer(config, model, meshes["trainer"], rules, processes)
     restored = ckpt.restore_latest(trainer) if latest is not None else None
     done = 0 if restored is None else restored[0]  # completed RL steps
     if done >= rl.steps:
         raise ValueError(f"the checkpoint is at step {done} and rl.steps={rl.steps}: nothing to train; raise "
                          f"--config.rl.steps to go on")
-    for name in ("metrics.jsonl", "trained_prompts.jsonl"):  # rows a killed run wrote after its checkpoint go
-        truncate_jsonl(workdir / name, done)
+    if restored:  # one controller state per process (checkpoints of single-process runs before issue 18: one)
+        controllers = restored[1].get("controllers") or [restored[1]["controller"]]
+        if len(controllers) != processes.count:
+            raise ValueError(f"checkpoint {done} in {ckpt.manager.directory} was written by {len(controllers)} "
+                             f"process(es) and this run has {processes.count}: each process's dataset shard and "
+                             f"queue of admitted prompts belong to that layout. Resume with {len(controllers)} "
+                             f"process(es), or start a new workdir from its params (--export_to, then "
+                             f"--config.model_path)")
+    if processes.primary:
+        for name in ("metrics.jsonl", "trained_prompts.jsonl"):  # rows a killed run wrote after its checkpoint go
+            truncate_jsonl(workdir / name, done)
 
     sync = WeightSync(trainer.model, meshes["generator"], rules, models.hf.DTYPES[g.dtype], config.lora.generator)
     sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, n=rl.group_size,
                               stop_token_ids=tuple(tokenizer.eos_ids), seed=config.seed)
     advantage = AdvantageConfig(**config.advantage.to_dict())
-    writer = MetricsWriter(workdir, purge_step=done + 1 if restored else None)
-    stack.callback(writer.close)
+    writer = MetricsWriter(workdir, purge_step=done + 1 if restored else None) if processes.primary else None
+    if writer is not None:
+        stack.callback(writer.close)
+    log = writer.write if writer is not None else lambda step, metrics: None
     generator = make_generator(config, sync.model, sync.model.params, trainer.version, meshes["generator"], rules)
     stack.callback(generator.close)
     rewards = make_rewards(config)
     stack.callback(rewards.close)
-    controller = RolloutController(generator, rewards, tokenizer, prompts,
-                                   StalenessManager(rl.batch_size, rl.max_staleness, rl.max_concurrent), sampling,
-                                   advantage, max_filtered_in_a_row=rl.max_filtered_in_a_row, workflow=workflow)
+    # Each process admits its share of every batch: the staleness budget (η + v + 1)·B is divided among them.
+    share = StalenessManager(rl.batch_size // processes.count, rl.max_staleness,
+                             -(-rl.max_concurrent // processes.count))
+    controller = RolloutController(generator, rewards, tokenizer, prompts, share, sampling, advantage,
+                                   max_filtered_in_a_row=rl.max_filtered_in_a_row, workflow=workflow)
     stack.callback(lambda: summary.update(prompts=controller.stop()))  # the accounting, on every exit path
     if restored:
-        controller.restore(restored[1]["controller"], trainer.version)
+        controller.restore(controllers[processes.index], trainer.version)
         logging.info("resumed from checkpoint %d (version %d; %d prompts re-issued)", done, trainer.version,
-                     len(restored[1]["controller"]["pending"]))
+                     len(controllers[processes.index]["pending"]))
 
-    def checkpoint(force: bool = False) -> None:
+    def checkpoint() -> None:
+        """Every process saves (the arrays span them all); the meta holds each process's controller state."""
+        states = processes.allgather("controller", controller.checkpoint_state())
         ckpt.maybe_save(done, trainer, {
             "version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
-            "skipped_steps": trainer.skipped_steps, "first_eval": first,
-            "controller": controller.checkpoint_state()}, force=force)
+            "skipped_steps": trainer.skipped_steps, "first_eval": first, "controllers": states}, force=True)
+
+    def reduce(x: np.ndarray) -> np.ndarray:  # batch-level advantage statistics over every process's share
+        return np.sum(processes.allgather("advantages", x.tolist()), axis=0)
 
     if restored:
         first = restored[1]["first_eval"]
     else:
-        first = evaluate(generator, rewards, tokenizer, held_out, config, stop, 0, workdir)
-        writer.write(0, first)
+        first = evaluate(generator, rewards, tokenizer, held_out, config, stop, 0, workdir, processes)
+        log(0, first)
         logging.info("after warm start: %s", first)
     summary.update(steps=done, eval_accuracy_start=first["eval_accuracy"],
                    eval_greedy_accuracy_start=first["eval_greedy_accuracy"])
@@ -385,14 +466,27 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     cs = controller.stats  # after a resume, the checkpoint's counts: rates start from them
     last_tokens, last_scored = cs.generated_tokens, (cs.scored_samples, cs.reward_sum)
     last_reward, latest_eval = float("nan"), first  # what the progress bar shows between updates
-    bar = tqdm(range(done, rl.steps), desc="async RL", mininterval=1, initial=done, total=rl.steps)
+    bar = tqdm(range(done, rl.steps), desc="async RL", mininterval=1, initial=done, total=rl.steps,
+               disable=not processes.primary)
     try:
         for step in bar:
-            stop.check()
             t0 = time.perf_counter()
+            batch, status = [], "ok"
             try:
+                stop.check()
                 batch = controller.get_batch(trainer.version, interrupt=stop.check)
+                stop.check()
             except StopIteration:  # the dataset ran out (data.epochs): the run ends normally
+                status = "exhausted"
+            except Interrupted as e:
+                status = e.signum
+            statuses = processes.allgather("step", status)  # every process goes on, or none does
+            if any(s != "ok" for s in statuses):
+                controller.put_back(batch)  # not trained: a checkpoint keeps it among the prompts to re-issue
+                signals = [s for s in statuses if s != "exhausted"]
+                if signals:
+                    processes.stopping = True
+                    raise Interrupted(signals[0])
                 summary["status"] = f"dataset exhausted after step {done}"
                 logging.warning("the dataset is exhausted (data.epochs=%s): ending after step %d", config.data.epochs,
                                 done)
@@ -400,7 +494,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
             wait_s = time.perf_counter() - t0
             stale = staleness_of(batch, trainer.version)
             tokens_by_staleness = np.bincount(token_staleness(batch, trainer.version), minlength=rl.max_staleness + 1)
-            adv_stats = assign_advantages([grp.trajectories for grp in batch], advantage)
+            adv_stats = assign_advantages([grp.trajectories for grp in batch], advantage, reduce)
             m = trainer.train_step([tr for grp in batch for tr in grp.trajectories])
             skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_steps"] else 0
             if skipped_in_a_row >= config.trainer.max_skipped_in_a_row:
@@ -422,37 +516,42 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
             cs = controller.stats
             tokens, scored = cs.generated_tokens, (cs.scored_samples, cs.reward_sum)
             rewards_flat = [tr.reward for grp in batch for tr in grp.trajectories]
-            metrics = {
+            local = {
                 "reward": float(np.mean(rewards_flat)), "accuracy": float(np.mean(np.array(rewards_flat) > 0.5)),
                 "staleness_max": float(stale.max()), "staleness_mean": float(stale.mean()),
                 **{f"staleness_tokens_{k}": int(n) for k, n in enumerate(tokens_by_staleness)},
                 "queue_depth": controller.queue_depth(), "in_flight": controller.in_flight(),
                 "generated_tokens_per_s": (tokens - last_tokens) / (now - last_t),
                 "weight_sync_seconds": sync_s, "weight_sync_bytes": sync.bytes, "batch_wait_seconds": wait_s,
-                "generator_idle_share": idle / max(busy + idle, 1e-9), "generator_idle_seconds": idle,
-                "generator_busy_seconds": busy,
+                "generator_idle_seconds": idle, "generator_busy_seconds": busy,
                 "interrupts": gs.interrupts - last_stats.interrupts,
                 "refill_tokens": gs.refill_tokens - last_stats.refill_tokens,
                 "preemptions": gs.preemptions - last_stats.preemptions, "kv_pages_peak": gs.peak_pages,
                 "filtered_groups": cs.filtered, "rejected_episodes": cs.rejected_episodes,
                 "prompts_too_long": getattr(controller.prompts.stream, "too_long", 0),
                 "reward_failures": rewards.stats.failed, "reward_timeouts": rewards.stats.timeouts,
-                "version": trainer.version,
-                "wall_seconds": now - t_start, **adv_stats,
-                **{k: v for k, v in m.items() if k not in ("version",)},
+                "wall_seconds": now - t_start, **adv_stats, **rollout_reward(scored, last_scored),
             }
-            metrics.update(rollout_reward(scored, last_scored))
+            report = processes.allgather("report", {"metrics": local, "ids": [grp.prompt.id for grp in batch],
+                                                    "due": ckpt.due(done)})
+            metrics = reduce_metrics([r["metrics"] for r in report], SUMMED, MAXED)
+            metrics["generator_idle_share"] = metrics["generator_idle_seconds"] / max(
+                metrics["generator_idle_seconds"] + metrics["generator_busy_seconds"], 1e-9)
+            metrics.update({k: v for k, v in m.items() if k != "version"}, version=trainer.version)
             last_reward = metrics.get("rollout_reward", last_reward)
             last_stats, last_tokens, last_t, last_scored = dataclasses.replace(gs), tokens, now, scored
             if rl.eval_every and done % rl.eval_every == 0 or done == rl.steps:
-                latest_eval = evaluate(generator, rewards, tokenizer, held_out, config, stop, done, workdir)
+                latest_eval = evaluate(generator, rewards, tokenizer, held_out, config, stop, done, workdir,
+                                       processes)
                 metrics.update(latest_eval)
                 eval_s += time.perf_counter() - now  # rates of the next step leave the evaluation out:
                 last_stats, last_t = dataclasses.replace(generator.stats), time.perf_counter()
-            writer.write(done, metrics)
-            with open(workdir / "trained_prompts.jsonl", "a") as f:  # the audit trail: which prompts each step used
-                f.write(json.dumps({"step": done, "ids": [grp.prompt.id for grp in batch]}) + "\n")
-            checkpoint(force=done == rl.steps)
+            log(done, metrics)
+            if processes.primary:  # the audit trail: which prompts each step used
+                with open(workdir / "trained_prompts.jsonl", "a") as f:
+                    f.write(json.dumps({"step": done, "ids": [i for r in report for i in r["ids"]]}) + "\n")
+            if done == rl.steps or any(r["due"] for r in report):
+                checkpoint()
             summary.update(steps=done, wall_seconds=time.perf_counter() - t_start, eval_seconds=eval_s)
             bar.set_postfix(reward=f"{last_reward:.2f}", stale=f"{metrics['staleness_mean']:.1f}",
                             tok_s=f"{metrics['generated_tokens_per_s']:.0f}",
@@ -460,18 +559,24 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
         else:
             summary["status"] = "completed"
     except Interrupted as e:
-        if e.signum == signal.SIGTERM and done > (restored[0] if restored else 0):  # preemption: keep every step
-            checkpoint(force=True)
+        # preemption: keep every step (all processes, when they agreed to stop; one alone cannot save)
+        if e.signum == signal.SIGTERM and done > (restored[0] if restored else 0) and (
+                processes.stopping or processes.count == 1):
+            checkpoint()
             logging.warning("SIGTERM: saved checkpoint %d", done)
         raise
     if done < rl.steps:  # the dataset ran out: evaluate and save what was trained
-        latest_eval = evaluate(generator, rewards, tokenizer, held_out, config, stop, done, workdir)
-        writer.write(done, latest_eval)
-        checkpoint(force=True)
+        latest_eval = evaluate(generator, rewards, tokenizer, held_out, config, stop, done, workdir, processes)
+        log(done, latest_eval)
+        checkpoint()
     summary.update(eval_accuracy_end=latest_eval["eval_accuracy"],
                    eval_greedy_accuracy_end=latest_eval["eval_greedy_accuracy"])
-    plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
+    if processes.primary:
+        plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
     save_model(trainer.model, tokenizer, workdir / "model", config.model_path, config.lora.export)
+    if processes.count > 1:  # what every process serves at the end: equal on all of them
+        print(f"process {processes.index} of {processes.count}: version {trainer.version}, generator params "
+              f"fingerprint {fingerprint(sync(trainer.params))!r}", flush=True)
 
 
 def make_generator(config: Any, gen_model: models.Model, params: Any, version: int, mesh, rules) -> Generator:
@@ -541,6 +646,8 @@ def save_model(model: models.Model, tokenizer: Tokenizer, out: str | Path, model
         models.lora.save_adapters(model, out, model_path)
     else:
         models.save_pretrained(model, out)
+    if jax.process_index() != 0:  # multi-host: process 0 writes (save_pretrained gathers the params there)
+        return
     if isinstance(tokenizer, CharTokenizer):
         tokenizer.save(out)
     elif model_path:

@@ -16,7 +16,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.seed = 0
     # Fake host devices when running on CPU (set before JAX starts; ignored by GPU/TPU backends).
     config.cpu_devices = 4
-    config.distributed = False  # True on multi-host pods: jax.distributed.initialize()
+    # Multi-host (README "Running on a TPU pod"): True on pods and SLURM, where jax.distributed.initialize() reads
+    # the cluster; GPU hosts pass --coordinator/--num_processes/--process_id to main.py instead. A process silent
+    # for heartbeat_seconds is taken for dead and every other process stops.
+    config.distributed = False
+    config.heartbeat_seconds = 60
 
     # A local Hugging Face directory (config.json, *.safetensors, tokenizer.json); empty = the random tiny model.
     config.model_path = ""

@@ -103,3 +103,10 @@ def slow_marker(completion: str, **kwargs) -> float:
     Path(os.environ["AREALJAX_TEST_PIDS"], f"{os.getpid()}-{time.monotonic_ns()}").write_text("")
     time.sleep(0.05)
     return 0.0
+
+
+def raises_on_marked_host(completion: str, **kwargs) -> float:
+    """Fails only in the process (of a multi-host test run) started with AREALJAX_TEST_BROKEN_HOST set."""
+    if os.environ.get("AREALJAX_TEST_BROKEN_HOST"):
+        raise ValueError("broken on this host")
+    return 0.0

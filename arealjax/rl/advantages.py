@@ -23,7 +23,7 @@ Host-side NumPy: this runs once per batch on a few thousand scalars.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -33,6 +33,7 @@ ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "none")
 GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")
 GROUP_STDS = ("unbiased", "population")
 BATCH_LEVELS = ("token", "sample")
+Reduce = Callable[[np.ndarray], np.ndarray]  # sums an array over the processes of a multi-host step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,15 +93,20 @@ def group_advantages(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
     raise ValueError(f"'{cfg.estimator}' has no group baseline; group baselines are {GROUP_BASELINES}")
 
 
-def batch_normalize(values: np.ndarray, tokens: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+def batch_normalize(values: np.ndarray, tokens: np.ndarray, cfg: AdvantageConfig,
+                    reduce: Reduce | None = None) -> np.ndarray:
     """(x − mean) / (std + eps) over the batch, each sample weighted by its model tokens (`batch_level="token"`,
-    i.e. statistics over every trained token) or equally ("sample")."""
-    w = np.maximum(tokens, 0).astype(np.float64) if cfg.batch_level == "token" else np.ones(len(values))
-    if w.sum() <= 0:
-        w = np.ones(len(values))
-    mean = np.average(values, weights=w)
-    std = np.sqrt(np.average((values - mean) ** 2, weights=w))
-    return (values - mean) / (std + cfg.eps)
+    i.e. statistics over every trained token) or equally ("sample"). `reduce` sums the statistics over every
+    process of a multi-host step, whose batch is the union of theirs."""
+    x = np.asarray(values, np.float64)
+    w = np.maximum(tokens, 0).astype(np.float64) if cfg.batch_level == "token" else np.ones(len(x))
+    sums = np.array([w.sum(), (w * x).sum(), (w * x * x).sum(), len(x), x.sum(), (x * x).sum()])
+    if reduce is not None:
+        sums = reduce(sums)
+    total, s1, s2 = sums[:3] if sums[0] > 0 else sums[3:]  # no weight anywhere: every sample counts once
+    mean = s1 / total
+    std = np.sqrt(max(s2 / total - mean * mean, 0.0))
+    return (x - mean) / (std + cfg.eps)
 
 
 def dynamic_filter(groups: Sequence[Sequence[Trajectory]], cfg: AdvantageConfig
@@ -115,8 +121,10 @@ def dynamic_filter(groups: Sequence[Sequence[Trajectory]], cfg: AdvantageConfig
     return kept, dropped
 
 
-def assign_advantages(groups: Sequence[Sequence[Trajectory]], cfg: AdvantageConfig) -> dict[str, float]:
-    """Sets `advantage` on every trajectory of the groups (of any sizes ≥ 1); returns reward/advantage stats."""
+def assign_advantages(groups: Sequence[Sequence[Trajectory]], cfg: AdvantageConfig,
+                      reduce: Reduce | None = None) -> dict[str, float]:
+    """Sets `advantage` on every trajectory of the groups (of any sizes ≥ 1); returns reward/advantage stats.
+    `reduce`: see `batch_normalize` (multi-host: this process's groups are its share of the batch)."""
     if not groups or not all(groups):
         raise ValueError("assign_advantages: needs at least one group and no empty group")
     raw = [np.array([t.reward for t in g], np.float64) for g in groups]
@@ -128,9 +136,9 @@ def assign_advantages(groups: Sequence[Sequence[Trajectory]], cfg: AdvantageConf
         adv = np.concatenate(shaped)
     flat_tokens = np.concatenate(tokens)
     if cfg.estimator == "reinforce_pp":
-        adv = batch_normalize(adv, flat_tokens, cfg)
+        adv = batch_normalize(adv, flat_tokens, cfg, reduce)
     if cfg.normalize_batch:
-        adv = batch_normalize(adv, flat_tokens, cfg)
+        adv = batch_normalize(adv, flat_tokens, cfg, reduce)
     for t, a in zip((t for g in groups for t in g), adv):
         t.advantage = float(a)
     raw_flat, shaped_flat = np.concatenate(raw), np.concatenate(shaped)

@@ -55,6 +55,16 @@ class PackedBatch:
     def micro(self, i: int) -> dict[str, np.ndarray]:
         return {f: getattr(self, f)[i] for f in FIELDS}
 
+    def padded(self, n_micro: int) -> PackedBatch:
+        """The same batch with empty micro-batches (all padding: no loss, no gradient) up to `n_micro`: every
+        process of a multi-host step must run the same number."""
+        extra = n_micro - self.n_micro
+        if extra <= 0:
+            return self
+        pad = lambda x, fill=0: np.concatenate([x, np.full((extra, *x.shape[1:]), fill, x.dtype)])  # noqa: E731
+        return dataclasses.replace(self, **{f: pad(getattr(self, f), 1 if f == "temperature" else 0)
+                                            for f in FIELDS})
+
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Bins of indices whose lengths sum to ≤ capacity: longest items first, each into the fullest bin it fits

@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from arealjax.distributed import Processes, put_rows
 from arealjax.models import Model, lora
 from arealjax.models import attention as attn
 from arealjax.models.transformer import remat_policy
@@ -255,10 +256,18 @@ class Trainer:
     the adapters', and the base weights are `frozen` (read by every step, never differentiated or updated)."""
 
     def __init__(self, model: Model, cfg: TrainerConfig, *, mesh: jax.sharding.Mesh | None = None,
-                 rules: Rules = DEFAULT_RULES, ref_params: nnx.State | None = None, version: int = 0):
+                 rules: Rules = DEFAULT_RULES, ref_params: nnx.State | None = None, version: int = 0,
+                 processes: Processes | None = None):
+        """`processes` (multi-host, arealjax/distributed.py): `mesh` spans every process, each of which calls
+        `train_step` with its own share of the batch; micro-batches are `micro_rows / processes` rows each here."""
         if mesh is not None:
             model = model.to_mesh(mesh, rules)
         self.cfg, self.model_cfg, self.graphdef, self.lora = cfg, model.cfg, model.graphdef, model.lora
+        self.processes = processes
+        count = processes.count if processes else 1
+        if cfg.micro_rows % count:
+            raise ValueError(f"trainer.micro_rows = {cfg.micro_rows} must be a multiple of the {count} processes")
+        self._count, self._rows = count, cfg.micro_rows // count
         self.version = version
         self.skipped_steps = 0
         self.tx = make_optimizer(cfg.optim)
@@ -280,14 +289,23 @@ class Trainer:
         return Model(self.model_cfg, self.graphdef, nnx.merge_state(self.params, self.frozen), self.lora)
 
     def _put(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return jax.device_put(arrays, self._b_sh)  # one transfer call per micro-batch
+        return put_rows(arrays, self._b_sh, self._count)  # one transfer call per micro-batch on one host
 
     def pack(self, trajectories: Sequence[Trajectory]) -> list[PackedBatch]:
-        """The RL step's minibatches, packed into micro-batches."""
+        """The RL step's minibatches (this process's share of each), packed into micro-batches."""
         cfg = self.cfg
         n = cfg.ppo_n_minibatches if cfg.loss == "ppo" else 1
-        return [pack(mb, cfg.max_tokens, cfg.micro_rows, packed=cfg.packing)
+        return [pack(mb, cfg.max_tokens, self._rows, packed=cfg.packing)
                 for mb in split_minibatches(trajectories, n)]
+
+    def _agree(self, batches: list[PackedBatch]) -> tuple[list[PackedBatch], np.ndarray]:
+        """Every process's minibatches padded to the largest micro-batch count among them, and per minibatch the
+        counts over all processes: [micro-batches (each process runs this many), loss tokens, tokens, sequences]."""
+        local = [[b.n_micro, b.n_loss_tokens, b.n_tokens, b.n_sequences] for b in batches]
+        rows = np.array(self.processes.allgather("pack", local) if self.processes else [local], np.int64)
+        totals = rows.sum(0)
+        totals[:, 0] = rows[:, :, 0].max(0)
+        return [b.padded(int(m)) for b, m in zip(batches, totals[:, 0])], totals
 
     def logprobs(self, params: nnx.State, batch: PackedBatch) -> list[jax.Array]:
         """Per-target-token logprobs [R, T] of every micro-batch under `params` (no gradient)."""
@@ -299,12 +317,12 @@ class Trainer:
         sums: dict[str, Any] = {}
         micro = [self._put(batch.micro(i)) for i in range(batch.n_micro)]
         ref = self.logprobs(self.ref_params, batch) if self.ref_params is not None else [None] * len(micro)
-        grads, loss_value = self._accumulate(batch, micro, [None] * len(micro), ref, sums)
+        grads, loss_value = self._accumulate(batch.n_loss_tokens, micro, [None] * len(micro), ref, sums)
         return grads, float(loss_value), jax.device_get(sums)
 
-    def _accumulate(self, batch: PackedBatch, micro: list, prox: list, ref: list, sums: dict) -> tuple[Any, Any]:
+    def _accumulate(self, n_loss_tokens: int, micro: list, prox: list, ref: list, sums: dict) -> tuple[Any, Any]:
         """Sum of micro-batch gradients of the minibatch loss (each divided by the minibatch's token count)."""
-        n_tokens = np.float32(max(batch.n_loss_tokens, 1))
+        n_tokens = np.float32(max(n_loss_tokens, 1))
         acc = self._zeros(self.params)
         loss_value = jnp.float32(0.0)
         for m, p, r in zip(micro, prox, ref):
@@ -318,7 +336,7 @@ class Trainer:
         """One RL step (or SFT step) on a batch of trajectories; bumps `version`. Returns metrics."""
         t0 = time.perf_counter()
         cfg = self.cfg
-        batches = self.pack(trajectories)
+        batches, totals = self._agree(self.pack(trajectories))
         micro = [[self._put(b.micro(i)) for i in range(b.n_micro)] for b in batches]
         decoupled = cfg.loss == "ppo" and cfg.ppo.objective == "decoupled"
         # π_prox: params at the start of the step. With one minibatch they are the params being differentiated,
@@ -329,8 +347,8 @@ class Trainer:
                if cfg.loss == "ppo" and cfg.ppo.kl_coef else [[None] * len(ms) for ms in micro])
         sums: dict[str, Any] = {}
         step_stats = []
-        for b, ms, ps, rs in zip(batches, micro, prox, ref):
-            grads, loss_value = self._accumulate(b, ms, ps, rs, sums)
+        for n_loss_tokens, ms, ps, rs in zip(totals[:, 1], micro, prox, ref):
+            grads, loss_value = self._accumulate(int(n_loss_tokens), ms, ps, rs, sums)
             lr = self._schedule(self.optimizer_steps + len(step_stats) - self.skipped_steps)
             self.params, self.opt_state, grad_norm, ok = self._apply(self.params, self.opt_state, grads, loss_value)
             step_stats.append((loss_value, grad_norm, ok, lr))
@@ -339,19 +357,21 @@ class Trainer:
         self.optimizer_steps += len(step_stats)
         self.skipped_steps += skipped  # a skipped update does not advance the schedule (optax state is kept)
         self.version += 1
-        out = self._report(sums, batches)
+        out = self._report(sums, totals)
         out.update(loss=float(np.mean([s[0] for s in step_stats])), grad_norm=float(np.max([s[1] for s in step_stats])),
                    lr=float(step_stats[-1][3]), skipped_steps=skipped, version=self.version,
                    step_seconds=time.perf_counter() - t0)
         out["trained_tokens_per_s"] = out["tokens"] / out["step_seconds"]
         return out
 
-    def _report(self, sums: dict[str, float], batches: list[PackedBatch]) -> dict[str, float]:
+    def _report(self, sums: dict[str, float], totals: np.ndarray) -> dict[str, float]:
+        """Step metrics over the whole batch (every process's share); `totals` as `_agree` returns them."""
         tokens = max(float(sums.get("tokens", 0.0)), 1.0)
-        out = {"tokens": float(sum(b.n_tokens for b in batches)), "trained_tokens": float(sums.get("tokens", 0.0)),
-               "sequences": float(sum(b.n_sequences for b in batches)),
-               "non_padding_fraction": float(sum(b.n_tokens for b in batches) / sum(b.tokens.size for b in batches)),
-               "micro_batches": float(sum(b.n_micro for b in batches)),
+        _, _, n_tokens, n_sequences = totals.sum(0)
+        slots = totals[:, 0].sum() * self.cfg.micro_rows * self.cfg.max_tokens
+        out = {"tokens": float(n_tokens), "trained_tokens": float(sums.get("tokens", 0.0)),
+               "sequences": float(n_sequences), "non_padding_fraction": float(n_tokens / slots),
+               "micro_batches": float(totals[:, 0].sum()),
                "entropy": float(sums["entropy_sum"]) / tokens}
         if "nll_sum" in sums:
             out["nll"] = float(sums["nll_sum"]) / tokens
