@@ -76,6 +76,27 @@ def test_batch_normalisation_weighs_tokens_or_samples():
     np.testing.assert_allclose(np.ravel(advantages(by_sample)), (x - x.mean()) / (x.std() + 1e-5))
 
 
+@pytest.mark.parametrize("estimator,level", [("reinforce_pp", "token"), ("grpo", "token"), ("grpo", "sample")])
+def test_batch_statistics_over_shares_equal_those_of_the_whole_batch(estimator, level):
+    """Multi-host: each process normalises its share of the batch with statistics summed over all shares (the
+    `reduce` argument); the advantages equal those of the whole batch in one process, whatever the split."""
+    rng = np.random.default_rng(0)
+    cfg = AdvantageConfig(estimator=estimator, normalize_batch=estimator == "grpo", batch_level=level)
+    rewards = rng.integers(0, 2, (6, 4)).astype(float).tolist()
+    lengths = rng.integers(1, 40, (6, 4)).tolist()
+    whole = trajectories(rewards, lengths)
+    assign_advantages(whole, cfg)
+    for cut in (1, 3, 5):
+        shares = [trajectories(rewards[:cut], lengths[:cut]), trajectories(rewards[cut:], lengths[cut:])]
+        sent = []  # what each share sends (one normalisation: one reduction each)
+        for share in shares:
+            assign_advantages(share, cfg, reduce=lambda x, sent=sent: sent.append(x) or x)
+        for share in shares:  # the reduction's result: the sum over the shares
+            assign_advantages(share, cfg, reduce=lambda x, sent=sent: sent[0] + sent[1])
+        np.testing.assert_allclose(np.ravel(advantages(shares[0]) + advantages(shares[1])), np.ravel(
+            advantages(whole)), rtol=1e-9, atol=1e-9)
+
+
 def test_rloo_is_scaled_dr_grpo():
     # r − mean(others) = n/(n−1) · (r − mean): a known identity, checked against the loop reference's own terms
     rewards = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]]

@@ -23,6 +23,7 @@ from arealjax.rl.trainer import Trainer
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes, tree_shardings
 from arealjax.staleness import StalenessManager
+from arealjax.tokenizer import CharTokenizer
 from arealjax.workflows import Turns
 from configs.default import get_config
 
@@ -135,6 +136,27 @@ def test_stop_before_start_returns_the_accounting():
     controller = RolloutController(None, None, None, iter([]), StalenessManager(4, 0, 4), SamplingParams(),
                                    AdvantageConfig())
     assert controller.stop() == {"submitted": 0, "trained": 0, "filtered": 0, "queued": 0, "in_flight": 0}
+
+
+def test_a_batch_put_back_is_taken_again_and_kept_by_a_checkpoint():
+    """Multi-host: when another process cannot train the step, this one puts its batch back; the same groups are
+    the next batch, the counts are as before, and a checkpoint taken meanwhile re-issues them."""
+    c = small_config(1)
+    prompts = train.train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
+    controller = RolloutController(None, None, None, prompts, StalenessManager(2, 1, 4), SamplingParams(n=2),
+                                   AdvantageConfig())
+    for _ in range(4):  # admitted and scored, rewards 0 and 1: every group is kept
+        group = controller._admit()
+        controller._on_scored(group, [Trajectory.from_completion([1, 2], [3], [-1.0], [0], reward=r) for r in (0, 1)])
+    first = controller.get_batch(0, timeout=5)
+    assert controller.stats.trained == 2 and controller.queue_depth() == 2
+    controller.put_back(first)
+    assert controller.stats.trained == 0 and controller.queue_depth() == 4
+    state = controller.checkpoint_state()
+    assert [p["id"] for p in state["pending"]] == [f"train-{i}" for i in range(4)]
+    again = controller.get_batch(0, timeout=5)
+    assert [g.seq for g in again] == [g.seq for g in first] == [0, 1]
+    assert controller.stats.trained == controller.staleness.trained == 2
 
 
 def test_stop_with_groups_in_flight_is_quiet_and_accounted(caplog):
