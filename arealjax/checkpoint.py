@@ -35,6 +35,8 @@ class Checkpointer:
                  max_to_keep: int = 3, async_save: bool = True, create: bool = True):
         """`every_steps` / `every_seconds`: save when either is due (0 = off); `save(force)` always saves.
         `create=False` (reading only, e.g. an export) refuses a directory that does not exist instead of making it."""
+        if jax.process_count() > 1:  # multi-host: see _barriers_over_the_coordination_service
+            _barriers_over_the_coordination_service()
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self._last = time.monotonic()
         directory = str(directory)
@@ -88,6 +90,16 @@ class Checkpointer:
         """Waits for a save in progress to complete."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _barriers_over_the_coordination_service() -> None:
+    """Orbax's barriers between processes default to a collective over every device, run from its background
+    commit thread; interleaved with the train step's collectives from the main thread in a different order on
+    each process, that deadlocks (seen: two processes stuck in step 485 after the async save of step 480). Its
+    barriers over the coordination service's key-value store touch no device."""
+    from absl import flags
+
+    flags.FLAGS["experimental_orbax_use_distributed_barrier"].value = True
 
 
 def _state(trainer: Trainer) -> dict[str, Any]:

@@ -368,9 +368,10 @@ def shared_workdir(workdir: Path, processes: Processes) -> None:
 
 
 # Per-process metrics of a step → the run's: these add up over processes, these take the max, the rest average.
-SUMMED = ("queue_depth", "in_flight", "generated_tokens_per_s", "staleness_tokens_", "generator_idle_seconds",
-          "generator_busy_seconds", "interrupts", "refill_tokens", "preemptions", "kv_pages_peak", "filtered_groups",
-          "rejected_episodes", "prompts_too_long", "reward_failures", "reward_timeouts")
+SUMMED = ("queue_depth", "in_flight", "generated_tokens", "prefill_tokens", "staleness_tokens_",
+          "generator_idle_seconds", "generator_busy_seconds", "interrupts", "refill_tokens", "preemptions",
+          "kv_pages_peak", "filtered_groups", "rejected_episodes", "prompts_too_long", "reward_failures",
+          "reward_timeouts")
 MAXED = ("staleness_max", "batch_wait_seconds", "weight_sync_seconds", "wall_seconds")
 
 
@@ -422,6 +423,8 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, n=rl.group_size,
                               stop_token_ids=tuple(tokenizer.eos_ids), seed=config.seed)
     advantage = AdvantageConfig(**config.advantage.to_dict())
+    if processes.primary:  # what produced the run (the capacity planner reads it: python -m arealjax.plan)
+        write_json(workdir / "config.json", json.loads(config.to_json_best_effort()))
     writer = MetricsWriter(workdir, purge_step=done + 1 if restored else None) if processes.primary else None
     if writer is not None:
         stack.callback(writer.close)
@@ -527,6 +530,8 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
                 "interrupts": gs.interrupts - last_stats.interrupts,
                 "refill_tokens": gs.refill_tokens - last_stats.refill_tokens,
                 "preemptions": gs.preemptions - last_stats.preemptions, "kv_pages_peak": gs.peak_pages,
+                "decode_steps": gs.steps - last_stats.steps, "generated_tokens": tokens - last_tokens,
+                "prefill_tokens": gs.prefill_tokens - last_stats.prefill_tokens,
                 "filtered_groups": cs.filtered, "rejected_episodes": cs.rejected_episodes,
                 "prompts_too_long": getattr(controller.prompts.stream, "too_long", 0),
                 "reward_failures": rewards.stats.failed, "reward_timeouts": rewards.stats.timeouts,

@@ -1,0 +1,83 @@
+"""The capacity planner's discrete-event model on cases with known answers, and its invariants under random
+length distributions."""
+
+import numpy as np
+import pytest
+
+from arealjax import plan
+from arealjax.plan import Costs, Workload, simulate
+
+COSTS = Costs(decode_s=0.01, decode_row_s=0.001, prefill_token_s=0.0001, train_token_s=0.002, train_step_s=0.5,
+              sync_s=0.2)
+
+
+def fixed(eta: int, length: int = 50, **kw) -> Workload:
+    return Workload(batch_size=4, group_size=2, eta=eta, slots=64, prompt_tokens=10, median_tokens=length, sigma=0.0,
+                    max_new_tokens=1000, **{"steps": 8, "warmup": 2, **kw})
+
+
+def test_synchronous_step_is_generation_then_training_then_sync_exactly():
+    """η = 0, equal lengths, every row fits: one step = prefill + L decode steps of 8 rows + train + sync."""
+    r = simulate(fixed(0), COSTS)
+    rows, tokens = 4 * 2, 4 * 2 * (10 + 50)
+    expected = (rows * 10 * 1e-4 + 50 * (0.01 + 0.001 * rows)) + (0.5 + 0.002 * tokens) + 0.2
+    assert r.seconds_per_step == pytest.approx(expected, rel=1e-9)
+    assert r.staleness_max == 0 and r.trainer_wait_seconds == pytest.approx(expected - 0.5 - 0.002 * tokens - 0.2)
+    assert r.generator_idle_share == pytest.approx((0.5 + 0.002 * tokens + 0.2) / expected)
+
+
+def test_async_step_is_bounded_by_the_slower_side():
+    """With room to run ahead (η = 4) the step takes max(generation of a batch, train + sync): here the trainer is
+    the slower side (generation of a batch ~0.6 s, train + sync 1.66 s) and the generator's idle share is large."""
+    r = simulate(fixed(4), COSTS)
+    train = 0.5 + 0.002 * 4 * 2 * 60 + 0.2
+    assert r.seconds_per_step == pytest.approx(train, rel=1e-6)
+    assert r.trainer_wait_seconds == pytest.approx(0.0, abs=1e-9)
+    assert r.staleness_max >= 1
+
+
+def test_shared_compute_slows_both_sides_while_they_overlap():
+    alone = simulate(fixed(4), COSTS)
+    shared = simulate(fixed(4), Costs(**{**COSTS.__dict__, "shared": 2.0}))
+    assert shared.seconds_per_step > alone.seconds_per_step * 1.05
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_staleness_never_exceeds_eta_and_asynchrony_pays_on_heavy_tails(seed):
+    """Random lognormal lengths (p99 ≫ p50), few slots so groups wait: every trained group is at most η versions old
+    (the real batch rule, arealjax/staleness.py), and η = 4 is faster per step than η = 0."""
+    rng = np.random.default_rng(seed)
+    costs = Costs(decode_s=0.005, decode_row_s=float(rng.uniform(1e-4, 1e-3)), prefill_token_s=1e-5,
+                  train_token_s=float(rng.uniform(1e-5, 1e-4)), train_step_s=0.1, sync_s=0.05,
+                  shared=float(rng.choice([1.0, 1.5])))
+    runs = {}
+    for eta in (0, 1, 2, 4):
+        w = Workload(batch_size=8, group_size=4, eta=eta, slots=int(rng.integers(16, 64)), prompt_tokens=20,
+                     median_tokens=40, sigma=1.2, max_new_tokens=1000, steps=14, warmup=3,
+                     mode=str(rng.choice(["recompute", "keep"])))
+        runs[eta] = simulate(w, costs, seed=seed)
+        assert runs[eta].staleness_max <= eta
+    assert runs[4].seconds_per_step < runs[0].seconds_per_step
+    assert runs[0].staleness_max == 0
+
+
+def test_recompute_swaps_cost_prefill_that_keep_swaps_do_not():
+    w = fixed(2, length=200, steps=10)
+    slow_prefill = Costs(**{**COSTS.__dict__, "prefill_token_s": 0.01, "train_token_s": 1e-4})
+    keep = simulate(Workload(**{**w.__dict__, "mode": "keep"}), slow_prefill)
+    recompute = simulate(w, slow_prefill)
+    assert recompute.seconds_per_step > keep.seconds_per_step
+
+
+def test_bad_workloads_are_refused():
+    with pytest.raises(ValueError, match="mode"):
+        simulate(fixed(0, mode="drop"), COSTS)
+    with pytest.raises(ValueError, match="warmup"):
+        simulate(fixed(0, warmup=8), COSTS)
+
+
+def test_paper_preset_plans_a_split_and_async_beats_sync():
+    out = plan.plan("paper-1.5b", devices=32, etas=[4], steps=5)
+    (row,) = out["async"]
+    assert row["trainer_devices"] + row["generator_devices"] == 32
+    assert row["seconds_per_step"] < out["sync"]["seconds_per_step"] and row["staleness_max"] <= 4
