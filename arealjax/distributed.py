@@ -21,6 +21,7 @@ With one process every call here is a no-op on local values, so single-host runs
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import logging
@@ -81,8 +82,10 @@ class Processes:
         self._closed = False
         self._client = _client() if self.count > 1 else None
         self._calls: dict[str, int] = {}
+        self._watch = threading.Thread(target=self._watchdog, name="peer-watchdog", daemon=True)
         if self._client is not None:
-            threading.Thread(target=self._watchdog, name="peer-watchdog", daemon=True).start()
+            self._watch.start()
+            atexit.register(self.close)  # also when nobody called close()
 
     @property
     def primary(self) -> bool:
@@ -132,13 +135,17 @@ class Processes:
                 pass
 
     def close(self) -> None:
-        """The run is over here (its cleanup done): the watchdog no longer ends the process."""
+        """The run is over here (its cleanup done): the watchdog stops (it must not be inside a call to the
+        coordination service when the process exits: that aborts the interpreter)."""
         self._closed = True
+        if self._watch.is_alive():
+            self._watch.join(timeout=2 * POLL_S + 1)
 
     def _watchdog(self) -> None:
-        while self._try_get(ABORT_KEY) is None:
+        while (message := self._try_get(ABORT_KEY)) is None:
+            if self._closed:
+                return
             time.sleep(POLL_S)
-        message = self._try_get(ABORT_KEY) or ""
         if message.startswith(f"process {self.index} "):
             return  # our own failure: the main thread is already on its way out
         self.stop.fail(PeerFailed(message))

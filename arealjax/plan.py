@@ -2,19 +2,21 @@
 
   python -m arealjax.plan --preset=paper-1.5b --devices=128          # sync vs async step time, the best split
   python -m arealjax.plan --preset=paper-1.5b --devices=128 --eta=0,1,2,4,8 --json
-  python -m arealjax.plan --calibrate=/tmp/run_eta0 --runs=/tmp/run_eta0,/tmp/run_eta4 --shared=2
-      # costs from a synchronous run's metrics on this machine, then predicted vs measured for each run
+  python -m arealjax.plan --calibrate=/tmp/a/eta0,/tmp/a/eta4 --facts=/tmp/b/eta0 --runs=/tmp/b/eta0,/tmp/b/eta4
+      # costs from runs of one workload on this machine; predicted vs measured for runs of another
 
 What it simulates, one generator decode step at a time (the same rules as the real loop, arealjax/staleness.py):
   - admission: a prompt (a group of n samples) starts while (η + v + 1)·B − (accepted + running) > 0 and fewer
     than max_concurrent groups run, v being the version the generator serves; its samples wait for a slot;
   - the generator: each decode step costs decode_s + decode_row_s × (active rows), plus prefill_token_s for every
-    prompt token started in it; a weight update is applied between two steps and, in `recompute` mode, re-prefills
-    every in-flight sample's prompt and tokens so far (AReaL), in `keep` mode costs nothing (PipelineRL);
+    prompt token started in it (once per group: its samples share the prompt's KV pages); a weight update is
+    applied between two steps and, in `recompute` mode, re-prefills every in-flight sample's prompt and tokens so
+    far (AReaL), in `keep` mode costs nothing (PipelineRL);
   - the trainer: takes the B earliest-admitted finished groups once B are queued, trains for train_step_s +
     train_token_s × (prompt + output tokens), then syncs the weights (sync_s) and bumps v;
   - `shared` > 1 models a trainer and generator that share the same compute (this machine's 2 CPU cores): while
-    both run, each progresses `shared` times slower (processor sharing).
+    both run, each progresses `shared` times slower (processor sharing);
+  - dynamic filtering drops a finished group with probability `filtered` (its budget goes back).
 Output lengths are lognormal (median, sigma) capped at max_new_tokens. Costs for real hardware come from stated
 assumptions (`PRESETS`, `hardware_costs`): FLOPs and bytes per token over peak × efficiency.
 """
@@ -117,13 +119,15 @@ def simulate(w: Workload, c: Costs, seed: int = 0) -> Result:
     while len(ends) <= w.steps:
         while manager.capacity() > 0:  # admission, counted in groups
             seq, _ = manager.on_submit()
-            groups[seq] = {"left": n, "tokens": 0}
+            groups[seq] = {"left": n, "tokens": 0, "started": False}
             waiting.extend((seq, int(x)) for x in lengths(w, rng, n))
         while waiting and len(finish) < w.slots:
             g, length = waiting.popleft()
             heapq.heappush(finish, (step + length, g, step))
             start_sum += step
-            prefill += c.prefill_token_s * w.prompt_tokens
+            if not groups[g]["started"]:  # the group's samples share its prompt's KV: one prefill
+                groups[g]["started"] = True
+                prefill += c.prefill_token_s * w.prompt_tokens
         admitted_at = dict(manager.queued)
         batch = None if trainer else manager.take_batch(version)  # earliest deadlines first, when safe
         if batch is not None:
@@ -281,29 +285,46 @@ def _fit(y: np.ndarray, x: np.ndarray) -> np.ndarray:
         keep.remove(int(np.argmin(coef)))
 
 
-def calibrate(workdir: str | Path, warmup: int = 5) -> tuple[Costs, dict]:
-    """Costs, and the facts of its workload, from a synchronous (η = 0) run: there the trainer and the generator
-    never overlap, so each side's seconds are its own. Per step: trainer seconds = train_step_s + train_token_s ×
-    tokens; generator busy seconds = decode_s × decode steps + decode_row_s × tokens generated + prefill_token_s ×
-    (prefill + re-prefill tokens); sync = the mean weight-sync seconds."""
-    config, rows = read_run(workdir)
-    if config["rl"]["max_staleness"] != 0:
-        raise ValueError(f"{workdir}: calibrate on a synchronous run (rl.max_staleness = 0), not η = "
-                         f"{config['rl']['max_staleness']}: only there each side's time is its own")
-    rows = rows[warmup:]
-    if len(rows) < 5:
-        raise ValueError(f"{workdir}: {len(rows)} RL steps after the first {warmup}; calibration needs ≥ 5")
-    col = lambda k: np.array([float(r[k]) for r in rows])  # noqa: E731
-    train = _fit(col("step_seconds"), np.stack([np.ones(len(rows)), col("tokens")], 1))
-    gen = _fit(col("generator_busy_seconds"), np.stack([col("decode_steps"), col("generated_tokens"),
-                                                        col("prefill_tokens") + col("refill_tokens")], 1))
-    costs = Costs(decode_s=gen[0], decode_row_s=gen[1], prefill_token_s=gen[2], train_token_s=train[1],
-                  train_step_s=train[0], sync_s=float(col("weight_sync_seconds").mean()))
+def calibrate(workdirs: list[str | Path], warmup: int = 5) -> tuple[Costs, dict]:
+    """Costs, and the facts of the workload, from runs of one model on this hardware; at least one synchronous
+    (η = 0), where the trainer and the generator never overlap, so the trainer's seconds are its own:
+      trainer seconds = train_step_s + train_token_s × tokens            (fit on the η = 0 runs' steps)
+      generator busy  = decode_s × decode steps + decode_row_s × tokens generated
+                        + prefill_token_s × (prefill + re-prefill tokens)  (fit on every run's steps: runs at
+                                                                          η > 0 keep more rows per step)
+      shared          = the trainer's step time at η > 0 over its fit      (1 without such a run)
+      sync            = the mean weight-sync seconds.
+    Facts (prompt length, filtered share, output lengths) come from the first run."""
+    runs = [(w, *read_run(w)) for w in workdirs]
+    sync_runs = [r for r in runs if r[1]["rl"]["max_staleness"] == 0]
+    if not sync_runs:
+        raise ValueError(f"{', '.join(map(str, workdirs))}: calibration needs a synchronous run "
+                         f"(rl.max_staleness = 0): only there the trainer's time is its own")
+    steps = {w: rows[warmup:] for w, _, rows in runs}
+    for w, rows in steps.items():
+        if len(rows) < 5:
+            raise ValueError(f"{w}: {len(rows)} RL steps after the first {warmup}; calibration needs ≥ 5")
+    col = lambda rows, k: np.array([float(r[k]) for r in rows])  # noqa: E731
+    sync_rows = [r for w, _, _ in sync_runs for r in steps[w]]
+    train = _fit(col(sync_rows, "step_seconds"), np.stack([np.ones(len(sync_rows)), col(sync_rows, "tokens")], 1))
+    every = [r for rows in steps.values() for r in rows]
+    gen = _fit(col(every, "generator_busy_seconds"),
+               np.stack([col(every, "decode_steps"), col(every, "generated_tokens"),
+                         col(every, "prefill_tokens") + col(every, "refill_tokens")], 1))
+    overlap = [r for w, config, _ in runs if config["rl"]["max_staleness"] > 0 for r in steps[w]]
+    shared = (float(np.mean(col(overlap, "step_seconds") / (train[0] + train[1] * col(overlap, "tokens"))))
+              if overlap else 1.0)
+    costs = Costs(decode_s=float(gen[0]), decode_row_s=float(gen[1]), prefill_token_s=float(gen[2]),
+                  train_token_s=float(train[1]), train_step_s=float(train[0]),
+                  sync_s=float(col(every, "weight_sync_seconds").mean()), shared=max(shared, 1.0))
+    first, config, _ = runs[0]
+    rows = steps[first]
     last = rows[-1]
     trained_groups = last["step"] * config["rl"]["batch_size"]
-    facts = {"prompt_tokens": float(np.mean((col("tokens") - col("trained_tokens")) / col("sequences"))),
+    facts = {"prompt_tokens": float(np.mean((col(rows, "tokens") - col(rows, "trained_tokens")) /
+                                            col(rows, "sequences"))),
              "filtered": last["filtered_groups"] / (last["filtered_groups"] + trained_groups),
-             "sample": tuple(int(x) for f in sorted((Path(workdir) / "eval").glob("*.jsonl"))
+             "sample": tuple(int(x) for f in sorted((Path(first) / "eval").glob("*.jsonl"))
                              for line in f.read_text().splitlines() if line for x in json.loads(line)["lengths"])}
     return costs, facts
 
@@ -328,11 +349,13 @@ def measured(workdir: str | Path, warmup: int = 5) -> dict:
             "generated_tokens_per_s": sum(r["generated_tokens"] for r in window) / span}
 
 
-def validate(calibration: str, runs: list[str], shared: float, warmup: int = 5) -> list[dict]:
-    """Each run's measured s/step, tokens/s and generator idle share beside the model's prediction, with the costs
-    calibrated on `calibration` (η = 0) and `shared` for the compute the two sides share."""
+def validate(calibration: list[str], runs: list[str], facts_from: str = "", warmup: int = 5) -> list[dict]:
+    """Each run's measured s/step, tokens/s and generator idle share beside the model's prediction, from the costs
+    calibrated on `calibration` and the workload facts (prompt length, filtered share, output lengths) of
+    `facts_from` (default: the calibration's first run), which must be an η = 0 run of the predicted workload."""
     costs, facts = calibrate(calibration, warmup)
-    costs = dataclasses.replace(costs, shared=shared)
+    if facts_from:
+        facts = calibrate([facts_from], warmup)[1]
     out = []
     for run in runs:
         config, rows = read_run(run)
@@ -350,19 +373,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--devices", type=int, default=128)
     ap.add_argument("--eta", default="1,2,4,8", help="staleness bounds to plan, comma-separated")
     ap.add_argument("--steps", type=int, default=12, help="RL steps simulated per configuration")
-    ap.add_argument("--calibrate", default="", help="a synchronous (η = 0) run's workdir: costs from its metrics")
+    ap.add_argument("--calibrate", default="", help="runs' workdirs (one at η = 0 at least), comma-separated: costs "
+                    "from their metrics")
     ap.add_argument("--runs", default="", help="with --calibrate: runs (workdirs) to predict, comma-separated")
-    ap.add_argument("--shared", type=float, default=1.0, help="with --calibrate: slowdown of each side while both "
-                    "run on the same compute (2 for trainer and generator time-sharing one set of cores)")
+    ap.add_argument("--facts", default="", help="with --calibrate: an η = 0 run of the predicted workload, for its "
+                    "prompt length, filtered share and output lengths (default: the first calibration run)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.calibrate:
-        rows = validate(args.calibrate, [r for r in args.runs.split(",") if r] or [args.calibrate], args.shared)
+        calibration = args.calibrate.split(",")
+        rows = validate(calibration, [r for r in args.runs.split(",") if r] or calibration, args.facts)
         if args.json:
             print(json.dumps(rows, indent=2))
             return
-        costs, facts = calibrate(args.calibrate)
-        print(f"calibrated on {args.calibrate}: {costs}; prompt {facts['prompt_tokens']:.0f} tokens, "
+        costs, _ = calibrate(calibration)
+        facts = calibrate([args.facts or calibration[0]])[1]
+        print(f"calibrated on {args.calibrate}: {costs}")
+        print(f"workload facts from {args.facts or calibration[0]}: prompt {facts['prompt_tokens']:.0f} tokens, "
               f"{facts['filtered']:.0%} of groups filtered, {len(facts['sample'])} output lengths")
         print("| run | η (mode) | s/step measured | predicted | error | generator idle measured / predicted | "
               "tok/s measured / predicted |\n|---|---|---|---|---|---|---|")

@@ -1,6 +1,8 @@
 """The capacity planner's discrete-event model on cases with known answers, and its invariants under random
 length distributions."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -17,10 +19,11 @@ def fixed(eta: int, length: int = 50, **kw) -> Workload:
 
 
 def test_synchronous_step_is_generation_then_training_then_sync_exactly():
-    """η = 0, equal lengths, every row fits: one step = prefill + L decode steps of 8 rows + train + sync."""
+    """η = 0, equal lengths, every row fits: one step = the 4 prompts' prefill (once per group) + L decode steps of
+    8 rows + train + sync."""
     r = simulate(fixed(0), COSTS)
     rows, tokens = 4 * 2, 4 * 2 * (10 + 50)
-    expected = (rows * 10 * 1e-4 + 50 * (0.01 + 0.001 * rows)) + (0.5 + 0.002 * tokens) + 0.2
+    expected = (4 * 10 * 1e-4 + 50 * (0.01 + 0.001 * rows)) + (0.5 + 0.002 * tokens) + 0.2
     assert r.seconds_per_step == pytest.approx(expected, rel=1e-9)
     assert r.staleness_max == 0 and r.trainer_wait_seconds == pytest.approx(expected - 0.5 - 0.002 * tokens - 0.2)
     assert r.generator_idle_share == pytest.approx((0.5 + 0.002 * tokens + 0.2) / expected)
@@ -81,3 +84,37 @@ def test_paper_preset_plans_a_split_and_async_beats_sync():
     (row,) = out["async"]
     assert row["trainer_devices"] + row["generator_devices"] == 32
     assert row["seconds_per_step"] < out["sync"]["seconds_per_step"] and row["staleness_max"] <= 4
+
+
+def test_calibration_recovers_the_costs_of_a_synchronous_run(tmp_path):
+    """A run's metrics built from known costs (with a little noise): the fit finds them, and a run at η > 0 is
+    refused as a calibration source."""
+    rng = np.random.default_rng(0)
+    truth = dict(decode_s=0.004, decode_row_s=2e-4, prefill_token_s=3e-5, train_token_s=1e-4, train_step_s=0.3)
+    rows = []
+    for step in range(1, 31):
+        steps, gen, pre = rng.integers(40, 300), rng.integers(500, 4000), rng.integers(200, 900)
+        tokens = gen + 16 * 20
+        rows.append({"step": step, "step_seconds": truth["train_step_s"] + truth["train_token_s"] * tokens,
+                     "tokens": int(tokens), "trained_tokens": int(gen), "sequences": 16, "decode_steps": int(steps),
+                     "generated_tokens": int(gen), "prefill_tokens": int(pre), "refill_tokens": 0,
+                     "generator_busy_seconds": (truth["decode_s"] * steps + truth["decode_row_s"] * gen +
+                                                truth["prefill_token_s"] * pre) * rng.normal(1, 0.001),
+                     "generator_idle_seconds": 0.5, "weight_sync_seconds": 0.01, "filtered_groups": step,
+                     "wall_seconds": 2.0 * step, "staleness_max": 0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {"rl": {"max_staleness": 0, "batch_size": 4, "group_size": 4, "max_new_tokens": 64,
+                     "max_concurrent": 64}, "generator": {"slots": 32, "mode": "recompute"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval/0.jsonl").write_text(json.dumps({"lengths": [10, 20, 30]}) + "\n")
+    costs, facts = plan.calibrate([tmp_path])
+    for k, v in truth.items():
+        assert getattr(costs, k) == pytest.approx(v, rel=0.1), k
+    assert facts["prompt_tokens"] == pytest.approx(20) and facts["sample"] == (10, 20, 30)
+    assert facts["filtered"] == pytest.approx(30 / (30 + 30 * 4))
+    assert plan.measured(tmp_path)["seconds_per_step"] == pytest.approx(2.0)
+    config["rl"]["max_staleness"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="synchronous run"):
+        plan.calibrate([tmp_path])
