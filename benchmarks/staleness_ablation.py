@@ -1,0 +1,237 @@
+"""Staleness ablation: decoupled vs standard PPO as η grows, recompute vs keep swaps (the paper's Table 2, Fig. 5).
+
+  python benchmarks/staleness_ablation.py                      # the whole grid (~2 h on 2 CPU cores), resumable
+  python benchmarks/staleness_ablation.py --report-only        # table + figure from the cells done so far
+
+Cells: η ∈ --etas × objective ∈ {standard, decoupled} × --seeds, plus --extra cells (default: η = 4 decoupled with
+`keep` swaps, and with one PPO minibatch instead of the config's four); η = 0 runs once per seed, since with
+π_prox = μ the two objectives are the same loss there. Each cell is `main.py` in its own process (config --config,
+every cell the same steps, batch and group size, so the same sample budget), one SFT warm start per seed cached in
+--work and shared by that seed's cells. A finished cell leaves cell.json in its directory and is skipped on the next
+invocation; an unfinished one is run again from the start. Cells run seed by seed, so a partial grid already
+compares every η.
+
+Per cell, from the run's metrics.jsonl: held-out accuracy every --eval-every steps (pass@1 at the sampling
+temperature and greedy) against *training* wall-clock (the run's wall-clock minus its evaluations; rollouts in
+flight go on during an evaluation in every cell alike), seconds per step and effective trained tokens per second
+over steps (--warmup, --steps], the token-weighted staleness histogram, and the share of trained tokens the
+behaviour-weight mask dropped. Written to --results: staleness_ablation.md (table), staleness_ablation.png (figure)
+and staleness_ablation.json (every cell, for notebooks/staleness_ablation.ipynb).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cells(args) -> list[dict]:
+    """The grid in run order: seed-major, η ascending, standard before decoupled, then the extra cells."""
+    out = []
+    for seed in args.seeds:
+        for eta in args.etas:
+            for objective in (("decoupled",) if eta == 0 else ("standard", "decoupled")):
+                out.append(dict(eta=eta, objective=objective, mode="recompute", overrides="", seed=seed))
+        for extra in args.extra:
+            eta, objective, mode, *overrides = extra.split(":")
+            out.append(dict(eta=int(eta), objective=objective, mode=mode, overrides=":".join(overrides), seed=seed))
+    for c in out:
+        tag = c["overrides"].replace("+", "_").replace("=", "-").replace("trainer.", "")
+        c["name"] = f"eta{c['eta']}_{c['objective']}_{c['mode']}{'_' + tag if tag else ''}_seed{c['seed']}"
+    return out
+
+
+def run_cell(cell: dict, args) -> None:
+    workdir = Path(args.work) / cell["name"]
+    shutil.rmtree(workdir, ignore_errors=True)  # an unfinished cell starts over (metrics.jsonl appends)
+    cmd = [sys.executable, "main.py", f"--config={args.config}", f"--workdir={workdir}",
+           f"--config.seed={cell['seed']}", f"--config.rl.max_staleness={cell['eta']}",
+           f"--config.trainer.ppo.objective={cell['objective']}", f"--config.generator.mode={cell['mode']}",
+           f"--config.rl.steps={args.steps}", f"--config.rl.eval_every={args.eval_every}",
+           f"--config.eval.num_problems={args.eval_problems}", "--config.checkpoint.every_steps=100000",
+           f"--config.sft.cache_dir={Path(args.work) / 'sft_seed{}'.format(cell['seed'])}", *args.overrides,
+           *[f"--config.{o}" for o in cell["overrides"].split("+") if o]]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # main.py sets the device count from config
+    print(f"[{time.strftime('%H:%M:%S')}] {cell['name']}", flush=True)
+    with open(Path(args.work) / f"{cell['name']}.log", "w") as log:
+        res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if res.returncode:
+        sys.exit(f"{cell['name']} failed (exit {res.returncode}); see {Path(args.work) / (cell['name'] + '.log')}")
+    (workdir / "cell.json").write_text(json.dumps(summarize(cell, workdir, args), indent=1))
+
+
+def summarize(cell: dict, workdir: Path, args) -> dict:
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    eval_done, train_wall, curve = 0.0, {0: 0.0}, []
+    for r in rows:  # wall_seconds is taken before the step's evaluation; later steps include it
+        if r["step"] > 0:
+            train_wall[r["step"]] = r["wall_seconds"] - eval_done
+        if "eval_accuracy" in r:
+            curve.append([r["step"], train_wall[r["step"]], r["eval_accuracy"], r["eval_greedy_accuracy"]])
+            if r["step"] > 0:
+                eval_done += r["eval_seconds"]
+    steps = {r["step"]: r for r in rows if r["step"] > 0}
+    window = [steps[s] for s in range(args.warmup + 1, args.steps + 1)]
+    wall = train_wall[args.steps] - train_wall[args.warmup]
+    trained = sum(r["trained_tokens"] for r in window)
+    hist = np.zeros(cell["eta"] + 1)
+    for r in steps.values():
+        hist += [r.get(f"staleness_tokens_{k}", 0) for k in range(cell["eta"] + 1)]
+    tokens = np.array([r["tokens"] for r in steps.values()], float)
+    summary = json.loads((workdir / "summary.json").read_text())
+    return {**cell, "steps": args.steps, "seconds_per_step": wall / len(window), "trained_tokens_per_s": trained / wall,
+            "staleness_histogram": (hist / max(hist.sum(), 1)).tolist(),
+            "staleness_mean": float(np.dot(np.arange(cell["eta"] + 1), hist) / max(hist.sum(), 1)),
+            "masked_fraction": float(np.dot([r["masked_fraction"] for r in steps.values()], tokens) / tokens.sum()),
+            "clip_fraction": float(np.mean([r["clip_fraction"] for r in steps.values()])),
+            "curve": curve, "accuracy_start": summary["eval_accuracy_start"],
+            "accuracy_end": summary["eval_accuracy_end"], "greedy_end": summary["eval_greedy_accuracy_end"]}
+
+
+def label(c: dict) -> str:
+    extra = [m for m in (c["mode"] if c["mode"] != "recompute" else "", c["overrides"]) if m]
+    return f"η = {c['eta']}" + (f" ({', '.join(extra)})" if extra else "")
+
+
+def report(results: list[dict], args) -> str:
+    """Table 2's shape (η rows, standard / decoupled columns of final accuracy, mean ± sd over seeds) plus
+    throughput and staleness columns; cells are grouped by (η, objective, mode)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["eta"], (r["mode"], r["overrides"]), r["objective"]), []).append(r)
+
+    def stat(rs, key, fmt="{:.2f}"):
+        xs = np.array([r[key] for r in rs], float)
+        return (fmt + " ± " + fmt).format(xs.mean(), xs.std(ddof=1)) if len(xs) > 1 else fmt.format(xs.mean())
+
+    plain = ("recompute", "")
+    base = groups.get((0, plain, "decoupled"))
+    lines = [f"`python benchmarks/staleness_ablation.py {' '.join(args.argv)}`".replace(" `", "`"),
+             "", f"{args.config}, {args.steps} RL steps per cell, held-out accuracy on {args.eval_problems} problems "
+             f"(pass@1 at T = 1; mean ± sd over seeds, n = seeds per cell), s/step and trained tok/s over steps "
+             f"{args.warmup + 1}–{args.steps} of training wall-clock, {os.cpu_count()} CPU cores.", "",
+             "| η (variant) | standard PPO: final accuracy | decoupled PPO: final accuracy | decoupled: greedy | "
+             "start | s / step (std / dec) | speedup vs η = 0 (dec) | trained tok/s (dec) | staleness mean (dec) | "
+             "trained tokens by staleness 0, 1, … (dec) | behaviour-mask share (dec) | n |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def mean(rs, key):
+        return np.mean([r[key] for r in rs]) if rs else float("nan")
+
+    for (eta, variant) in sorted({(k[0], k[1]) for k in groups}, key=lambda k: (k[1] != plain, k[1], k[0])):
+        dec = groups.get((eta, variant, "decoupled"), [])
+        std = groups.get((eta, variant, "standard"), dec if eta == 0 else [])
+        ref = dec or std
+        hist = " / ".join(f"{100 * x:.0f}%" for x in np.mean([r["staleness_histogram"] for r in ref], 0))
+        speed = f"{mean(base, 'seconds_per_step') / mean(dec, 'seconds_per_step'):.2f}×" if base and dec else "—"
+        acc_std, acc_dec = (stat(x, "accuracy_end") if x else "—" for x in (std, dec))
+        lines.append(
+            f"| {label(ref[0])} | {acc_std} | {acc_dec} | {stat(dec, 'greedy_end') if dec else '—'} "
+            f"| {stat(ref, 'accuracy_start')} "
+            f"| {mean(std, 'seconds_per_step'):.2f} / {mean(dec, 'seconds_per_step'):.2f} | {speed} "
+            f"| {mean(ref, 'trained_tokens_per_s'):,.0f} | {mean(ref, 'staleness_mean'):.2f} | {hist} "
+            f"| {100 * mean(ref, 'masked_fraction'):.2f}% | {len(std)} / {len(dec)} |")
+    return "\n".join(lines)
+
+
+def figure(results: list[dict], out: Path) -> None:
+    """(a, b) held-out accuracy vs training wall-clock per η, standard and decoupled (mean over seeds at each eval
+    step); (c) final accuracy vs η, both objectives (mean ± sd); (d) trained tokens/s vs η."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    etas = sorted({r["eta"] for r in results})
+    colors = {e: plt.cm.viridis(i / max(len(etas) - 1, 1)) for i, e in enumerate(etas)}
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4))
+    for ax, objective in zip(axes[:2], ("standard", "decoupled")):
+        variants = sorted({(r["mode"], r["overrides"]) for r in results}, key=lambda v: v != ("recompute", ""))
+        for eta in etas:
+            for variant, style in zip(variants, ("-", ":", "--", "-.")):
+                rs = [r for r in results if r["eta"] == eta and (r["mode"], r["overrides"]) == variant
+                      and (r["objective"] == objective or eta == 0)]
+                if not rs:
+                    continue
+                n = min(len(r["curve"]) for r in rs)
+                wall = np.mean([[p[1] for p in r["curve"][:n]] for r in rs], 0)
+                acc = np.mean([[p[2] for p in r["curve"][:n]] for r in rs], 0)
+                ax.plot(wall, acc, style, marker="o", ms=3, color=colors[eta], label=label(rs[0]))
+        ax.set_title(f"{objective} PPO: held-out accuracy")
+        ax.set_xlabel("training wall-clock (s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for objective, marker in (("standard", "s"), ("decoupled", "o")):
+        rs = {e: [r for r in results if r["eta"] == e and (r["mode"], r["overrides"]) == ("recompute", "")
+                  and (r["objective"] == objective or e == 0)] for e in etas}
+        xs = [e for e in etas if rs[e]]
+        axes[2].errorbar(xs, [np.mean([r["accuracy_end"] for r in rs[e]]) for e in xs],
+                         yerr=[np.std([r["accuracy_end"] for r in rs[e]]) for e in xs], marker=marker, capsize=3,
+                         label=objective)
+        axes[3].plot(xs, [np.mean([r["trained_tokens_per_s"] for r in rs[e]]) for e in xs], marker=marker,
+                     label=objective)
+    start = np.mean([r["accuracy_start"] for r in results])
+    axes[2].axhline(start, color="gray", ls="--", lw=1, label="after SFT")
+    axes[2].set_title("final held-out accuracy vs η")
+    axes[3].set_title("trained tokens / s vs η")
+    for ax in axes[2:]:
+        ax.set_xlabel("η (max staleness)")
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xticks(etas, [str(e) for e in etas])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/longtail.py")
+    p.add_argument("--etas", default="0,1,2,4,8")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--extra", default="4:decoupled:keep,4:decoupled:recompute:trainer.ppo_n_minibatches=1",
+                   help="more cells per seed, η:objective:mode[:key=value+key=value], comma-separated")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of s/step (compilation)")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-problems", type=int, default=256)
+    p.add_argument("--work", default="/tmp/arealjax_ablation", help="run directories (resumable)")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--report-only", action="store_true")
+    args, args.overrides = p.parse_known_args()
+    args.argv = sys.argv[1:]
+    args.etas = [int(x) for x in args.etas.split(",")]
+    args.seeds = [int(x) for x in args.seeds.split(",")]
+    args.extra = [x for x in args.extra.split(",") if x]
+    if args.steps <= args.warmup or args.eval_every <= 0 or args.steps % args.eval_every:
+        p.error("--steps must exceed --warmup and be a multiple of --eval-every")
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    grid = cells(args)
+    for cell in grid:
+        if not args.report_only and not (Path(args.work) / cell["name"] / "cell.json").is_file():
+            run_cell(cell, args)
+    results = [json.loads(f.read_text()) for c in grid if (f := Path(args.work) / c["name"] / "cell.json").is_file()]
+    if not results:
+        sys.exit(f"no finished cells in {args.work}")
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    table = report(results, args)
+    (out / "staleness_ablation.md").write_text(
+        f"# Staleness ablation\n\n{table}\n\n![staleness ablation](staleness_ablation.png)\n")
+    (out / "staleness_ablation.json").write_text(json.dumps(results, indent=1))
+    figure(results, out / "staleness_ablation.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
