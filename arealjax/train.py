@@ -461,7 +461,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
         log(0, first)
         logging.info("after warm start: %s", first)
     summary.update(steps=done, eval_accuracy_start=first["eval_accuracy"],
-                   eval_greedy_accuracy_start=first["eval_greedy_accuracy"])
+                   eval_greedy_accuracy_start=first.get("eval_greedy_accuracy"))
     controller.start()
     t_start = time.perf_counter()
     last_stats = dataclasses.replace(generator.stats)
@@ -575,7 +575,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
         log(done, latest_eval)
         checkpoint()
     summary.update(eval_accuracy_end=latest_eval["eval_accuracy"],
-                   eval_greedy_accuracy_end=latest_eval["eval_greedy_accuracy"])
+                   eval_greedy_accuracy_end=latest_eval.get("eval_greedy_accuracy"))
     if processes.primary:
         plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
     save_model(trainer.model, tokenizer, workdir / "model", config.model_path, config.lora.export)

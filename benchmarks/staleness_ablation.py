@@ -70,16 +70,24 @@ def run_cell(cell: dict, args) -> None:
     (workdir / "cell.json").write_text(json.dumps(summarize(cell, workdir, args), indent=1))
 
 
-def summarize(cell: dict, workdir: Path, args) -> dict:
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+def training_curve(rows: list[dict]) -> tuple[dict[int, float], list[list[float]]]:
+    """A run's metrics.jsonl rows → (training wall-clock at each step, [[step, training wall-clock, held-out
+    accuracy, greedy accuracy] at each evaluation]). Training wall-clock is the run's wall_seconds minus the
+    evaluations before it (wall_seconds is taken before the step's evaluation; later steps include it)."""
     eval_done, train_wall, curve = 0.0, {0: 0.0}, []
-    for r in rows:  # wall_seconds is taken before the step's evaluation; later steps include it
+    for r in rows:
         if r["step"] > 0:
             train_wall[r["step"]] = r["wall_seconds"] - eval_done
         if "eval_accuracy" in r:
-            curve.append([r["step"], train_wall[r["step"]], r["eval_accuracy"], r["eval_greedy_accuracy"]])
+            curve.append([r["step"], train_wall[r["step"]], r["eval_accuracy"], r.get("eval_greedy_accuracy")])
             if r["step"] > 0:
                 eval_done += r["eval_seconds"]
+    return train_wall, curve
+
+
+def summarize(cell: dict, workdir: Path, args) -> dict:
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_wall, curve = training_curve(rows)
     steps = {r["step"]: r for r in rows if r["step"] > 0}
     window = [steps[s] for s in range(args.warmup + 1, args.steps + 1)]
     wall = train_wall[args.steps] - train_wall[args.warmup]
@@ -127,6 +135,9 @@ def report(results: list[dict], args) -> str:
     def mean(rs, key):
         return np.mean([r[key] for r in rs]) if rs else float("nan")
 
+    def per_step(rs):
+        return f"{mean(rs, 'seconds_per_step'):.2f}" if rs else "—"
+
     for (eta, variant) in sorted({(k[0], k[1]) for k in groups}, key=lambda k: (k[1] != plain, k[1], k[0])):
         dec = groups.get((eta, variant, "decoupled"), [])
         std = groups.get((eta, variant, "standard"), dec if eta == 0 else [])
@@ -137,7 +148,7 @@ def report(results: list[dict], args) -> str:
         lines.append(
             f"| {label(ref[0])} | {acc_std} | {acc_dec} | {stat(dec, 'greedy_end') if dec else '—'} "
             f"| {stat(ref, 'accuracy_start')} "
-            f"| {mean(std, 'seconds_per_step'):.2f} / {mean(dec, 'seconds_per_step'):.2f} | {speed} "
+            f"| {per_step(std)} / {per_step(dec)} | {speed} "
             f"| {mean(ref, 'trained_tokens_per_s'):,.0f} | {mean(ref, 'staleness_mean'):.2f} | {hist} "
             f"| {100 * mean(ref, 'masked_fraction'):.2f}% | {len(std)} / {len(dec)} |")
     return "\n".join(lines)
@@ -209,7 +220,7 @@ def main():
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--report-only", action="store_true")
     args, args.overrides = p.parse_known_args()
-    args.argv = sys.argv[1:]
+    args.argv = [a for a in sys.argv[1:] if a != "--report-only"]  # the command that ran the grid
     args.etas = [int(x) for x in args.etas.split(",")]
     args.seeds = [int(x) for x in args.seeds.split(",")]
     args.extra = [x for x in args.extra.split(",") if x]

@@ -35,6 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.num_kv_heads = 2
     config.model.head_dim = 32
     config.model.max_position_embeddings = 128
+    config.model.rope_theta = 10000.0
 
     # Role -> devices and mesh axes. generator.devices = 0 shares the trainer's devices (colocated).
     config.mesh = ml_collections.ConfigDict()

@@ -33,9 +33,14 @@ def test_default_job_then_reload_exported_model(tmp_path):
     assert summary["steps"] == 3 and summary["prompts"]["trained"] == 3 * 16
     assert (tmp_path / "a/sft/sft_config.json").is_file() and (tmp_path / "a/curves.png").is_file()
 
-    # Another run with the same SFT cache: the warm start is reused, not redone.
-    again = run_main(f"--workdir={tmp_path / 'c'}", f"--config.sft.cache_dir={tmp_path / 'a/sft'}", *SMALL)
+    # Another run with the same SFT cache: the warm start is reused, not redone. Without the greedy evaluation
+    # (eval.greedy=False used to end the run with "error: eval_greedy_accuracy" after its first evaluation).
+    again = run_main(f"--workdir={tmp_path / 'c'}", f"--config.sft.cache_dir={tmp_path / 'a/sft'}", *SMALL,
+                     "--config.eval.greedy=False")
     assert again.returncode == 0 and "SFT warm start: reusing" in again.stderr, again.stderr[-3000:]
+    summary = json.loads((tmp_path / "c/summary.json").read_text())
+    assert summary["status"] == "completed" and summary["eval_greedy_accuracy_end"] is None
+    assert 0 <= summary["eval_accuracy_end"] <= 1
 
     # The exported directory is a HF checkpoint + tokenizer: RL from it, colocated on one device.
     second = run_main(f"--workdir={tmp_path / 'b'}", f"--config.model_path={tmp_path / 'a/model'}", *SMALL,
