@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,7 @@ def run_arealjax(task: str, eta: int, args, work: Path) -> dict:
                f"--config.rl.eval_every={t['eval_every']}", f"--config.eval.num_problems={args.eval_problems}",
                "--config.eval.greedy=False", "--config.checkpoint.every_steps=100000",
                f"--config.sft.cache_dir={work / 'sft'}"]
-        subprocess.run(["rm", "-rf", str(workdir)], check=True)
+        shutil.rmtree(workdir, ignore_errors=True)  # metrics.jsonl appends
         print(f"  arealjax η = {eta}: {log}", flush=True)
         with open(log, "w") as f:
             res = subprocess.run(cmd, cwd=ROOT, env=clean_env(), stdout=f, stderr=subprocess.STDOUT)
