@@ -31,7 +31,12 @@ from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import Tokenizer
 from arealjax.workflows import RLVR, Episode, Prompt, Workflow
 
-__all__ = ["ControllerStats", "Group", "Prompt", "RolloutController", "staleness_of", "token_staleness"]
+__all__ = ["ControllerStats", "Group", "Prompt", "RolloutController", "TaskSolved", "staleness_of", "token_staleness"]
+
+
+class TaskSolved(Exception):
+    """Dynamic filtering starved the trainer because every sample of every recent group was right: the policy has
+    solved the task, and the run ends as completed (not as a failure)."""
 
 
 @dataclasses.dataclass
@@ -57,13 +62,15 @@ class ControllerStats:
 class RolloutController:
     def __init__(self, generator: Generator, rewards: RewardService, tokenizer: Tokenizer, prompts: Iterator[Prompt],
                  staleness: StalenessManager, sampling: SamplingParams, advantage: AdvantageConfig, *,
-                 workflow: Workflow | None = None, max_filtered_in_a_row: int = 500):
+                 workflow: Workflow | None = None, max_filtered_in_a_row: int = 500, solved_reward: float = 1.0):
         """`sampling.n` episodes per prompt, each generating with `sampling` (n = 1). `max_filtered_in_a_row`:
-        after this many groups dropped by dynamic filtering with none kept, the run stops with an error instead of
-        starving the trainer (0 = never)."""
+        after this many groups dropped by dynamic filtering with none kept, the trainer would starve (0 = never
+        checked): if every sample of those groups got at least `solved_reward`, the task is solved and `get_batch`
+        raises TaskSolved; otherwise (all wrong: a collapsed policy or a task too hard) the run stops with an
+        error."""
         if sampling.n < 1:
             raise ValueError("sampling.n must be >= 1")
-        self.max_filtered_in_a_row = max_filtered_in_a_row
+        self.max_filtered_in_a_row, self.solved_reward = max_filtered_in_a_row, solved_reward
         self.generator, self.rewards, self.tokenizer = generator, rewards, tokenizer
         self.prompts, self.staleness, self.sampling, self.advantage = prompts, staleness, sampling, advantage
         self.workflow = workflow if workflow is not None else RLVR()
@@ -76,6 +83,7 @@ class RolloutController:
         self._error: BaseException | None = None
         self._exhausted = False
         self._filtered_reward_sum = 0.0  # over the current run of filtered groups (one reward each: all equal)
+        self._filtered_reward_min = float("inf")  # the same run's lowest reward (rejected groups: -inf)
         self._loop = asyncio.new_event_loop()
         self._wake = asyncio.Event()  # capacity may have changed (set on the loop's thread only)
         self._thread = threading.Thread(target=self._run_loop, name="rollout-controller", daemon=True)
@@ -168,20 +176,28 @@ class RolloutController:
                 self.staleness.on_accept(group.seq)
                 self._queue[group.seq] = group
                 self.stats.filtered_in_a_row, self._filtered_reward_sum = 0, 0.0
+                self._filtered_reward_min = float("inf")
             else:
                 self.staleness.on_reject(group.seq)
                 self.stats.filtered += 1
                 self.stats.filtered_in_a_row += 1
                 self._filtered_reward_sum += rewards[0] if rewards else 0.0
+                self._filtered_reward_min = min(self._filtered_reward_min, rewards[0] if rewards else -float("inf"))
             self._cv.notify_all()
             starved = 0 < self.max_filtered_in_a_row <= self.stats.filtered_in_a_row
             mean = self._filtered_reward_sum / max(self.stats.filtered_in_a_row, 1)
-        if starved:
+            solved = self._filtered_reward_min >= self.solved_reward
+        if starved and solved:
+            self._fail(TaskSolved(
+                f"every sample of the last {self.stats.filtered_in_a_row} groups got reward ≥ {self.solved_reward} "
+                f"(rl.solved_reward), so dynamic filtering left the trainer nothing to learn from "
+                f"(rl.max_filtered_in_a_row={self.max_filtered_in_a_row})"))
+        elif starved:
             self._fail(RuntimeError(
                 f"dynamic filtering dropped {self.stats.filtered_in_a_row} groups in a row (every sample of each got "
                 f"the same reward; "
-                f"mean of those rewards {mean:.3f}): no group carries a learning signal, so the trainer "
-                f"would wait forever. All-high rewards mean the task is solved or too easy, all-low that the policy "
+                f"mean of those rewards {mean:.3f}, below rl.solved_reward={self.solved_reward}): no group carries a "
+                f"learning signal, so the trainer would wait forever. Uniformly low rewards mean the policy "
                 f"collapsed or the task is too hard. Raise rl.group_size or rl.temperature, change the task, or set "
                 f"advantage.filter_uniform=False (rl.max_filtered_in_a_row={self.max_filtered_in_a_row})"))
 
@@ -209,6 +225,8 @@ class RolloutController:
         deadline = None if timeout is None else time.perf_counter() + timeout
         with self._cv:
             while True:
+                if isinstance(self._error, TaskSolved):
+                    raise self._error
                 if self._error is not None:
                     raise RuntimeError(f"rollout failed: {error_text(self._error)}") from self._error
                 seqs = self.staleness.take_batch(trainer_version)

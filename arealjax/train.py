@@ -30,7 +30,7 @@ from arealjax import evaluate as evaluation
 from arealjax import models
 from arealjax.checkpoint import Checkpointer
 from arealjax.checks import check_config, output_dir
-from arealjax.controller import Prompt, RolloutController, staleness_of, token_staleness
+from arealjax.controller import Prompt, RolloutController, TaskSolved, staleness_of, token_staleness
 from arealjax.data import TASKS
 from arealjax.data.pipeline import PromptStream, ReissueFirst, SFTStream, format_prompt
 from arealjax.distributed import Processes, fingerprint, reduce_metrics
@@ -437,7 +437,8 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     share = StalenessManager(rl.batch_size // processes.count, rl.max_staleness,
                              -(-rl.max_concurrent // processes.count))
     controller = RolloutController(generator, rewards, tokenizer, prompts, share, sampling, advantage,
-                                   max_filtered_in_a_row=rl.max_filtered_in_a_row, workflow=workflow)
+                                   max_filtered_in_a_row=rl.max_filtered_in_a_row, solved_reward=rl.solved_reward,
+                                   workflow=workflow)
     stack.callback(lambda: summary.update(prompts=controller.stop()))  # the accounting, on every exit path
     if restored:
         controller.restore(controllers[processes.index], trainer.version)
@@ -474,25 +475,32 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
     try:
         for step in bar:
             t0 = time.perf_counter()
-            batch, status = [], "ok"
+            batch, status, solved = [], "ok", ""
             try:
                 stop.check()
                 batch = controller.get_batch(trainer.version, interrupt=stop.check)
                 stop.check()
             except StopIteration:  # the dataset ran out (data.epochs): the run ends normally
                 status = "exhausted"
+            except TaskSolved as e:  # every recent group all right: the run ends normally, its model kept
+                status, solved = "solved", str(e)
             except Interrupted as e:
                 status = e.signum
             statuses = processes.allgather("step", status)  # every process goes on, or none does
             if any(s != "ok" for s in statuses):
                 controller.put_back(batch)  # not trained: a checkpoint keeps it among the prompts to re-issue
-                signals = [s for s in statuses if s != "exhausted"]
+                signals = [s for s in statuses if s not in ("exhausted", "solved")]
                 if signals:
                     processes.stopping = True
                     raise Interrupted(signals[0])
-                summary["status"] = f"dataset exhausted after step {done}"
-                logging.warning("the dataset is exhausted (data.epochs=%s): ending after step %d", config.data.epochs,
-                                done)
+                if "solved" in statuses:
+                    summary.update(status="completed", stopped_early=f"the task is solved after step {done}: "
+                                   + (solved or "so another process found"))
+                    logging.warning("%s; ending the run", summary["stopped_early"])
+                else:
+                    summary["status"] = f"dataset exhausted after step {done}"
+                    logging.warning("the dataset is exhausted (data.epochs=%s): ending after step %d",
+                                    config.data.epochs, done)
                 break
             wait_s = time.perf_counter() - t0
             stale = staleness_of(batch, trainer.version)
@@ -570,7 +578,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
             checkpoint()
             logging.warning("SIGTERM: saved checkpoint %d", done)
         raise
-    if done < rl.steps:  # the dataset ran out: evaluate and save what was trained
+    if done < rl.steps:  # the dataset ran out or the task is solved: evaluate and save what was trained
         latest_eval = evaluate(generator, rewards, tokenizer, held_out, config, stop, done, workdir, processes)
         log(done, latest_eval)
         checkpoint()

@@ -93,7 +93,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rl.group_size = 8
     config.rl.max_staleness = 2
     config.rl.max_concurrent = 64  # prompts in flight
-    config.rl.max_filtered_in_a_row = 500  # stop with an error when dynamic filtering starves the trainer
+    # When dynamic filtering drops this many groups in a row the trainer would starve: if every sample of them got
+    # ≥ solved_reward the task is solved and the run ends as completed (summary.json says so), else with an error.
+    config.rl.max_filtered_in_a_row = 500
+    config.rl.solved_reward = 1.0
     config.rl.temperature = 1.0
     config.rl.max_new_tokens = 40
     config.rl.eval_every = 10

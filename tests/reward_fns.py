@@ -110,3 +110,8 @@ def raises_on_marked_host(completion: str, **kwargs) -> float:
     if os.environ.get("AREALJAX_TEST_BROKEN_HOST"):
         raise ValueError("broken on this host")
     return 0.0
+
+
+def always_right(completion: str, **_) -> float:
+    """Every sample is right: a task the policy has solved."""
+    return 1.0

@@ -27,3 +27,21 @@ def test_time_to_target_and_accuracy_at_budget():
     assert accuracy_at(curve, 60.0) == 0.85
     assert accuracy_at(curve, 1000.0) == 0.79
     assert accuracy_at(curve, 0.0) == 0.5
+
+
+def test_learning_report_compares_tags_over_seeds():
+    """benchmarks/learning.py: mean ± sd over seeds per (tag, job, η), and each tag against the first one with the
+    standard error of the difference (Welch), so a change in accuracy can be told from seed noise."""
+    from benchmarks.learning import report
+
+    def cell(tag, seed, end):
+        return dict(tag=tag, job="default", eta=2, seed=seed, commit=tag, command="cmd", stopped_early="",
+                    accuracy_start=0.5, accuracy_end=end, greedy_start=0.4, greedy_end=end, seconds_per_step=2.0,
+                    grad_norm_mean=0.7)
+
+    old, new = [0.9, 0.8, 0.7], [0.6, 0.7, 0.8]
+    text = report([cell("old", i, x) for i, x in enumerate(old)] + [cell("new", i, x) for i, x in enumerate(new)])
+    assert "| old (old) | default | 2 | 0.50 ± 0.00 → **0.80 ± 0.10** |" in text
+    assert "0: 0.60, 1: 0.70, 2: 0.80" in text
+    # difference −0.10, standard error sqrt(0.01/3 + 0.01/3) = 0.0816, t = −1.2: not separable from noise
+    assert "| default | 2 | new − old | -0.10 | 0.08 | -1.2 |" in text

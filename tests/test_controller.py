@@ -103,6 +103,22 @@ def test_starved_trainer_stops_with_a_clear_error(tmp_path):
         train.run(c, str(tmp_path))
 
 
+def test_solved_task_ends_the_run_as_completed(tmp_path):
+    """When every sample is right, dynamic filtering drops every group: the task is solved, the success the job
+    exists for. The run must end as completed with its model, evaluation and summary (it used to fail with
+    "dynamic filtering dropped 500 groups in a row")."""
+    c = small_config(1, steps=50)
+    c.advantage.filter_uniform = True
+    c.rl.max_filtered_in_a_row = 6
+    c.rewards.fn = "reward_fns:always_right"
+    summary = train.run(c, str(tmp_path))
+    assert summary["status"] == "completed" and summary["steps"] == 0, summary
+    assert "the task is solved after step 0" in summary["stopped_early"]
+    assert "every sample of the last 6 groups got reward ≥ 1.0" in summary["stopped_early"]
+    assert summary["eval_accuracy_end"] == 1.0 and (tmp_path / "model/config.json").is_file()
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
 def test_generator_scores_like_the_trainer_after_a_sync():
     c = small_config(1)
     rules = normalize_rules(c.sharding_rules)

@@ -8,7 +8,7 @@ import pytest
 
 from arealjax.models import ModelConfig, forward, from_config
 from arealjax.rl.losses import PPOConfig
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, make_schedule
+from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, make_optimizer, make_schedule
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import make_mesh
 
@@ -133,6 +133,23 @@ def test_non_finite_step_is_skipped(model):
     assert m["skipped_steps"] == 0 and np.isfinite(m["loss"])
     moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), trainer.params, before[0])
     assert min(jax.tree.leaves(moved)) > 0
+
+
+def test_weight_decay_reaches_matrices_only():
+    """Decay is decided by what a param is, not its rank: the stacked layers give norm scales a [layers, dim]
+    shape and Qwen2's q/k/v biases [layers, heads, head_dim]; neither may shrink under a zero gradient."""
+    cfg = ModelConfig.make(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True, qk_norm=True)
+    params = from_config(cfg, seed=0).params
+    params = jax.tree.map(lambda x: x + 0.5, params)  # biases start at zero: make a decay visible
+    tx = make_optimizer(OptimConfig(lr=0.1, weight_decay=0.5, grad_clip=1.0))
+    updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    moved = {jax.tree_util.keystr(path): bool(np.any(np.asarray(u) != 0))
+             for path, u in jax.tree_util.tree_leaves_with_path(updates)}
+    kept = sorted(k for k, m in moved.items() if not m)
+    assert kept and all("norm" in k or "bias" in k for k in kept), kept
+    assert all(m for k, m in moved.items() if "kernel" in k or "embed_tokens" in k), moved
+    assert any("layernorm" in k for k in kept) and any("bias" in k for k in kept), kept
 
 
 def test_schedules():

@@ -78,8 +78,17 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
     return optax.constant_schedule(cfg.lr)
 
 
+def decay_mask(params: nnx.State) -> nnx.State:
+    """True for the params weight decay applies to: matrices (kernels, embeddings, LoRA factors), not norm scales
+    or biases. Decided by what a param is (its name and logical axes), not its rank: stacked layers give every
+    norm scale a [layers, dim] shape, and attention biases are [heads, head_dim]."""
+    def one(path, v: nnx.Variable) -> nnx.Variable:
+        return v.replace(value=path[-1].key != "bias" and "norm" not in v.get_metadata()["axes"])
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
     adamw = optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                         mask=decay_mask)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw

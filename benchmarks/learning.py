@@ -1,0 +1,230 @@
+"""Learning over seeds: does a job still learn, and can a change in accuracy be told from noise?
+
+  python benchmarks/learning.py                          # default + long-tail × η ∈ {0, the config's} × 3 seeds
+  python benchmarks/learning.py --jobs=default --etas=config --checkout=/tmp/old --tag=d171bc5   # another commit
+  python benchmarks/learning.py --report-only            # table + figure from every cell run so far
+  python benchmarks/learning.py --smoke                  # tiny sizes, seconds: the script itself works
+
+Each cell is `main.py --config=configs/<job>.py` exactly as the README runs it, in its own process, with
+`--config.seed` and `--config.rl.max_staleness` set (η "config" leaves the config's own), run from --checkout (a git
+worktree of any commit: `git worktree add /tmp/old <commit>`) so that older commits are measured by the same
+command. One SFT warm start per (tag, job, seed), shared by that seed's η cells (the warm start does not depend on
+η). A finished cell (summary.json "completed") is summarised, not run again; an unfinished one starts over.
+
+Per cell, from the run's metrics.jsonl: held-out accuracy at every evaluation (pass@1 at the sampling temperature
+and greedy), seconds per RL step over training wall-clock (evaluations left out, the first --warmup steps too:
+compilation), the mean gradient norm. Results accumulate in --results/learning.json over invocations (a cell is
+keyed by tag, job, η, seed), and learning.md / learning.png are redrawn from all of them: mean ± sd over seeds per
+(tag, job, η), every seed's final value, and the difference of each tag against the first one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.staleness_ablation import training_curve  # noqa: E402
+
+# --smoke: a seconds-long run of the same code path (a 1-layer model, a few steps, a small evaluation).
+SMOKE = ["--config.sft.steps=4", "--config.sft.optim.warmup_steps=1", "--config.rl.steps=2", "--config.rl.eval_every=2",
+         "--config.eval.num_problems=8", "--config.model.num_layers=1", "--config.model.hidden_size=32",
+         "--config.model.intermediate_size=64", "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
+         "--config.model.head_dim=16", "--config.generator.slots=32", "--config.rl.max_new_tokens=24",
+         "--config.trainer.max_tokens=64", "--config.generator.max_len=64", "--config.sft.max_tokens=64",
+         "--config.advantage.filter_uniform=False"]
+
+
+def git(checkout: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True).stdout.strip()
+
+
+def config_eta(checkout: Path, job: str) -> int:
+    """The job's own max_staleness, read from the config file of that checkout."""
+    code = f"from configs.{job} import get_config; print(get_config().rl.max_staleness)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(checkout)})
+    if out.returncode:
+        sys.exit(f"configs/{job}.py in {checkout}: {out.stderr.strip().splitlines()[-1]}")
+    return int(out.stdout)
+
+
+def cells(args) -> list[dict]:
+    """The grid in run order: seed-major (a partial grid already compares every job and η), then job, then η."""
+    out = []
+    for seed in args.seeds:
+        for job in args.jobs:
+            etas = sorted({config_eta(args.checkout, job) if e == "config" else int(e) for e in args.etas})
+            for eta in etas:
+                out.append(dict(tag=args.tag, job=job, eta=eta, seed=seed, name=f"{job}_eta{eta}_seed{seed}"))
+    return out
+
+
+def run_cell(cell: dict, workdir: Path, args) -> None:
+    shutil.rmtree(workdir, ignore_errors=True)  # an unfinished cell starts over (metrics.jsonl appends)
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "main.py", f"--config=configs/{cell['job']}.py", f"--workdir={workdir}",
+           f"--config.seed={cell['seed']}", f"--config.rl.max_staleness={cell['eta']}",
+           f"--config.sft.cache_dir={workdir.parent / '{}_sft_seed{}'.format(cell['job'], cell['seed'])}",
+           *(SMOKE if args.smoke else []), *args.overrides]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # main.py sets the device count from config
+    print(f"[{time.strftime('%H:%M:%S')}] {cell['tag']} {cell['name']}", flush=True)
+    log = workdir.parent / f"{cell['name']}.log"
+    with open(log, "w") as f:
+        res = subprocess.run(cmd, cwd=args.checkout, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if res.returncode:
+        sys.exit(f"{cell['tag']} {cell['name']} failed (exit {res.returncode}); see {log}")
+
+
+def summarize(cell: dict, workdir: Path, args) -> dict:
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((workdir / "summary.json").read_text())
+    train_wall, curve = training_curve(rows)
+    steps = sorted(s for s in train_wall if s > 0)
+    last, warm = steps[-1], min(args.warmup, steps[-1] - 1)
+    grad_norms = [r["grad_norm"] for r in rows if r["step"] > 0 and "grad_norm" in r]
+    return {**cell, "commit": args.commit, "command": args.command, "steps": last, "status": summary["status"],
+            "stopped_early": summary.get("stopped_early", ""),
+            "seconds_per_step": (train_wall[last] - train_wall[warm]) / (last - warm),
+            "grad_norm_mean": float(np.mean(grad_norms)) if grad_norms else None, "curve": curve,
+            "accuracy_start": summary["eval_accuracy_start"], "accuracy_end": summary["eval_accuracy_end"],
+            "greedy_start": summary.get("eval_greedy_accuracy_start"),
+            "greedy_end": summary.get("eval_greedy_accuracy_end")}
+
+
+def stat(xs) -> str:
+    xs = np.array([x for x in xs if x is not None], float)
+    if not len(xs):
+        return "—"
+    return f"{xs.mean():.2f} ± {xs.std(ddof=1):.2f}" if len(xs) > 1 else f"{xs.mean():.2f}"
+
+
+def report(results: list[dict]) -> str:
+    """One row per (tag, job, η): pass@1 and greedy start → end (mean ± sd over seeds), each seed's final pass@1,
+    s/step, mean gradient norm; then each tag's difference from the first tag on the same (job, η)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["tag"], r["job"], r["eta"]), []).append(r)
+    tags = list(dict.fromkeys(r["tag"] for r in results))
+    commands = dict.fromkeys(r["command"] for r in results)
+    lines = [*(f"`{c}`  " for c in commands), "",
+             "Held-out accuracy of each job as the README runs it (mean ± sd over seeds; pass@1 at the sampling "
+             f"temperature and greedy, {os.cpu_count()} CPU cores; s/step over training wall-clock, "
+             f"evaluations and the first steps left out).", "",
+             "| tag (commit) | job | η | pass@1 start → end | greedy start → end | final pass@1 by seed | s / step | "
+             "grad norm | n |", "|---|---|---|---|---|---|---|---|---|"]
+    for (tag, job, eta), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2], tags.index(kv[0][0]))):
+        rs = sorted(rs, key=lambda r: r["seed"])
+        commits = ", ".join(sorted({r["commit"] for r in rs}))
+        seeds = ", ".join(f"{r['seed']}: {r['accuracy_end']:.2f}" + ("*" if r["stopped_early"] else "") for r in rs)
+        lines.append(f"| {tag} ({commits}) | {job} | {eta} | {stat(r['accuracy_start'] for r in rs)} → "
+                     f"**{stat(r['accuracy_end'] for r in rs)}** | {stat(r['greedy_start'] for r in rs)} → "
+                     f"{stat(r['greedy_end'] for r in rs)} | {seeds} | {stat(r['seconds_per_step'] for r in rs)} | "
+                     f"{stat(r['grad_norm_mean'] for r in rs)} | {len(rs)} |")
+    if any(r["stopped_early"] for r in results):
+        lines += ["", "\\* stopped early: the task solved (every sample of the last groups right); its last "
+                  "evaluation is its final accuracy."]
+    diffs = []
+    for (tag, job, eta), rs in groups.items():
+        base = groups.get((tags[0], job, eta))
+        if tag == tags[0] or not base:
+            continue
+        a, b = (np.array([r["accuracy_end"] for r in x]) for x in (base, rs))
+        se = np.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)) if min(len(a), len(b)) > 1 else float("nan")
+        diffs.append(f"| {job} | {eta} | {tag} − {tags[0]} | {b.mean() - a.mean():+.2f} | {se:.2f} | "
+                     f"{(b.mean() - a.mean()) / se if se > 0 else float('nan'):+.1f} |")
+    if diffs:
+        lines += ["", "Final pass@1 against the first tag (difference of means, its standard error from the seed "
+                  "spread, and their ratio: |t| < 2 cannot be told from seed noise):", "",
+                  "| job | η | tags | difference | standard error | t |", "|---|---|---|---|---|---|", *diffs]
+    return "\n".join(lines)
+
+
+def figure(results: list[dict], out: Path) -> None:
+    """Held-out pass@1 by RL step per job: mean over seeds with a ±sd band, one line per (tag, η)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    jobs = list(dict.fromkeys(r["job"] for r in results))
+    fig, axes = plt.subplots(1, len(jobs), figsize=(6.5 * len(jobs), 4), squeeze=False)
+    for ax, job in zip(axes[0], jobs):
+        keys = list(dict.fromkeys((r["tag"], r["eta"]) for r in results if r["job"] == job))
+        for tag, eta in keys:
+            rs = [r for r in results if (r["job"], r["tag"], r["eta"]) == (job, tag, eta)]
+            n = min(len(r["curve"]) for r in rs)
+            step = [p[0] for p in rs[0]["curve"][:n]]
+            acc = np.array([[p[2] for p in r["curve"][:n]] for r in rs])
+            line, = ax.plot(step, acc.mean(0), marker="o", ms=3, label=f"{tag}, η = {eta} (n = {len(rs)})")
+            ax.fill_between(step, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), color=line.get_color(),
+                            alpha=0.15)
+        ax.set_title(f"{job}: held-out pass@1 (mean ± sd over seeds)")
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", default="default,longtail", help="config names under configs/")
+    p.add_argument("--etas", default="0,config", help="max staleness values; 'config' = the job's own")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--checkout", default=str(ROOT), help="the git checkout whose main.py runs the cells")
+    p.add_argument("--tag", default="", help="the rows' label (default: the checkout's short commit)")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of s/step (compilation)")
+    p.add_argument("--work", default="/tmp/arealjax_learning", help="run directories (resumable)")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (seconds); results into --work, not --results")
+    args, args.overrides = p.parse_known_args()
+    bad = [o for o in args.overrides if not o.startswith("--config.")]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)} (extra arguments must be --config.key=value)")
+    args.command = " ".join(["python benchmarks/learning.py", *[a for a in sys.argv[1:] if a != "--report-only"]])
+    args.checkout = Path(args.checkout).resolve()
+    args.commit = git(args.checkout, "rev-parse", "--short", "HEAD") + ("+dirty" if git(
+        args.checkout, "status", "--porcelain", "--untracked-files=no") else "")
+    args.tag = args.tag or args.commit
+    args.jobs = args.jobs.split(",")
+    args.etas = args.etas.split(",")
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    if args.smoke:
+        args.work, args.results, args.seeds = str(Path(args.work) / "smoke"), str(Path(args.work) / "smoke"), [0]
+        args.warmup = 0
+    work = Path(args.work)
+    store = Path(args.results) / "learning.json"
+    results = {(r["tag"], r["job"], r["eta"], r["seed"]): r for r in
+               (json.loads(store.read_text()) if store.is_file() and not args.smoke else [])}
+    for cell in ([] if args.report_only else cells(args)):
+        workdir = work / cell["tag"] / cell["name"]
+        done = (workdir / "summary.json").is_file() and json.loads(
+            (workdir / "summary.json").read_text()).get("status") == "completed"
+        if not done:
+            run_cell(cell, workdir, args)
+        results[(cell["tag"], cell["job"], cell["eta"], cell["seed"])] = summarize(cell, workdir, args)
+        store.parent.mkdir(parents=True, exist_ok=True)
+        store.write_text(json.dumps(list(results.values()), indent=1))  # after every cell: a partial grid reports
+    if not results:
+        sys.exit(f"no results in {store}")
+    table = report(list(results.values()))
+    (store.parent / "learning.md").write_text(f"# Learning over seeds\n\n{table}\n\n![learning](learning.png)\n")
+    figure(list(results.values()), store.parent / "learning.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
