@@ -49,12 +49,13 @@ def check_config(config: Any, processes: int = 1) -> None:
              "generator.slots", "generator.decode_steps", "generator.max_prefill_batch", "trainer.max_tokens",
              "trainer.micro_rows", "trainer.ppo_n_minibatches", "rewards.workers", "checkpoint.max_to_keep",
              "eval.n", "trainer.max_skipped_in_a_row", "rewards.failure_window")
-    positive("rl.steps", "rl.max_staleness", "rl.max_filtered_in_a_row", "rl.eval_every", "rewards.retries",
-             "sft.steps", "checkpoint.every_steps", "data.epochs", "eval.num_problems", "data.max_prompt_tokens",
-             "generator.kv_pages", minimum=0)
+    positive("rl.steps", "rl.max_staleness", "rl.max_filtered_in_a_row", "rl.solved_window", "rl.eval_every",
+             "rewards.retries", "sft.steps", "checkpoint.every_steps", "data.epochs", "eval.num_problems",
+             "data.max_prompt_tokens", "generator.kv_pages", minimum=0)
     positive("generator.max_len", minimum=2)
     need(_number(rl.temperature) and rl.temperature > 0, "rl.temperature",
          "> 0 (at 0 all samples of a prompt are the same greedy answer: no group has a learning signal)")
+    need(_number(rl.solved_share) and 0 < rl.solved_share <= 1, "rl.solved_share", "a share in (0, 1]")
     need(_number(config.rewards.timeout) and config.rewards.timeout > 0, "rewards.timeout", "seconds > 0")
     need(_number(config.rewards.max_failure_rate) and 0 < config.rewards.max_failure_rate <= 1,
          "rewards.max_failure_rate", "a share in (0, 1]")

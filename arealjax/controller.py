@@ -15,6 +15,7 @@ episode rejected), queued or in flight at stop. An error in any episode stops th
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import threading
 import time
@@ -62,15 +63,19 @@ class ControllerStats:
 class RolloutController:
     def __init__(self, generator: Generator, rewards: RewardService, tokenizer: Tokenizer, prompts: Iterator[Prompt],
                  staleness: StalenessManager, sampling: SamplingParams, advantage: AdvantageConfig, *,
-                 workflow: Workflow | None = None, max_filtered_in_a_row: int = 500, solved_reward: float = 1.0):
+                 workflow: Workflow | None = None, max_filtered_in_a_row: int = 500, solved_reward: float = 1.0,
+                 solved_window: int = 0, solved_share: float = 1.0):
         """`sampling.n` episodes per prompt, each generating with `sampling` (n = 1). `max_filtered_in_a_row`:
         after this many groups dropped by dynamic filtering with none kept, the trainer would starve (0 = never
         checked): if every sample of those groups got at least `solved_reward`, the task is solved and `get_batch`
         raises TaskSolved; otherwise (all wrong: a collapsed policy or a task too hard) the run stops with an
-        error."""
+        error. With `solved_window` > 0 the task is also solved once `solved_share` of the last `solved_window`
+        groups had every sample right (before that, a run near 100% crawls: each kept group costs many samples)."""
         if sampling.n < 1:
             raise ValueError("sampling.n must be >= 1")
         self.max_filtered_in_a_row, self.solved_reward = max_filtered_in_a_row, solved_reward
+        self.solved_share = solved_share
+        self._all_right: collections.deque[bool] = collections.deque(maxlen=solved_window)  # last groups'
         self.generator, self.rewards, self.tokenizer = generator, rewards, tokenizer
         self.prompts, self.staleness, self.sampling, self.advantage = prompts, staleness, sampling, advantage
         self.workflow = workflow if workflow is not None else RLVR()
@@ -187,7 +192,15 @@ class RolloutController:
             starved = 0 < self.max_filtered_in_a_row <= self.stats.filtered_in_a_row
             mean = self._filtered_reward_sum / max(self.stats.filtered_in_a_row, 1)
             solved = self._filtered_reward_min >= self.solved_reward
-        if starved and solved:
+            self._all_right.append(bool(rewards) and min(rewards) >= self.solved_reward)
+            window = self._all_right.maxlen
+            right = sum(self._all_right)
+            mostly_right = 0 < window == len(self._all_right) and right >= self.solved_share * window
+        if mostly_right and not (starved and solved):
+            self._fail(TaskSolved(
+                f"{right} of the last {window} groups had every sample at reward ≥ {self.solved_reward} "
+                f"(rl.solved_share={self.solved_share}, rl.solved_window={window})"))
+        elif starved and solved:
             self._fail(TaskSolved(
                 f"every sample of the last {self.stats.filtered_in_a_row} groups got reward ≥ {self.solved_reward} "
                 f"(rl.solved_reward), so dynamic filtering left the trainer nothing to learn from "

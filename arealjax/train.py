@@ -438,7 +438,7 @@ def _run(config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, su
                              -(-rl.max_concurrent // processes.count))
     controller = RolloutController(generator, rewards, tokenizer, prompts, share, sampling, advantage,
                                    max_filtered_in_a_row=rl.max_filtered_in_a_row, solved_reward=rl.solved_reward,
-                                   workflow=workflow)
+                                   solved_window=rl.solved_window, solved_share=rl.solved_share, workflow=workflow)
     stack.callback(lambda: summary.update(prompts=controller.stop()))  # the accounting, on every exit path
     if restored:
         controller.restore(controllers[processes.index], trainer.version)

@@ -9,7 +9,9 @@ Each cell is `main.py --config=configs/<job>.py` exactly as the README runs it, 
 `--config.seed` and `--config.rl.max_staleness` set (η "config" leaves the config's own), run from --checkout (a git
 worktree of any commit: `git worktree add /tmp/old <commit>`) so that older commits are measured by the same
 command. One SFT warm start per (tag, job, seed), shared by that seed's η cells (the warm start does not depend on
-η). A finished cell (summary.json "completed") is summarised, not run again; an unfinished one starts over.
+η). A finished cell (summary.json says "completed" or "failed") is summarised, not run again; an unfinished one
+starts over. A failed cell is kept with its error and its last evaluation as its final accuracy (older commits
+failed runs that solved the task; delete its directory to run it again).
 
 Per cell, from the run's metrics.jsonl: held-out accuracy at every evaluation (pass@1 at the sampling temperature
 and greedy), seconds per RL step over training wall-clock (evaluations left out, the first --warmup steps too:
@@ -83,7 +85,7 @@ def run_cell(cell: dict, workdir: Path, args) -> None:
     with open(log, "w") as f:
         res = subprocess.run(cmd, cwd=args.checkout, env=env, stdout=f, stderr=subprocess.STDOUT)
     if res.returncode:
-        sys.exit(f"{cell['tag']} {cell['name']} failed (exit {res.returncode}); see {log}")
+        print(f"{cell['tag']} {cell['name']} failed (exit {res.returncode}); see {log}", flush=True)
 
 
 def summarize(cell: dict, workdir: Path, args) -> dict:
@@ -93,13 +95,15 @@ def summarize(cell: dict, workdir: Path, args) -> dict:
     steps = sorted(s for s in train_wall if s > 0)
     last, warm = steps[-1], min(args.warmup, steps[-1] - 1)
     grad_norms = [r["grad_norm"] for r in rows if r["step"] > 0 and "grad_norm" in r]
+    failed = summary.get("error", "").split(" (")[0]  # its first clause
     return {**cell, "commit": args.commit, "command": args.command, "steps": last, "status": summary["status"],
-            "stopped_early": summary.get("stopped_early", ""),
+            "stopped_early": summary.get("stopped_early") or (f"failed after step {last}: {failed}" if failed else ""),
             "seconds_per_step": (train_wall[last] - train_wall[warm]) / (last - warm),
             "grad_norm_mean": float(np.mean(grad_norms)) if grad_norms else None, "curve": curve,
-            "accuracy_start": summary["eval_accuracy_start"], "accuracy_end": summary["eval_accuracy_end"],
+            "accuracy_start": summary["eval_accuracy_start"],
+            "accuracy_end": summary.get("eval_accuracy_end", curve[-1][2]),  # a failed run: its last evaluation
             "greedy_start": summary.get("eval_greedy_accuracy_start"),
-            "greedy_end": summary.get("eval_greedy_accuracy_end")}
+            "greedy_end": summary.get("eval_greedy_accuracy_end", curve[-1][3])}
 
 
 def stat(xs) -> str:
@@ -132,8 +136,9 @@ def report(results: list[dict]) -> str:
                      f"{stat(r['greedy_end'] for r in rs)} | {seeds} | {stat(r['seconds_per_step'] for r in rs)} | "
                      f"{stat(r['grad_norm_mean'] for r in rs)} | {len(rs)} |")
     if any(r["stopped_early"] for r in results):
-        lines += ["", "\\* stopped early: the task solved (every sample of the last groups right); its last "
-                  "evaluation is its final accuracy."]
+        lines += ["", "\\* ended before its last step (" + "; ".join(sorted({
+            f"{r['tag']} {r['job']} η = {r['eta']} seed {r['seed']}: {r['stopped_early']}"
+            for r in results if r["stopped_early"]})) + "); its last evaluation is its final accuracy."]
     diffs = []
     for (tag, job, eta), rs in groups.items():
         base = groups.get((tags[0], job, eta))
@@ -212,7 +217,7 @@ def main():
     for cell in ([] if args.report_only else cells(args)):
         workdir = work / cell["tag"] / cell["name"]
         done = (workdir / "summary.json").is_file() and json.loads(
-            (workdir / "summary.json").read_text()).get("status") == "completed"
+            (workdir / "summary.json").read_text()).get("status") in ("completed", "failed")
         if not done:
             run_cell(cell, workdir, args)
         results[(cell["tag"], cell["job"], cell["eta"], cell["seed"])] = summarize(cell, workdir, args)

@@ -81,7 +81,7 @@ def training_curve(rows: list[dict]) -> tuple[dict[int, float], list[list[float]
         if "eval_accuracy" in r:
             curve.append([r["step"], train_wall[r["step"]], r["eval_accuracy"], r.get("eval_greedy_accuracy")])
             if r["step"] > 0:
-                eval_done += r["eval_seconds"]
+                eval_done += r.get("eval_seconds", 0.0)  # runs before issue 19 did not time evaluations
     return train_wall, curve
 
 

@@ -95,8 +95,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rl.max_concurrent = 64  # prompts in flight
     # When dynamic filtering drops this many groups in a row the trainer would starve: if every sample of them got
     # ≥ solved_reward the task is solved and the run ends as completed (summary.json says so), else with an error.
+    # Solved too when solved_share of the last solved_window groups were all right (0 = off): near 100% each kept
+    # group costs many samples (steps of 20-60 s here) and teaches nothing the held-out set can show.
     config.rl.max_filtered_in_a_row = 500
     config.rl.solved_reward = 1.0
+    config.rl.solved_window = 256
+    config.rl.solved_share = 0.9
     config.rl.temperature = 1.0
     config.rl.max_new_tokens = 40
     config.rl.eval_every = 10

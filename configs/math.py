@@ -71,6 +71,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rl.batch_size = 64
     config.rl.group_size = 16
     config.rl.max_staleness = 4
+    config.rl.solved_window = 0  # real datasets: easy prompts all right is no reason to stop training the rest
     config.rl.max_concurrent = 256
     config.rl.temperature = 1.0
     config.rl.max_new_tokens = max_new

@@ -119,6 +119,18 @@ def test_solved_task_ends_the_run_as_completed(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
 
 
+def test_a_task_solved_on_most_groups_ends_the_run_without_waiting_for_a_starved_trainer(tmp_path):
+    """Near 100% a run used to crawl (each kept group costs many samples): with rl.solved_window the task is
+    solved once rl.solved_share of the last groups were all right, even though some groups still train."""
+    c = small_config(1, steps=50)
+    c.advantage.filter_uniform = True
+    c.rl.update(max_filtered_in_a_row=0, solved_window=8, solved_share=0.75)
+    c.rewards.fn = "reward_fns:always_right"
+    summary = train.run(c, str(tmp_path))
+    assert summary["status"] == "completed", summary
+    assert "8 of the last 8 groups had every sample at reward ≥ 1.0" in summary["stopped_early"]
+
+
 def test_generator_scores_like_the_trainer_after_a_sync():
     c = small_config(1)
     rules = normalize_rules(c.sharding_rules)
