@@ -76,7 +76,7 @@ def training_curve(rows: list[dict]) -> tuple[dict[int, float], list[list[float]
     evaluations before it (wall_seconds is taken before the step's evaluation; later steps include it)."""
     eval_done, train_wall, curve = 0.0, {0: 0.0}, []
     for r in rows:
-        if r["step"] > 0:
+        if r["step"] > 0 and "wall_seconds" in r:  # not the evaluation row of a run that ended early
             train_wall[r["step"]] = r["wall_seconds"] - eval_done
         if "eval_accuracy" in r:
             curve.append([r["step"], train_wall[r["step"]], r["eval_accuracy"], r.get("eval_greedy_accuracy")])
