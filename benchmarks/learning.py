@@ -2,7 +2,7 @@
 
   python benchmarks/learning.py                          # default + long-tail × η ∈ {0, the config's} × 3 seeds
   python benchmarks/learning.py --jobs=default --etas=config --checkout=/tmp/old --tag=d171bc5   # another commit
-  python benchmarks/learning.py --report-only            # table + figure from every cell run so far
+  python benchmarks/learning.py --report-only            # table + figure: finished cells added, nothing run
   python benchmarks/learning.py --smoke                  # tiny sizes, seconds: the script itself works
 
 Each cell is `main.py --config=configs/<job>.py` exactly as the README runs it, in its own process, with
@@ -137,7 +137,8 @@ def report(results: list[dict]) -> str:
                      f"{stat(r['grad_norm_mean'] for r in rs)} | {len(rs)} |")
     if any(r["stopped_early"] for r in results):
         lines += ["", "\\* ended before its last step (" + "; ".join(sorted({
-            f"{r['tag']} {r['job']} η = {r['eta']} seed {r['seed']}: {r['stopped_early']}"
+            f"{r['tag']} {r['job']} η = {r['eta']} seed {r['seed']}: "
+            + (r["stopped_early"] if r["status"] == "failed" else r["stopped_early"].split(":")[0])
             for r in results if r["stopped_early"]})) + "); its last evaluation is its final accuracy."]
     diffs = []
     for (tag, job, eta), rs in groups.items():
@@ -214,10 +215,12 @@ def main():
     store = Path(args.results) / "learning.json"
     results = {(r["tag"], r["job"], r["eta"], r["seed"]): r for r in
                (json.loads(store.read_text()) if store.is_file() and not args.smoke else [])}
-    for cell in ([] if args.report_only else cells(args)):
+    for cell in cells(args):
         workdir = work / cell["tag"] / cell["name"]
         done = (workdir / "summary.json").is_file() and json.loads(
             (workdir / "summary.json").read_text()).get("status") in ("completed", "failed")
+        if not done and args.report_only:
+            continue
         if not done:
             run_cell(cell, workdir, args)
         results[(cell["tag"], cell["job"], cell["eta"], cell["seed"])] = summarize(cell, workdir, args)

@@ -113,6 +113,8 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
     (["--config.sft.steps=10"], r"sft\.steps = 10: expected more than sft\.optim\.warmup_steps = 20"),
     (["--config.trainer.max_tokens=32"], r"trainer\.max_tokens = 32: expected ≥ generator\.max_len = 64"),
     (["--config.rl.temperature=0.0"], r"rl\.temperature = 0\.0: expected > 0"),
+    (["--config.rl.solved_share=1.5"], r"rl\.solved_share = 1\.5: expected a share in \(0, 1\]"),
+    (["--config.rl.solved_window=-1"], r"rl\.solved_window = -1: expected an integer ≥ 0"),
     (["--config.model_path=/nonexistent/model"], r"model_path = '/nonexistent/model': expected an existing dir"),
     (["--config.task.name=sudoku"], r"task\.name = 'sudoku': expected one of \['addition', 'remainder'\]"),
     (["--config.rewards.fn=nocolon"], r"rewards\.fn = 'nocolon': expected 'package\.module:function'"),
