@@ -75,7 +75,7 @@ class RolloutController:
             raise ValueError("sampling.n must be >= 1")
         self.max_filtered_in_a_row, self.solved_reward = max_filtered_in_a_row, solved_reward
         self.solved_share = solved_share
-        self._all_right: collections.deque[bool] = collections.deque(maxlen=solved_window)  # last groups'
+        self._all_right: collections.deque[bool] = collections.deque(maxlen=solved_window)  # per group
         self.generator, self.rewards, self.tokenizer = generator, rewards, tokenizer
         self.prompts, self.staleness, self.sampling, self.advantage = prompts, staleness, sampling, advantage
         self.workflow = workflow if workflow is not None else RLVR()
@@ -196,15 +196,15 @@ class RolloutController:
             window = self._all_right.maxlen
             right = sum(self._all_right)
             mostly_right = 0 < window == len(self._all_right) and right >= self.solved_share * window
-        if mostly_right and not (starved and solved):
-            self._fail(TaskSolved(
-                f"{right} of the last {window} groups had every sample at reward ≥ {self.solved_reward} "
-                f"(rl.solved_share={self.solved_share}, rl.solved_window={window})"))
-        elif starved and solved:
+        if starved and solved:
             self._fail(TaskSolved(
                 f"every sample of the last {self.stats.filtered_in_a_row} groups got reward ≥ {self.solved_reward} "
                 f"(rl.solved_reward), so dynamic filtering left the trainer nothing to learn from "
                 f"(rl.max_filtered_in_a_row={self.max_filtered_in_a_row})"))
+        elif mostly_right:
+            self._fail(TaskSolved(
+                f"{right} of the last {window} groups had every sample at reward ≥ {self.solved_reward} "
+                f"(rl.solved_share={self.solved_share}, rl.solved_window={window})"))
         elif starved:
             self._fail(RuntimeError(
                 f"dynamic filtering dropped {self.stats.filtered_in_a_row} groups in a row (every sample of each got "
