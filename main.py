@@ -62,11 +62,11 @@ def main(argv):
         runtime.setup(config, f.coordinator, f.num_processes, f.process_id)  # before JAX starts: its flags
         logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # quiet "no TPU found" probes on CPU
         logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every step of every save at INFO
-        from arealjax import train
+        from arealjax import serve, train
 
         STOP.check()
         if flags.FLAGS.export_to:
-            train.export(config, flags.FLAGS.workdir, flags.FLAGS.export_to)
+            serve.export(config, flags.FLAGS.workdir, flags.FLAGS.export_to)
         else:
             train.run(config, flags.FLAGS.workdir, stop=STOP)
     except runtime.Interrupted as e:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from arealjax.generation import Generator, SamplingParams
+from arealjax.api import RolloutBackend, SamplingParams
 from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig, dynamic_filter
 from arealjax.rl.trajectory import Trajectory
@@ -61,7 +61,7 @@ class ControllerStats:
 
 
 class RolloutController:
-    def __init__(self, generator: Generator, rewards: RewardService, tokenizer: Tokenizer, prompts: Iterator[Prompt],
+    def __init__(self, backend: RolloutBackend, rewards: RewardService, tokenizer: Tokenizer, prompts: Iterator[Prompt],
                  staleness: StalenessManager, sampling: SamplingParams, advantage: AdvantageConfig, *,
                  workflow: Workflow | None = None, max_filtered_in_a_row: int = 500, solved_reward: float = 1.0,
                  solved_window: int = 0, solved_share: float = 1.0):
@@ -76,7 +76,7 @@ class RolloutController:
         self.max_filtered_in_a_row, self.solved_reward = max_filtered_in_a_row, solved_reward
         self.solved_share = solved_share
         self._all_right: collections.deque[bool] = collections.deque(maxlen=solved_window)  # per group
-        self.generator, self.rewards, self.tokenizer = generator, rewards, tokenizer
+        self.backend, self.rewards, self.tokenizer = backend, rewards, tokenizer
         self.prompts, self.staleness, self.sampling, self.advantage = prompts, staleness, sampling, advantage
         self.workflow = workflow if workflow is not None else RLVR()
         self.stats = ControllerStats()
@@ -150,8 +150,8 @@ class RolloutController:
 
     async def _run_group(self, group: Group) -> None:
         sampling = dataclasses.replace(self.sampling, n=1, seed=group.prompt.sampling_seed(self.sampling.seed))
-        episodes = [Episode(group.prompt, j, f"{group.prompt.id}#{group.seq}/{j}", self.generator, self.rewards,
-                            self.tokenizer, sampling, self.generator.engine.max_len)
+        episodes = [Episode(group.prompt, j, f"{group.prompt.id}#{group.seq}/{j}", self.backend, self.rewards,
+                            self.tokenizer, sampling, self.backend.max_len)
                     for j in range(self.sampling.n)]
         try:
             results = await asyncio.gather(*(self.workflow.run(ep) for ep in episodes))
@@ -309,6 +309,16 @@ class RolloutController:
     def in_flight(self) -> int:
         with self._cv:
             return len(self._running)
+
+    def metrics(self) -> dict[str, float]:
+        """For metrics.Meter: `_total` keys are cumulative counters; the counts of dropped groups, rejected episodes
+        and over-long prompts are reported as run totals."""
+        cs = self.stats
+        return {"queue_depth": self.queue_depth(), "in_flight": self.in_flight(),
+                "generated_tokens_total": cs.generated_tokens, "scored_samples_total": cs.scored_samples,
+                "reward_sum_total": cs.reward_sum, "filtered_groups": cs.filtered,
+                "rejected_episodes": cs.rejected_episodes,
+                "prompts_too_long": getattr(getattr(self.prompts, "stream", None), "too_long", 0)}
 
     def stop(self) -> dict[str, int]:
         """Stops submitting, aborts what is in flight and returns the final accounting of admitted prompts."""

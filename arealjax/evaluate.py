@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from arealjax.api import RolloutBackend, SamplingParams
+
 MAJ_EXACT = 20_000
 MAJ_DRAWS = 2_000
 
@@ -73,22 +75,20 @@ def load_fn(path: str) -> Callable | None:
     return resolve(path, "eval.answer_fn") if path else None
 
 
-def evaluate(generator, rewards, tokenizer, prompts: Sequence, *, n: int = 1, ks: Sequence[int] = (1,),
+def evaluate(backend: RolloutBackend, rewards, tokenizer, prompts: Sequence, *, n: int = 1, ks: Sequence[int] = (1,),
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 256,
              seed: int = 0, greedy: bool = True, answer_fn: Callable | None = None, wait: Callable = None,
              progress: bool = False) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Samples `n` completions of every prompt (and one greedy one), scores them with the reward service and
     returns (summary, per-problem rows). `wait(future)` resolves futures (the training loop's checks for a stop
     request); `answer_fn(completion) -> str | None` extracts final answers for maj@k (None: no maj@k)."""
-    from arealjax.generation import SamplingParams
-
     ks = sorted({k for k in ks if k <= n})
     wait = wait or (lambda f: f.result())
     stops = tuple(tokenizer.eos_ids)
-    futs = [generator.submit(p.tokens, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+    futs = [backend.submit(p.tokens, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                                       max_new_tokens=max_new_tokens, stop_token_ids=stops, n=n,
                                                       seed=p.sampling_seed(seed + 99))) for p in prompts]
-    greedy_futs = [generator.submit(p.tokens, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+    greedy_futs = [backend.submit(p.tokens, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
                                                              stop_token_ids=stops)) for p in prompts] if greedy else []
     rows, t0 = [], time.perf_counter()
     bar = tqdm(total=len(prompts), desc="evaluate", unit="problem", disable=not progress, mininterval=2)
@@ -139,9 +139,10 @@ def table(summary: dict[str, float]) -> str:
 
 def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", progress: bool = True,
         stop=None) -> dict[str, float]:
-    """The command: config → model (a HF directory, or a run's latest checkpoint) → generator + reward workers →
+    """The command: config → model (a HF directory, or a run's latest checkpoint) → rollout backend + reward workers →
     `evaluate` over the first `eval.num_problems` problems of `data.eval_split` (0 = all) → files in `out`."""
-    from arealjax import train
+    from arealjax import serve
+    from arealjax.data.prompts import eval_prompts
 
     e = config.eval
     if any(k > e.n for k in e.k):
@@ -149,9 +150,9 @@ def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", pro
     answer_fn = load_fn(e.answer_fn)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with train.serving(config, model_path=model, workdir=workdir, stop=stop) as (generator, rewards, tokenizer, wait):
-        prompts = train.eval_prompts(config, tokenizer)
-        summary, rows = evaluate(generator, rewards, tokenizer, prompts, answer_fn=answer_fn, wait=wait,
+    with serve.serving(config, model_path=model, workdir=workdir, stop=stop) as (backend, rewards, tokenizer, wait):
+        prompts = eval_prompts(config, tokenizer)
+        summary, rows = evaluate(backend, rewards, tokenizer, prompts, answer_fn=answer_fn, wait=wait,
                                  progress=progress, **sampling_kwargs(config))
     with open(out / "problems.jsonl", "w") as f:
         for row in rows:

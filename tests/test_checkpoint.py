@@ -210,7 +210,7 @@ def test_the_kl_reference_policy_is_checkpointed(tmp_path):
     import jax
     from test_controller import small_config
 
-    from arealjax import train
+    from arealjax import components
     from arealjax.checkpoint import Checkpointer
     from arealjax.rl.trainer import Trainer
     from arealjax.sharding import normalize_rules, role_meshes
@@ -221,7 +221,7 @@ def test_the_kl_reference_policy_is_checkpointed(tmp_path):
 
     def trainer(seed):
         c.seed = seed
-        return Trainer(train.build(c, mesh, rules)[1], train.trainer_config(c.trainer), mesh=mesh, rules=rules)
+        return Trainer(components.build(c, mesh, rules)[1], components.trainer_config(c.trainer), mesh=mesh, rules=rules)
 
     first = trainer(0)
     ckpt = Checkpointer(tmp_path, every_steps=1)

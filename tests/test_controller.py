@@ -13,7 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from arealjax import train
+from arealjax import components, train
+from arealjax.data.prompts import train_prompts
+from arealjax.metrics import Meter
 from arealjax.controller import Prompt, RolloutController
 from arealjax.data.pipeline import format_prompt
 from arealjax.generation import Engine, Generator, SamplingParams
@@ -88,8 +90,28 @@ def test_rejected_episodes_give_unequal_groups_that_train(tmp_path):
 
 def test_rollout_reward_has_no_value_when_nothing_was_scored():
     """It used to be logged as 0.0 for a step in which nothing was scored (a drop to 0 in the README's curve)."""
-    assert train.rollout_reward((10, 4.0), (10, 4.0)) == {}
-    assert train.rollout_reward((14, 7.0), (10, 4.0)) == {"rollout_reward": 0.75}
+    counts = {"scored_samples_total": 10, "reward_sum_total": 4.0}
+    meter = Meter({"controller": lambda: dict(counts)})
+    assert "rollout_reward" not in meter.step()
+    counts.update(scored_samples_total=14, reward_sum_total=7.0)
+    assert meter.step()["rollout_reward"] == 0.75
+
+
+def test_meter_reports_counter_changes_gauges_and_rates():
+    """`_total` counters as their change per step, gauges as they are, rates over the step's time; mark() leaves
+    what happened before it (an evaluation) out of the named source's counts and of the rates."""
+    clock = iter([0.0, 2.0, 6.0, 7.0]).__next__
+    gen = {"decode_steps_total": 5, "kv_pages_peak": 3, "generated_tokens_total": 100}
+    meter = Meter({"backend": lambda: dict(gen)}, clock=clock)  # t = 0
+    gen.update(decode_steps_total=9, generated_tokens_total=140)
+    m = meter.step(batch_wait_seconds=0.5)  # t = 2
+    assert m == {"decode_steps": 4, "kv_pages_peak": 3, "generated_tokens": 40, "generated_tokens_per_s": 20.0,
+                 "batch_wait_seconds": 0.5, "wall_seconds": 2.0}
+    gen.update(decode_steps_total=20, generated_tokens_total=200)
+    meter.mark("backend")  # t = 6: an evaluation ran the backend
+    gen.update(decode_steps_total=21, generated_tokens_total=210)
+    m = meter.step()  # t = 7
+    assert m["decode_steps"] == 1 and m["generated_tokens_per_s"] == 10.0 and m["wall_seconds"] == 7.0
 
 
 def test_starved_trainer_stops_with_a_clear_error(tmp_path):
@@ -136,8 +158,8 @@ def test_generator_scores_like_the_trainer_after_a_sync():
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
     assert not set(meshes["trainer"].devices.flat) & set(meshes["generator"].devices.flat)
-    tokenizer, model = train.build(c, meshes["trainer"], rules)
-    trainer = Trainer(model, train.trainer_config(c.trainer), mesh=meshes["trainer"], rules=rules)
+    tokenizer, model = components.build(c, meshes["trainer"], rules)
+    trainer = Trainer(model, components.trainer_config(c.trainer), mesh=meshes["trainer"], rules=rules)
     gen_model = model.to_mesh(meshes["generator"], rules)
     shard = LogicalSharding(meshes["generator"], rules)
     prompt = format_prompt(tokenizer, "12+34=")
@@ -170,7 +192,7 @@ def test_a_batch_put_back_is_taken_again_and_kept_by_a_checkpoint():
     """Multi-host: when another process cannot train the step, this one puts its batch back; the same groups are
     the next batch, the counts are as before, and a checkpoint taken meanwhile re-issues them."""
     c = small_config(1)
-    prompts = train.train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
+    prompts = train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
     controller = RolloutController(None, None, None, prompts, StalenessManager(2, 1, 4), SamplingParams(n=2),
                                    AdvantageConfig())
     for _ in range(4):  # admitted and scored, rewards 0 and 1: every group is kept
@@ -193,12 +215,12 @@ def test_stop_with_groups_in_flight_is_quiet_and_accounted(caplog):
     c = small_config(4)
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
-    tokenizer, model = train.build(c, meshes["generator"], rules)
+    tokenizer, model = components.build(c, meshes["generator"], rules)
     engine = Engine(model, slots=2, max_len=32, shard=LogicalSharding(meshes["generator"], rules))
     generator = Generator(engine, model.params)
     sampling = SamplingParams(max_new_tokens=20, n=2, stop_token_ids=tuple(tokenizer.eos_ids))
     with RewardService(c.rewards.fn, workers=1) as rewards:
-        controller = RolloutController(generator, rewards, tokenizer, train.train_prompts(c, tokenizer),
+        controller = RolloutController(generator, rewards, tokenizer, train_prompts(c, tokenizer),
                                        StalenessManager(4, 4, 16), sampling, AdvantageConfig()).start()
         deadline = time.monotonic() + 60
         while controller.stats.submitted < 16:
@@ -234,7 +256,7 @@ def test_fast_late_groups_do_not_strand_slow_early_ones():
     c = small_config(2)
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
-    tokenizer, model = train.build(c, meshes["generator"], rules)
+    tokenizer, model = components.build(c, meshes["generator"], rules)
     gates = {f"p{i}": threading.Event() for i in range(8)}
     prompts = iter([Prompt(pid, format_prompt(tokenizer, f"{i}+{i}="), {}) for i, pid in enumerate(gates)])
     generator = Generator(Engine(model, slots=4, max_len=32, shard=LogicalSharding(meshes["generator"], rules)),
@@ -290,7 +312,7 @@ def test_prompts_draw_independent_samples_and_a_reissued_prompt_the_same_ones():
     c = small_config(0)
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
-    tokenizer, model = train.build(c, meshes["generator"], rules)
+    tokenizer, model = components.build(c, meshes["generator"], rules)
     zero = jax.tree.map(jax.numpy.zeros_like, model.params)
     tokens = format_prompt(tokenizer, "12+34=")
     batch = [Prompt("a", tokens, {}), Prompt("b", tokens, {}), Prompt("a", tokens, {}, epoch=1)]

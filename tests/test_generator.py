@@ -158,7 +158,7 @@ def test_one_sample_requests_draw_what_one_request_of_n_draws_and_share_the_pref
         singles = [gen.submit(p, sampling, request_id=f"e{j}", first_sample=j) for j in range(4)]
         gen._thread.start()
         singles = [f.result(timeout=60)[0] for f in singles]
-        assert gen.stats.prefill_tokens == len(p)  # one prefill for the four requests
+        assert gen.counters.prefill_tokens == len(p)  # one prefill for the four requests
     for a, b in zip(group, singles):
         assert a.sample == b.sample and a.output_tokens == b.output_tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
@@ -176,7 +176,7 @@ def _swap_run(mode, decode_steps=1):
         gen.resume()
         out = fut.result(timeout=120)[0]
         assert swapped.result(timeout=10) > 0
-        stats = gen.stats
+        stats = gen.counters
     i1 = int(np.argmax(out.versions == 1))
     assert 5 <= i1 < len(out.output_tokens) - 5, "the swap must land mid-generation"
     assert (out.versions[:i1] == 0).all() and (out.versions[i1:] == 1).all()
@@ -231,16 +231,16 @@ def test_abort_frees_slot_for_queued_request():
         assert aborted.stop_reason == "abort" and 0 < len(aborted.output_tokens) < 50
         last = futs[SLOTS].result(timeout=120)[0]  # got r1's slot
         assert last.output_tokens == reference_greedy(MODEL_A.params, ps[SLOTS], 50)
-        assert gen.stats.aborted == 2
+        assert gen.counters.aborted == 2
 
 
 def test_pause_and_resume():
     with Generator(engine(), MODEL_A.params) as gen:
         gen.pause()
-        steps = gen.stats.steps
+        steps = gen.counters.steps
         fut = gen.submit(prompts(1)[0], SamplingParams(temperature=0, max_new_tokens=5))
         time.sleep(0.3)
-        assert not fut.done() and gen.stats.steps == steps
+        assert not fut.done() and gen.counters.steps == steps
         gen.resume()
         assert len(fut.result(timeout=60)[0].output_tokens) == 5
 
@@ -352,7 +352,7 @@ def test_page_exhaustion_preempts_and_resumes_the_same_samples(decode_steps=3):
         with Generator(eng, MODEL_A.params, decode_steps=decode_steps) as gen:
             futs = [gen.submit(p, s) for p, s in zip(ps, samplings)]
             outs = [f.result(timeout=120)[0] for f in futs]
-        return outs, gen.stats
+        return outs, gen.counters
 
     tight, stats = run(8)
     roomy, roomy_stats = run(None)
@@ -372,7 +372,7 @@ def test_n_samples_share_the_prompts_full_pages():
     sampling = SamplingParams(temperature=1.0, n=4, max_new_tokens=5, seed=3)
     with Generator(eng, MODEL_A.params) as gen:
         group = gen.submit(p, sampling).result(timeout=60)
-    assert gen.stats.peak_pages == 2 + 4 and gen.stats.pages_in_use == 0
+    assert gen.counters.peak_pages == 2 + 4 and gen.counters.pages_in_use == 0
     for c in group:
         _version_reference(c, p, {0: MODEL_A.params}, 1.0)
 
@@ -403,7 +403,7 @@ def test_random_traffic_with_swaps_aborts_and_preemption(mode):
                 if rng.rand() < 0.15:
                     gen.abort(f"r{rng.randint(i + 1)}")
             outs = {i: f.result(timeout=120) for i, f in futs.items()}
-        assert gen.stats.pages_in_use == 0
+        assert gen.counters.pages_in_use == 0
         for i, group in outs.items():
             for c in group:
                 if c.stop_reason != "abort":

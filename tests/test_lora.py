@@ -18,7 +18,7 @@ from arealjax.models.lora import SERVING, adapter_pairs, add_lora, merge, save_a
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh
-from arealjax.train import WeightSync
+from arealjax.weights import WeightSync
 
 CFG = ModelConfig.make(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8)

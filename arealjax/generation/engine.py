@@ -20,7 +20,6 @@ greedy): the behaviour policy the trainer can recompute. top-k / top-p only rest
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -31,48 +30,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from arealjax.api import MAX_STOP_IDS, SamplingParams
 from arealjax.models import DecodeIndex, KVCache, Model, PagedKV, init_pages, prefill
 from arealjax.models import attention as attn
 from arealjax.models.paged import pick_attention, pool_axes, pool_shapes, write_prefill
 from arealjax.sharding import LogicalSharding
-
-MAX_STOP_IDS = 8  # stop token ids per sequence (padded with -1)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    n: int = 1
-    seed: int = 0
-
-    def __post_init__(self):
-        checks = [
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
-            (self.n >= 1, "n must be >= 1"),
-            (len(self.stop_token_ids) <= MAX_STOP_IDS, f"at most {MAX_STOP_IDS} stop_token_ids"),
-            (0 <= self.seed < 2**32, "seed must be in [0, 2**32)"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(f"SamplingParams: {msg} (got {self})")
-
-    @property
-    def logprob_temperature(self) -> float:
-        """The temperature behaviour logprobs are taken at: the sampling one, 1 when greedy."""
-        return self.temperature if self.temperature > 0 else 1.0
-
-    @property
-    def truncates(self) -> bool:
-        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
 
 
 class SlotSampling(NamedTuple):

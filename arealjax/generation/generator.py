@@ -31,26 +31,12 @@ import jax
 import numpy as np
 from flax import nnx
 
+from arealjax.api import Completion
 from arealjax.generation.engine import Engine, PageWrites, SamplingParams, SlotSampling, bucket
 from arealjax.generation.pages import PagePool, decode_index
 
 MODES = ("recompute", "keep")
 MIN_PREFILL_LEN = 16
-
-
-@dataclasses.dataclass
-class Completion:
-    """One generated sample. logprobs[i] and versions[i] belong to output_tokens[i]."""
-
-    request_id: str
-    sample: int
-    prompt_tokens: list[int]
-    output_tokens: list[int]
-    logprobs: np.ndarray  # float32, behaviour policy (see engine.py)
-    versions: np.ndarray  # int32, policy version of the params that sampled each token
-    stop_reason: str  # "stop" (a stop token, kept as the last output), "length", or "abort"
-    interrupts: int  # weight swaps that happened while this sample was in flight
-    temperature: float = 1.0  # logprobs are log softmax(logits / temperature) (1 for greedy): the trainer's too
 
 
 @dataclasses.dataclass
@@ -78,6 +64,8 @@ class _Request:
 
 @dataclasses.dataclass
 class GeneratorStats:
+    """Cumulative counters of the generator loop (`Generator.counters`)."""
+
     steps: int = 0
     tokens: int = 0  # generated tokens, first tokens included
     prefill_tokens: int = 0
@@ -121,7 +109,7 @@ class Generator:
         self._paused = self._idle_ack = self._closed = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
-        self.stats = GeneratorStats()
+        self.counters = GeneratorStats()
         self._thread = threading.Thread(target=self._run, name="arealjax-generator", daemon=True)
         if start:
             self._thread.start()
@@ -131,6 +119,18 @@ class Generator:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def max_len(self) -> int:
+        return self.engine.max_len
+
+    def stats(self) -> dict[str, float]:
+        """The loop's metrics (api.RolloutBackend.stats): `_total` keys are cumulative counters."""
+        c = self.counters
+        return {"decode_steps_total": c.steps, "prefill_tokens_total": c.prefill_tokens,
+                "refill_tokens_total": c.refill_tokens, "interrupts_total": c.interrupts,
+                "preemptions_total": c.preemptions, "generator_busy_seconds_total": c.busy_seconds,
+                "generator_idle_seconds_total": c.idle_seconds, "kv_pages_peak": c.peak_pages}
 
     def submit(self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
                request_id: str | None = None, first_sample: int = 0) -> Future:
@@ -241,7 +241,7 @@ class Generator:
                 self._idle_ack = True
                 self._cv.notify_all()
                 self._cv.wait()
-            self.stats.idle_seconds += time.perf_counter() - t0
+            self.counters.idle_seconds += time.perf_counter() - t0
             if self._closed:
                 return False
             update, self._update = self._update, None
@@ -259,8 +259,8 @@ class Generator:
         if self._active():
             self._reserve()
             self._decode()
-        self.stats.busy_seconds += time.perf_counter() - t0
-        self.stats.pages_in_use, self.stats.peak_pages = self._pages.used, self._pages.peak
+        self.counters.busy_seconds += time.perf_counter() - t0
+        self.counters.pages_in_use, self.counters.peak_pages = self._pages.used, self._pages.peak
         return True
 
     def _active(self) -> list[int]:
@@ -269,14 +269,14 @@ class Generator:
     def _apply_update(self, params, version, requested_at, waiters) -> None:
         t0 = time.perf_counter()
         self._params, self._version = params, version
-        self.stats.swaps += 1
+        self.counters.swaps += 1
         self._swap_started = requested_at
         active = self._active()
         with self._cv:  # samples preempted to the queue are in flight too (they resume on the new params)
             interrupted = [self._slots[i] for i in active] + [s for s in self._queue if s.tokens]
         for seq in interrupted:
             seq.interrupts += 1
-        self.stats.interrupts += len(interrupted)
+        self.counters.interrupts += len(interrupted)
         if self.mode == "recompute" and active:
             # each slot's pages hold prompt + outputs[:-1]; the last output is the next input token
             seqs = [self._slots[i] for i in active]
@@ -291,9 +291,9 @@ class Generator:
                             written.add(page)
                             writes.append((page, row, j))
                 self._state = self.engine.refill(self._params, self._state, tokens, lengths, self._writes(writes))
-                self.stats.refill_tokens += int(sum(map(len, prefixes)))
+                self.counters.refill_tokens += int(sum(map(len, prefixes)))
             jax.block_until_ready(self._state.pages)
-        self.stats.swap_apply_seconds += time.perf_counter() - t0
+        self.counters.swap_apply_seconds += time.perf_counter() - t0
         for fut in waiters:
             fut.set_result(time.perf_counter() - requested_at)
 
@@ -346,7 +346,7 @@ class Generator:
         while sum(self._growth(s) for s in active) > self._pages.free:
             victim = active.pop()
             self._free_slot(self._slots.index(victim))
-            self.stats.preemptions += 1
+            self.counters.preemptions += 1
             with self._cv:
                 self._queue.appendleft(victim)
         for seq in active:
@@ -389,7 +389,7 @@ class Generator:
                 prefix, self._state, np.array(rows + [0] * pad, np.int32),
                 np.array(slots + [self.engine.slots] * pad, np.int32), sampling, self._writes(writes),
                 np.array(last + [-1] * pad, np.int32), np.array(remaining + [0] * pad, np.int32), truncating)
-            self.stats.prefill_tokens += int(sum(map(len, prefixes)))
+            self.counters.prefill_tokens += int(sum(map(len, prefixes)))
             fresh = [(r, slot, seq) for r, (slot, seq) in enumerate(zip(slots, members)) if not seq.tokens]
             self._record(np.asarray(first), fresh)
 
@@ -418,20 +418,20 @@ class Generator:
             entries = [(r, i, self._slots[i]) for r, i in enumerate(active) if self._slots[i] is not None]
             if not entries:
                 break
-            self.stats.steps += 1
+            self.counters.steps += 1
             self._record(step, entries)
 
     def _record(self, result: np.ndarray, entries: list[tuple[int, int, _Seq]]) -> None:
         """Appends result[row] to each (row, slot, seq); finishes and frees the slots that are done."""
         if self._swap_started is not None and entries:
-            self.stats.swap_seconds += time.perf_counter() - self._swap_started
+            self.counters.swap_seconds += time.perf_counter() - self._swap_started
             self._swap_started = None
         for row, slot, seq in entries:
             token, logprob, done = int(result[row, 0]), float(result[row, 1]), bool(result[row, 2])
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self._version)
-            self.stats.tokens += 1
+            self.counters.tokens += 1
             if done:
                 self._free_slot(slot)
                 stop = token in seq.request.sampling.stop_token_ids
@@ -445,10 +445,10 @@ class Generator:
             req.id, seq.sample, list(req.prompt), list(seq.tokens), np.asarray(seq.logprobs, np.float32),
             np.asarray(seq.versions, np.int32), reason, seq.interrupts, req.sampling.logprob_temperature)
         if reason == "abort":
-            self.stats.aborted += 1
+            self.counters.aborted += 1
         if all(r is not None for r in req.results):
             self._requests.pop(req.id, None)
-            self.stats.requests_done += 1
+            self.counters.requests_done += 1
             if not req.future.done():
                 req.future.set_result(list(req.results))
 

@@ -167,6 +167,10 @@ class RewardService:
         """The reward, awaited from asyncio code without blocking its event loop."""
         return await asyncio.wrap_future(self.submit(completion, **kwargs))
 
+    def metrics(self) -> dict[str, float]:
+        """For metrics.Meter: run totals of calls that failed (scored failure_reward) and attempts that timed out."""
+        return {"reward_failures": self.stats.failed, "reward_timeouts": self.stats.timeouts}
+
     def close(self) -> None:
         """Stops the workers; calls not yet resolved fail with RuntimeError('reward service closed')."""
         with self._lock:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from arealjax.generation import Completion, Generator, SamplingParams
+from arealjax.api import Completion, RolloutBackend, SamplingParams
 from arealjax.rewards.sandbox import Limits, RunResult, run_python
 from arealjax.rewards.service import RewardService, resolve
 from arealjax.rl.trajectory import Trajectory
@@ -59,11 +59,11 @@ class Episode:
     prompt: Prompt
     index: int
     request_id: str
-    generator: Generator
+    backend: RolloutBackend
     rewards: RewardService
     tokenizer: Tokenizer
     sampling: SamplingParams  # n = 1; max_new_tokens caps each call
-    max_len: int  # the generator's cache length: context + new tokens of one call
+    max_len: int  # the backend's max_len: context + new tokens of one call
     _calls: int = 0
 
     def room(self, tokens: Sequence[int]) -> int:
@@ -78,7 +78,7 @@ class Episode:
         sampling = dataclasses.replace(self.sampling, **{**overrides, "n": 1})
         sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
         self._calls += 1
-        fut = self.generator.submit(tokens, sampling, request_id=f"{self.request_id}.{self._calls}",
+        fut = self.backend.submit(tokens, sampling, request_id=f"{self.request_id}.{self._calls}",
                                     first_sample=self.index)
         return (await asyncio.wrap_future(fut))[0]
 

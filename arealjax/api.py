@@ -1,0 +1,129 @@
+"""The interfaces between the RL loop's parts: what a rollout backend serves and how trainer params reach it.
+
+    backend = components.make_backend(config, model, version, meshes, rules)   # a RolloutBackend
+    fut = backend.submit(prompt_ids, SamplingParams(n=4))    # Future[list[Completion]]: tokens, logprobs, versions
+    transport.push(trainer.params, trainer.version)          # Future: resolves once the backend serves that version
+
+The controller, the workflows and evaluation see only `RolloutBackend`; the loop sees only `WeightTransport` and
+the backend's `stats()`. Today's backend is the in-process interruptible generator (generation/generator.py,
+`generator.backend = 'local'`); a generation server in another process, or an external engine, is another
+implementation of the same two protocols and owns its weight mapping (the transport), as in AReaL's
+InferenceEngine and Tunix's BaseRollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+MAX_STOP_IDS = 8  # stop token ids per request (a backend may pad them into a fixed-size array)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (self.n >= 1, "n must be >= 1"),
+            (len(self.stop_token_ids) <= MAX_STOP_IDS, f"at most {MAX_STOP_IDS} stop_token_ids"),
+            (0 <= self.seed < 2**32, "seed must be in [0, 2**32)"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams: {msg} (got {self})")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature behaviour logprobs are taken at: the sampling one, 1 when greedy."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
+
+
+@dataclasses.dataclass
+class Completion:
+    """One generated sample. logprobs[i] and versions[i] belong to output_tokens[i]."""
+
+    request_id: str
+    sample: int
+    prompt_tokens: list[int]
+    output_tokens: list[int]
+    logprobs: np.ndarray  # float32, behaviour policy: log softmax(logits / temperature) of each sampled token
+    versions: np.ndarray  # int32, policy version of the params that sampled each token
+    stop_reason: str  # "stop" (a stop token, kept as the last output), "length", or "abort"
+    interrupts: int  # weight swaps that happened while this sample was in flight
+    temperature: float = 1.0  # logprobs are log softmax(logits / temperature) (1 for greedy): the trainer's too
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Generates completions for the controller, the workflows and evaluation, and takes new weights mid-flight."""
+
+    @property
+    def version(self) -> int:
+        """The policy version it serves now."""
+
+    @property
+    def max_len(self) -> int:
+        """Tokens one request may hold: prompt + new tokens."""
+
+    def submit(self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
+               request_id: str | None = None, first_sample: int = 0) -> Future:
+        """Queues `sampling.n` samples of `prompt`: a Future of their Completions, in sample order. Samples are
+        numbered from `first_sample`; with the seed the number picks the random draws, so n one-sample requests
+        numbered 0..n-1 draw what one n-sample request draws."""
+
+    def update_weights(self, weights: Any, version: int) -> Future:
+        """Serves `weights` (what this backend's transport delivered) from the next decode step on, in-flight
+        samples included; the Future resolves once they are served."""
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request: its Future resolves with what was generated so far (stop_reason 'abort')."""
+
+    def pause(self) -> None:
+        """Returns once nothing runs; nothing does until resume()."""
+
+    def resume(self) -> None: ...
+
+    def in_flight(self) -> dict[str, int]:
+        """request id -> tokens generated so far, for unfinished requests."""
+
+    def stats(self) -> dict[str, float]:
+        """Its metrics: keys ending in `_total` are cumulative counters (the meter reports their change per step),
+        the others gauges (metrics.Meter)."""
+
+    def close(self) -> None:
+        """Stops it; pending Futures fail."""
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """Trainer params -> one backend: resharded, cast, sent, in whatever form the backend serves."""
+
+    bytes: int  # what one push moves
+
+    def push(self, params: Any, version: int) -> Future:
+        """Hands the trainer's `params` (policy `version`) to the backend; the Future resolves once it serves them.
+        Returns when the trainer may change `params` again."""
+
+    def fingerprint(self, params: Any) -> str:
+        """A digest of what the backend would serve for `params` (equal across processes when they agree)."""

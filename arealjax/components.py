@@ -1,0 +1,85 @@
+"""The RL job's parts, built from a config: tokenizer and model, trainer, rollout backend (+ its weight transport),
+reward service. Each builder reads only its config section; train.py, sft.py and serve.py assemble them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from arealjax import models
+from arealjax.api import RolloutBackend, WeightTransport
+from arealjax.distributed import Processes
+from arealjax.generation import Engine, Generator
+from arealjax.rewards.service import RewardService
+from arealjax.rl.losses import PPOConfig
+from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+from arealjax.sharding import LogicalSharding
+from arealjax.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
+from arealjax.weights import WeightSync
+
+BACKENDS = ("local",)  # config.generator.backend: the in-process interruptible generator (generation/)
+
+
+def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, models.Model]:
+    """Tokenizer and model from `config.model_path` (a HF directory) or, when empty, a random tiny model."""
+    if config.model_path:
+        return load_tokenizer(config.model_path), models.load_pretrained(config.model_path, mesh=mesh, rules=rules)
+    tokenizer = CharTokenizer(config.tokenizer.alphabet)
+    cfg = models.ModelConfig.make(**config.model.to_dict(), vocab_size=tokenizer.vocab_size,
+                                  eos_token_id=tokenizer.eos_ids[0], bos_token_id=tokenizer.bos_id)
+    return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)
+
+
+def lora_config(config: Any) -> models.LoraConfig | None:
+    lo = config.lora
+    return models.LoraConfig(lo.rank, lo.alpha, tuple(lo.targets)) if lo.rank else None
+
+
+def make_trainer(config: Any, model: models.Model, mesh, rules, processes: Processes | None = None) -> Trainer:
+    """The RL trainer of `config.trainer` on `mesh`; with `lora.rank` > 0 it trains fresh adapters on `model`."""
+    lora = lora_config(config)
+    if lora is not None:
+        model = models.lora.add_lora(model, lora, seed=config.seed, mesh=mesh, rules=rules)
+    return Trainer(model, trainer_config(config.trainer), mesh=mesh, rules=rules, processes=processes)
+
+
+def trainer_config(c: Any, loss: str = "ppo", steps: int = 0, knobs: Any = None) -> TrainerConfig:
+    """`steps` fills an optim.total_steps of 0 (schedules that need the run length); the memory/speed knobs
+    (attention, remat, ...) come from `knobs` (default `c`; the SFT stage takes config.trainer's; absent ones keep
+    TrainerConfig's defaults)."""
+    knobs = c if knobs is None else knobs
+    ppo = PPOConfig(**c.ppo.to_dict()) if loss == "ppo" else PPOConfig()
+    optim = c.optim.to_dict()
+    if not optim.get("total_steps"):
+        optim["total_steps"] = steps
+    return TrainerConfig(loss=loss, ppo=ppo, optim=OptimConfig(**optim), max_tokens=c.max_tokens,
+                         micro_rows=c.micro_rows, ppo_n_minibatches=c.get("ppo_n_minibatches", 1),
+                         **{k: knobs[k] for k in ("attention", "remat", "scan_layers", "logits_chunk",
+                                                  "compute_dtype") if k in knobs})
+
+
+def make_backend(config: Any, model: models.Model, version: int, meshes: dict[str, jax.sharding.Mesh],
+                 rules) -> tuple[RolloutBackend, WeightTransport]:
+    """The rollout backend of `config.generator` serving `model`'s params as `version`, and the transport that
+    brings trainer params to it. 'local': the interruptible generator on the generator mesh, fed by resharding."""
+    g = config.generator
+    backend = g.get("backend", "local")
+    if backend != "local":
+        raise ValueError(f"config.generator.backend = '{backend}'; expected one of {BACKENDS}")
+    sync = WeightSync(model, meshes["generator"], rules, models.hf.DTYPES[g.dtype], config.lora.generator)
+    gen = sync.model
+    engine = Engine(gen, slots=g.slots, max_len=g.max_len, page_size=g.page_size, num_pages=g.kv_pages or None,
+                    attention=g.attention, prefill_attention=g.prefill_attention,
+                    shard=LogicalSharding(meshes["generator"], rules))
+    generator = Generator(engine, gen.params, version=version, mode=g.mode, decode_steps=g.decode_steps,
+                          max_prefill_batch=g.max_prefill_batch)
+    return generator, sync.connect(generator)
+
+
+def make_rewards(config: Any) -> RewardService:
+    """The reward service of `config.rewards` (worker processes: close it)."""
+    r = config.rewards
+    return RewardService(r.fn, workers=r.workers, timeout=r.timeout, retries=r.retries,
+                         failure_reward=r.failure_reward, max_failure_rate=r.max_failure_rate,
+                         failure_window=r.failure_window)

@@ -1,0 +1,114 @@
+"""A model outside training: served for evaluation (the rollout backend + reward workers), restored from a run's
+checkpoint, exported as a Hugging Face directory."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from arealjax import models
+from arealjax.checkpoint import Checkpointer
+from arealjax.checks import check_config
+from arealjax.components import build, make_backend, make_rewards, make_trainer
+from arealjax.rl.trainer import Trainer
+from arealjax.runtime import Stop
+from arealjax.sft import warm_start
+from arealjax.sharding import normalize_rules, role_meshes
+from arealjax.tokenizer import CharTokenizer, Tokenizer
+
+
+def wait(future: Future, stop: Stop) -> Any:
+    """future.result(), checking for a stop request twice a second (a signal never lands inside it)."""
+    while True:
+        stop.check()
+        try:
+            return future.result(timeout=0.5)
+        except FutureTimeout:
+            pass
+
+
+@contextlib.contextmanager
+def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | None = None):
+    """(backend, rewards, tokenizer, wait) for evaluation: the model at `model_path` (default config.model_path)
+    or, with `workdir`, the params of that run's latest checkpoint; served by config.generator's backend.
+    Everything is stopped on exit; `wait` raises Interrupted once `stop` is set."""
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.model_path = model_path or config.model_path
+        if not workdir:
+            config.sft.steps = 0  # nothing is trained here
+    check_config(config)
+    rules = normalize_rules(config.sharding_rules)
+    meshes = role_meshes(config.mesh)
+    tokenizer, model = build(config, meshes["trainer"], rules)
+    version = 0
+    if workdir:
+        trainer, _ = restore_trainer(config, workdir, tokenizer, model, meshes["trainer"], rules)
+        model, version = trainer.model, trainer.version
+        del trainer  # its optimizer state is not needed to generate
+    stop = stop or Stop()
+    with contextlib.ExitStack() as stack:
+        backend, _ = make_backend(config, model, version, meshes, rules)
+        stack.callback(backend.close)
+        rewards = make_rewards(config)
+        stack.callback(rewards.close)
+        yield backend, rewards, tokenizer, lambda f: wait(f, stop)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def save_model(model: models.Model, tokenizer: Tokenizer, out: str | Path, model_path: str = "",
+               lora_export: str = "merged") -> None:
+    """`model` as a Hugging Face directory with its tokenizer: ours, or the files of the checkpoint it came from
+    (`model_path`), so the directory serves, evaluates and loads in transformers on its own. A LoRA model is
+    written merged, or with `lora_export` = 'adapters' as PEFT adapters of `model_path`."""
+    if model.lora is not None and lora_export == "adapters":
+        models.lora.save_adapters(model, out, model_path)
+    else:
+        models.save_pretrained(model, out)
+    if jax.process_index() != 0:  # multi-host: process 0 writes (save_pretrained gathers the params there)
+        return
+    if isinstance(tokenizer, CharTokenizer):
+        tokenizer.save(out)
+    elif model_path:
+        for name in TOKENIZER_FILES:
+            if (Path(model_path) / name).is_file():
+                shutil.copyfile(Path(model_path) / name, Path(out) / name)
+
+
+def restore_trainer(config: Any, workdir: str | Path, tokenizer: Tokenizer, model: models.Model, mesh,
+                    rules) -> tuple[Trainer, int]:
+    """The trainer of the run in `workdir` at its latest checkpoint, and that step. A LoRA checkpoint holds only
+    the adapters: their base is `model` after the run's SFT stage (reused from its cache)."""
+    if config.lora.rank and config.sft.steps:
+        model = warm_start(config, tokenizer, model, mesh, rules, Path(workdir), Stop())
+    trainer = make_trainer(config, model, mesh, rules)
+    ckpt = Checkpointer(config.checkpoint.dir or Path(workdir) / "checkpoints", create=False)
+    try:
+        restored = ckpt.restore_latest(trainer)
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"no complete checkpoint in {ckpt.manager.directory}")
+    return trainer, restored[0]
+
+
+def export(config: Any, workdir: str, out: str) -> int:
+    """The latest checkpoint's params as a Hugging Face directory (config.json, safetensors, tokenizer) for
+    serving — merged, or with LoRA and lora.export = 'adapters' the adapters in PEFT's format; returns its step."""
+    rules = normalize_rules(config.sharding_rules)
+    mesh = role_meshes(config.mesh)["trainer"]
+    tokenizer, model = build(config, mesh, rules)
+    trainer, step = restore_trainer(config, workdir, tokenizer, model, mesh, rules)
+    save_model(trainer.model, tokenizer, out, config.model_path, config.lora.export)
+    logging.info("exported checkpoint %d (version %d) to %s", step, trainer.version, out)
+    return step

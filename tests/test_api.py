@@ -1,0 +1,114 @@
+"""The rollout interface (arealjax/api.py): the controller, the workflows and evaluation see a RolloutBackend and
+nothing of the generator behind it, so another backend (a generation server in its own process, an external
+engine) plugs in without touching them."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from arealjax import components, evaluate
+from arealjax.api import RolloutBackend, SamplingParams, WeightTransport
+from arealjax.data.prompts import eval_prompts, train_prompts
+from arealjax.rewards.service import RewardService
+from arealjax.rl.advantages import AdvantageConfig
+from arealjax.controller import RolloutController
+from arealjax.sharding import normalize_rules, role_meshes
+from arealjax.staleness import StalenessManager
+from arealjax.workflows import MultiTurn
+from configs.default import get_config
+
+ROOT = Path(__file__).resolve().parents[1] / "arealjax"
+BACKEND_USERS = ["controller.py", "evaluate.py", "workflows"]  # typed against api.RolloutBackend only
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every arealjax module `path` imports (at module level or inside functions), names resolved to modules."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in out if m.startswith("arealjax")}
+
+
+@pytest.mark.parametrize("user", BACKEND_USERS)
+def test_backend_users_import_no_concrete_generator(user):
+    files = sorted((ROOT / user).glob("*.py")) if (ROOT / user).is_dir() else [ROOT / user]
+    for f in files:
+        concrete = {m for m in imported_modules(f) if m.startswith("arealjax.generation") or m.endswith(".Generator")}
+        assert not concrete, f"{f.relative_to(ROOT.parent)} imports {sorted(concrete)}: use arealjax.api instead"
+
+
+def small_config():
+    c = get_config()
+    c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    c.generator.update(slots=8, max_len=48, max_prefill_batch=8)
+    c.rewards.workers = 1
+    return c
+
+
+class ProtocolOnly:
+    """The real backend seen through the protocol alone: any other attribute (`engine`, `counters`, ...) raises,
+    so a component that reaches through the interface fails here."""
+
+    MEMBERS = {"version", "max_len", "submit", "update_weights", "abort", "pause", "resume", "in_flight", "stats",
+               "close"}
+
+    def __init__(self, backend):
+        self._backend, self.calls = backend, []
+
+    def __getattr__(self, name):
+        if name not in self.MEMBERS:
+            raise AttributeError(f"'{name}' is not part of api.RolloutBackend")
+        self.calls.append(name)
+        return getattr(self._backend, name)
+
+
+def test_local_backend_and_transport_satisfy_the_protocols_and_serve_through_them():
+    c = small_config()
+    rules = normalize_rules(c.sharding_rules)
+    meshes = role_meshes(c.mesh)
+    tokenizer, model = components.build(c, meshes["trainer"], rules)
+    backend, transport = components.make_backend(c, model, 0, meshes, rules)
+    try:
+        assert isinstance(backend, RolloutBackend) and isinstance(transport, WeightTransport)
+        assert backend.max_len == 48 and transport.bytes > 0
+        proxy = ProtocolOnly(backend)
+        assert isinstance(proxy.stats(), dict) and all(isinstance(v, (int, float)) for v in proxy.stats().values())
+
+        # the controller with a multi-turn workflow, through the protocol only
+        sampling = SamplingParams(max_new_tokens=6, n=2, stop_token_ids=tuple(tokenizer.eos_ids), seed=1)
+        with RewardService(c.rewards.fn, workers=1) as rewards:
+            controller = RolloutController(proxy, rewards, tokenizer, train_prompts(c, tokenizer),
+                                           StalenessManager(2, 1, 4), sampling, AdvantageConfig(filter_uniform=False),
+                                           workflow=MultiTurn(max_turns=2, feedback="again")).start()
+            try:
+                batch = controller.get_batch(0)
+            finally:
+                controller.stop()
+            assert len(batch) == 2 and all(len(g.trajectories) == 2 for g in batch)
+
+            # a weight push lands: the backend serves the new version, and tokens sampled after it carry it
+            transport.push(model.params, 1).result(timeout=60)
+            assert proxy.version == 1
+
+            # evaluation, through the protocol only
+            summary, rows = evaluate.evaluate(proxy, rewards, tokenizer, eval_prompts(c, tokenizer)[:3], n=2,
+                                              ks=(1, 2), max_new_tokens=6)
+        assert summary["problems"] == 3 and len(rows) == 3
+        assert {"submit", "max_len"} <= set(proxy.calls)
+    finally:
+        backend.close()
+
+
+def test_unknown_backend_is_refused_by_name():
+    c = small_config()
+    c.generator.backend = "vllm"
+    rules = normalize_rules(c.sharding_rules)
+    meshes = role_meshes(c.mesh)
+    _, model = components.build(c, meshes["trainer"], rules)
+    with pytest.raises(ValueError, match="generator.backend = 'vllm'"):
+        components.make_backend(c, model, 0, meshes, rules)
+
