@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from arealjax.components import BACKENDS
 from arealjax.data import TASKS
 from arealjax.generation.generator import MODES
 from arealjax.models import attention as attn
@@ -61,6 +62,7 @@ def check_config(config: Any, processes: int = 1) -> None:
          "rewards.max_failure_rate", "a share in (0, 1]")
     need(_number(config.checkpoint.every_seconds) and config.checkpoint.every_seconds >= 0,
          "checkpoint.every_seconds", "seconds ≥ 0")
+    need(g.get("backend", "local") in BACKENDS, "generator.backend", f"one of {BACKENDS}")
     need(g.mode in MODES, "generator.mode", f"one of {MODES}")
     need(g.attention in ATTENTION_KINDS, "generator.attention", f"one of {ATTENTION_KINDS}")
     need(g.prefill_attention in attn.KINDS, "generator.prefill_attention", f"one of {attn.KINDS}")

@@ -1,6 +1,6 @@
 """Multi-controller runs: one process per host (TPU pod slices, GPU hosts), joined by `jax.distributed`.
 
-The design (README "Running on a TPU pod"):
+The design (docs/pods.md):
   - trainer: one mesh over the first `mesh.trainer.devices` local devices of every host; one global SPMD step, each
     process contributing its share of every micro-batch (`jax.make_array_from_process_local_data`), the same
     micro-batch count everywhere (agreed before the step);
@@ -17,46 +17,31 @@ The design (README "Running on a TPU pod"):
     host) is detected by JAX's heartbeat after `heartbeat_seconds`, which ends every other process with "another
     task died". Nothing waits forever.
 With one process every call here is a no-op on local values, so single-host runs take the same code path.
+Joining the group (`jax.distributed.initialize`, before JAX's backends start) is arealjax/runtime.py's
+`initialize`; which devices each process holds and gathering arrays onto one process are arealjax/sharding.py's.
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import json
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from arealjax.runtime import Stop
+from arealjax.sharding import localize
 
 ABORT_KEY = "arealjax/abort"
 POLL_S = 0.5
-
-
-def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = -1,
-               heartbeat_seconds: int = 60) -> None:
-    """Joins the run's process group. Without a coordinator JAX reads the cluster environment (TPU VM metadata,
-    SLURM, Open MPI, Kubernetes); `heartbeat_seconds` bounds how long a dead process goes unnoticed."""
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts (tests); no effect on GPU/TPU
-    kwargs: dict[str, Any] = {"heartbeat_timeout_seconds": heartbeat_seconds,
-                              "shutdown_timeout_seconds": 2 * heartbeat_seconds}
-    if coordinator:
-        if num_processes < 1 or not 0 <= process_id < num_processes:
-            raise ValueError(f"--coordinator={coordinator} needs --num_processes ≥ 1 and 0 ≤ --process_id < "
-                             f"--num_processes (got {num_processes} and {process_id})")
-        kwargs.update(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
-    jax.distributed.initialize(**kwargs)
-    logging.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
-                 jax.local_device_count(), jax.device_count())
 
 
 def _client():
@@ -164,32 +149,6 @@ def shutdown() -> None:
             jax.distributed.shutdown()
         except Exception as e:  # noqa: BLE001 — a peer already gone: nothing left to wait for
             logging.warning("jax.distributed.shutdown: %s", e)
-
-
-def local_devices_by_process() -> list[list[jax.Device]]:
-    """Each process's devices, in process order and device-id order within."""
-    out: list[list[jax.Device]] = [[] for _ in range(jax.process_count())]
-    for d in sorted(jax.devices(), key=lambda d: d.id):
-        out[d.process_index].append(d)
-    return out
-
-
-@functools.cache
-def _replicate(mesh: jax.sharding.Mesh) -> Callable[[jax.Array], jax.Array]:
-    return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-
-def localize(tree: Any) -> Any:
-    """`tree` with every array that spans other processes gathered onto one of this process's devices (one leaf
-    at a time, so the extra memory is one leaf); local arrays are returned as they are. A collective: every
-    process calls it with the same tree."""
-
-    def one(x):
-        if not isinstance(x, jax.Array) or x.is_fully_addressable:
-            return x
-        return _replicate(x.sharding.mesh)(x).addressable_data(0)
-
-    return jax.tree.map(one, tree)
 
 
 def fingerprint(tree: Any) -> float:

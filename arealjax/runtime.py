@@ -1,4 +1,5 @@
-"""Process start-up that must happen before JAX initialises its backends, and the run's stop signal.
+"""Process start-up that must happen before JAX initialises its backends (fake CPU devices, joining a multi-host
+run), and the run's stop signal. This module imports nothing of arealjax: everything else may import it.
 
 Ctrl-C (SIGINT) and a scheduler's SIGTERM do not raise inside the run: a handler records the signal in a `Stop`
 that the RL loop, the trainer's wait for a batch, evaluation and the warm start check between steps. An exception
@@ -79,13 +80,32 @@ def install_signal_handlers() -> Stop:
 
 def setup(config: Any, coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> None:
     """Fakes `config.cpu_devices` host devices (harmless on GPU/TPU, where the accelerators are the devices) and
-    joins a multi-host run through `jax.distributed` (arealjax/distributed.py) when `config.distributed` is set
-    (TPU pods, SLURM: from the environment) or a coordinator is given (GPU hosts, localhost tests)."""
+    joins a multi-host run through `jax.distributed` (`initialize`; the run itself: arealjax/distributed.py) when
+    `config.distributed` is set (TPU pods, SLURM: from the environment) or a coordinator is given (GPU hosts,
+    localhost tests)."""
     n = int(config.get("cpu_devices", 0) or 0)
     flags = os.environ.get("XLA_FLAGS", "")
     if n > 0 and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     if config.get("distributed", False) or coordinator:
-        from arealjax import distributed
+        initialize(coordinator, num_processes, process_id, int(config.get("heartbeat_seconds", 60)))
 
-        distributed.initialize(coordinator, num_processes, process_id, int(config.get("heartbeat_seconds", 60)))
+
+def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = -1,
+               heartbeat_seconds: int = 60) -> None:
+    """Joins the run's process group (before JAX's backends start). Without a coordinator JAX reads the cluster
+    environment (TPU VM metadata, SLURM, Open MPI, Kubernetes); `heartbeat_seconds` bounds how long a dead process
+    goes unnoticed."""
+    import jax  # here, not at the top: main.py imports this module first, to catch signals during its imports
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts (tests); no effect on GPU/TPU
+    kwargs: dict[str, Any] = {"heartbeat_timeout_seconds": heartbeat_seconds,
+                              "shutdown_timeout_seconds": 2 * heartbeat_seconds}
+    if coordinator:
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise ValueError(f"--coordinator={coordinator} needs --num_processes ≥ 1 and 0 ≤ --process_id < "
+                             f"--num_processes (got {num_processes} and {process_id})")
+        kwargs.update(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(**kwargs)
+    logging.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
+                 jax.local_device_count(), jax.device_count())

@@ -3,23 +3,24 @@
 Every parameter carries logical axis names (``embed``, ``heads``, ``mlp`` ...). One rules table in the config maps
 each logical name to mesh axes, so changing the parallelism is a config edit, never a model edit. The trainer and
 the generator get disjoint slices of one device list; ``reshard`` moves a pytree from one slice to the other.
+On several processes (arealjax/distributed.py) ``local_devices_by_process`` says which devices each holds and
+``localize`` gathers arrays that span other processes onto this one. This module imports nothing of arealjax.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
-
-from arealjax.distributed import local_devices_by_process, localize
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -90,6 +91,14 @@ def split_devices(devices: Sequence[jax.Device], counts: Sequence[int]) -> list[
     for c in counts:
         out.append(devices[start : start + c])
         start += c
+    return out
+
+
+def local_devices_by_process() -> list[list[jax.Device]]:
+    """Each process's devices, in process order and device-id order within."""
+    out: list[list[jax.Device]] = [[] for _ in range(jax.process_count())]
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        out[d.process_index].append(d)
     return out
 
 
@@ -186,6 +195,24 @@ def tree_shardings(tree: Any, sharding: LogicalSharding) -> Any:
         return v.replace(sharding.named(axes, v.shape))
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@functools.cache
+def _replicate(mesh: Mesh) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def localize(tree: Any) -> Any:
+    """`tree` with every array that spans other processes gathered onto one of this process's devices (one leaf
+    at a time, so the extra memory is one leaf); local arrays are returned as they are. A collective: every
+    process calls it with the same tree."""
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return x
+        return _replicate(x.sharding.mesh)(x).addressable_data(0)
+
+    return jax.tree.map(one, tree)
 
 
 def reshard(tree: Any, target_shardings: Any, dtype: Any = None) -> Any:

@@ -248,7 +248,8 @@ class RLLoop:
                 trained = self.train(batch)
                 sync_s = self.publish()
                 self.done = step + 1
-                metrics, report = self.measure(batch, version, trained, batch_wait_seconds=wait_s, weight_sync_seconds=sync_s)
+                metrics, report = self.measure(batch, version, trained, batch_wait_seconds=wait_s,
+                                               weight_sync_seconds=sync_s)
                 if rl.eval_every and self.done % rl.eval_every == 0 or self.done == rl.steps:
                     metrics.update(self.evaluate_in_run())
                 self.record(metrics, report)

@@ -10,13 +10,16 @@ The argument is a model of configs/math.py's MODELS. Data: the RL problems conve
 --train=... --test=...`, layout `code`), the SFT conversations from any chat dataset (`--layout=sft`: `messages`,
 or `prompt` + `response`) at /data/tfds/code_sft. The model writes one ```python block that reads stdin (or
 defines the tested function); a completion's reward is 1 when every test passes. Everything else is
-configs/math.py's recipe (the paper's PPO and optimizer settings, meshes, generator).
+configs/default.py's job with configs/math.py's `recipe` overrides (the paper's PPO and optimizer settings, meshes,
+generator).
 """
 
 import ml_collections
 
-from configs import math
+from configs import default, math
 
+DATA = "/data/tfds/code/code/1.0.0"
+MAX_PROMPT = 2048
 INSTRUCTION = ("{prompt}\n\nWrite a Python 3 solution that reads from standard input and writes to standard output, "
                "in one ```python code block.")
 
@@ -28,12 +31,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if name not in math.MODELS:
         raise ValueError(f"configs/code.py:{arg}: unknown model '{name}'; expected one of {sorted(math.MODELS)} or "
                          f"tiny")
-    config = math.get_config(f"{name},gsm8k")
-    config.data.path, config.data.eval_split, config.data.max_prompt_tokens = "/data/tfds/code/code/1.0.0", "test", 2048
+    max_new = min(math.MODELS[name][1], 16384)
+    config = math.recipe(default.get_config(), name, DATA, "test", MAX_PROMPT, max_new)
     config.data.instruction = INSTRUCTION
-    max_new = min(config.rl.max_new_tokens, 16384)
-    config.rl.max_new_tokens = max_new
-    config.trainer.max_tokens = config.generator.max_len = 2048 + max_new
     config.rewards.fn = "arealjax.rewards.code:code_reward"
     config.rewards.workers = 32  # test runs are CPU-bound: one worker per host core
     config.rewards.timeout = 60.0  # per completion; each test is bounded by code_reward's own timeouts
@@ -51,17 +51,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 def tiny() -> ml_collections.ConfigDict:
-    """The recipe on the tiny DeepSeek-R1-style checkpoint and the APPS/SFT fixtures (arealjax/tiny.py)."""
+    """The recipe on the tiny DeepSeek-R1-style checkpoint and the APPS/SFT fixtures (arealjax/tiny.py), at
+    configs/math.py's tiny size."""
     from arealjax.tiny import ROOT
 
-    config = math.tiny()
+    config = math.shrink(get_config("deepseek-r1-distill-qwen-1.5b"))
     config.model_path = f"{ROOT}/r1-distill"
     config.data.path, config.data.max_prompt_tokens = f"{ROOT}/tfds/code/1.0.0", 96
-    config.data.instruction = INSTRUCTION
-    config.rewards.fn = "arealjax.rewards.code:code_reward"
-    config.eval.answer_fn = ""
     config.sft.steps, config.sft.batch_size, config.sft.max_tokens, config.sft.micro_rows = 4, 8, 128, 4
     config.sft.data = dict(path=f"{ROOT}/tfds/sft/1.0.0", split="train", epochs=0)
     config.sft.optim = dict(lr=1e-3, schedule="constant", warmup_steps=0, weight_decay=0.0)
-    config.rl.max_new_tokens = 24
     return config

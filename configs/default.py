@@ -9,6 +9,8 @@ trainer and generator on disjoint (fake CPU) devices. See arealjax/train.py.
 
 import ml_collections
 
+from arealjax.sharding import DEFAULT_RULES
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     del arg
@@ -16,7 +18,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.seed = 0
     # Fake host devices when running on CPU (set before JAX starts; ignored by GPU/TPU backends).
     config.cpu_devices = 4
-    # Multi-host (README "Running on a TPU pod"): True on pods and SLURM, where jax.distributed.initialize() reads
+    # Multi-host (docs/pods.md): True on pods and SLURM, where jax.distributed.initialize() reads
     # the cluster; GPU hosts pass --coordinator/--num_processes/--process_id to main.py instead. A process silent
     # for heartbeat_seconds is taken for dead and every other process stops.
     config.distributed = False
@@ -41,19 +43,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.mesh = ml_collections.ConfigDict()
     config.mesh.trainer = dict(devices=2, axes=dict(data=1, fsdp=-1, tensor=1))
     config.mesh.generator = dict(devices=2, axes=dict(data=1, fsdp=1, tensor=-1))
-    # Logical axis -> mesh axes (MaxText style); the first unused match wins per array.
-    config.sharding_rules = [
-        ("batch", ("data", "fsdp")),
-        ("length", None),
-        ("vocab", "tensor"),
-        ("embed", "fsdp"),
-        ("heads", "tensor"),
-        ("kv_heads", "tensor"),
-        ("head_dim", None),
-        ("mlp", "tensor"),
-        ("norm", None),
-        ("layers", None),
-    ]
+    # Logical axis -> mesh axes (MaxText style); the first unused match wins per array. The table is the library's
+    # (arealjax/sharding.py DEFAULT_RULES, which models and trainer use when given no rules); a recipe edits a copy.
+    config.sharding_rules = list(DEFAULT_RULES)
 
     # The task: "47+85=" -> "7+5=12,4+8+1=13;132" (arealjax/data/arithmetic.py), answers checked exactly.
     config.task = ml_collections.ConfigDict()
@@ -62,7 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.min_digits = 2
     config.task.max_digits = 3
 
-    # A converted dataset (python -m arealjax.data.convert; see README "Data"); empty = the synthetic task above.
+    # A converted dataset (python -m arealjax.data.convert; see docs/data.md); empty = the synthetic task above.
     config.data = ml_collections.ConfigDict()
     config.data.path = ""  # e.g. /data/tfds/gsm8k/1.0.0
     config.data.split = "train"
@@ -96,7 +88,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # When dynamic filtering drops this many groups in a row the trainer would starve: if every sample of them got
     # ≥ solved_reward the task is solved and the run ends as completed (summary.json says so), else with an error.
     # Solved too when solved_share of the last solved_window groups were all right (0 = off): near 100% each kept
-    # group costs many samples (steps of 20-60 s here) and teaches nothing the held-out set can show.
+    # group costs many samples (slow steps) and teaches nothing the held-out set can show.
     config.rl.max_filtered_in_a_row = 500
     config.rl.solved_reward = 1.0
     config.rl.solved_window = 256
@@ -155,6 +147,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # The interruptible generator (arealjax/generation): KV-cache slots, cache length, weight-swap mode.
     config.generator = ml_collections.ConfigDict()
+    config.generator.backend = "local"  # the rollout backend (components.BACKENDS): the in-process generator
     config.generator.slots = 128
     config.generator.max_len = 64  # prompt + output tokens per sequence
     config.generator.mode = "recompute"  # on a weight swap: re-prefill in-flight slots (AReaL) | "keep" stale KV

@@ -5,9 +5,10 @@
   python benchmarks/async_vs_sync.py --config=configs/longtail.py --etas=0,1,2,4,8
 
 A remainder by repeated subtraction, one step per subtraction ("47 mod 9=" -> "47-9=38,...,11-9=2;2";
-arealjax/data/remainder.py): quotients are lognormal, so outputs are mostly short and sometimes ten times longer
-(demonstrations: p50 31 tokens, p99 374, max 460). The SFT warm start forgets borrows; RL learns them. Everything
-not set here is the default job's (configs/default.py): model, meshes, sharding, rewards service, checkpoints.
+arealjax/data/remainder.py): quotients are lognormal (median `task.median_steps`, capped at `task.max_steps`), so
+outputs are mostly short and sometimes ten times longer. The SFT warm start forgets borrows; RL learns them.
+Everything not set here is the default job's (configs/default.py): model, meshes, sharding, rewards service,
+checkpoints.
 """
 
 import ml_collections
@@ -33,11 +34,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rewards.fn = "arealjax.data.remainder:reward"
 
     config.trainer.max_tokens = 512  # ≥ the longest trajectory (prompt + max_new_tokens)
-    config.trainer.optim.lr = 1e-4  # the default job's 5e-4 made greedy accuracy swing down on long traces
+    config.trainer.optim.lr = 1e-4  # a smaller step than the default job's 5e-4, for long traces
     config.trainer.micro_rows = 8
     # Four PPO minibatches per step (the paper's setting): with one, π_θ = π_prox at the only update, so the decoupled
-    # objective's clip never acts. Over three seeds one minibatch did as well at η = 4 (held-out 0.74 ± 0.03 against
-    # 0.70 ± 0.07 after 30 steps; README "Staleness ablation", benchmarks/staleness_ablation.py runs both).
+    # objective's clip never acts. benchmarks/staleness_ablation.py compares one and four.
     config.trainer.ppo_n_minibatches = 4
 
     config.generator.max_len = 512

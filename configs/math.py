@@ -7,15 +7,17 @@ host of 8 accelerators.
 
 The argument is `model[,dataset]`. Models: MODELS below (their Hugging Face directory under /ckpt, e.g.
 `huggingface-cli download Qwen/Qwen3-1.7B --local-dir /ckpt/Qwen3-1.7B`). Datasets (converted with
-`python -m arealjax.data.convert --out=/data/tfds/<name> ...`, see the README): gsm8k (train/test), math (MATH:
+`python -m arealjax.data.convert --out=/data/tfds/<name> ...`, see docs/data.md): gsm8k (train/test), math (MATH:
 train/test) and deepscaler (DeepScaleR-Preview train; its held-out split is MATH-500 or AIME converted as `test`).
 `tiny` is the same recipe on the tiny Qwen3 and GSM8K fixtures of `python -m arealjax.tiny`, at a size that runs
 on 2 CPU cores in a minute.
 
-From the paper (arXiv 2505.24298; shared/reference.md): decoupled PPO, ε = 0.2, behaviour weights above 5
-masked, reward ±5, GRPO advantages normalised over the batch, 16 samples per prompt, 4 PPO minibatches, Adam lr
-2e-5, weight decay 0.05, β = (0.9, 0.95), eps 1e-5, gradient clip 1.0, temperature 1.0, η = 4. The paper trains
-512 prompts per step on 16 nodes; one host of 8 takes 64 (`--config.rl.batch_size=512` on a pod).
+From the AReaL paper (arXiv 2505.24298, https://arxiv.org/abs/2505.24298): decoupled PPO, ε = 0.2, behaviour
+weights above 5 masked, reward ±5, GRPO advantages normalised over the batch, 16 samples per prompt, 4 PPO
+minibatches, Adam lr 2e-5, weight decay 0.05, β = (0.9, 0.95), eps 1e-5, gradient clip 1.0, temperature 1.0, η = 4.
+The paper trains 512 prompts per step on 16 nodes; one host of 8 takes 64 (`--config.rl.batch_size=512` on a pod).
+
+Every recipe is configs/default.py's job with the overrides of `recipe` below (configs/code.py calls it too).
 """
 
 import ml_collections
@@ -48,16 +50,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         return tiny()
     if name not in MODELS:
         raise ValueError(f"configs/math.py:{arg}: unknown model '{name}'; expected one of {sorted(MODELS)} or tiny")
-    ckpt, max_new, default_data = MODELS[name]
-    dataset = dataset or default_data
+    dataset = dataset or MODELS[name][2]
     if dataset not in DATASETS:
         raise ValueError(f"configs/math.py:{arg}: unknown dataset '{dataset}'; expected one of {sorted(DATASETS)}")
-    path, eval_split, max_prompt = DATASETS[dataset]
+    return recipe(default.get_config(), name, *DATASETS[dataset])
 
-    config = default.get_config()
+
+def recipe(config: ml_collections.ConfigDict, name: str, data_path: str, eval_split: str, max_prompt: int,
+           max_new: int | None = None) -> ml_collections.ConfigDict:
+    """`config` (configs/default.py's) turned into the RL recipe for model `name` of MODELS on the converted dataset
+    at `data_path`: the paper's PPO and optimizer settings, one host of 8, rows of max_prompt + max_new tokens
+    (max_new: the model's, from MODELS, unless given). configs/code.py builds on it too."""
+    ckpt, model_max_new, _ = MODELS[name]
+    max_new = model_max_new if max_new is None else max_new
     config.cpu_devices = 0  # real accelerators
     config.model_path = f"/ckpt/{ckpt}"
-    config.data.path, config.data.eval_split, config.data.max_prompt_tokens = path, eval_split, max_prompt
+    config.data.path, config.data.eval_split, config.data.max_prompt_tokens = data_path, eval_split, max_prompt
     # The chat template with the instruction the math models were tuned on (Qwen2.5-Math's and DeepSeek-R1's).
     config.data.template = "chat"
     config.data.instruction = PROMPT
@@ -111,10 +119,15 @@ def tiny() -> ml_collections.ConfigDict:
     """The qwen3 recipe on the tiny fixtures (arealjax/tiny.py), shrunk to run on 2 CPU cores."""
     from arealjax.tiny import ROOT
 
-    config = get_config("qwen3-0.6b")
-    config.cpu_devices = 4
+    config = shrink(get_config("qwen3-0.6b"))
     config.model_path = f"{ROOT}/qwen3"
     config.data.path, config.data.max_prompt_tokens = f"{ROOT}/tfds/gsm8k/1.0.0", 96
+    return config
+
+
+def shrink(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A `recipe` config at a size that runs on 2 CPU cores in a minute (the `tiny` variants' settings)."""
+    config.cpu_devices = 4
     config.mesh.trainer = dict(devices=2, axes=dict(data=1, fsdp=-1, tensor=1))
     config.mesh.generator = dict(devices=2, axes=dict(data=1, fsdp=1, tensor=-1))
     config.rl.steps, config.rl.batch_size, config.rl.group_size = 3, 4, 4

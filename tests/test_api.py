@@ -9,10 +9,10 @@ import pytest
 
 from arealjax import components, evaluate
 from arealjax.api import RolloutBackend, SamplingParams, WeightTransport
+from arealjax.controller import RolloutController
 from arealjax.data.prompts import eval_prompts, train_prompts
 from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig
-from arealjax.controller import RolloutController
 from arealjax.sharding import normalize_rules, role_meshes
 from arealjax.staleness import StalenessManager
 from arealjax.workflows import MultiTurn

@@ -221,7 +221,8 @@ def test_the_kl_reference_policy_is_checkpointed(tmp_path):
 
     def trainer(seed):
         c.seed = seed
-        return Trainer(components.build(c, mesh, rules)[1], components.trainer_config(c.trainer), mesh=mesh, rules=rules)
+        model = components.build(c, mesh, rules)[1]
+        return Trainer(model, components.trainer_config(c.trainer), mesh=mesh, rules=rules)
 
     first = trainer(0)
     ckpt = Checkpointer(tmp_path, every_steps=1)

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from arealjax import components, train
-from arealjax.data.prompts import train_prompts
-from arealjax.metrics import Meter
 from arealjax.controller import Prompt, RolloutController
 from arealjax.data.pipeline import format_prompt
+from arealjax.data.prompts import train_prompts
 from arealjax.generation import Engine, Generator, SamplingParams
+from arealjax.metrics import Meter
 from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig
 from arealjax.rl.trainer import Trainer

@@ -10,7 +10,6 @@ weight swaps in the generator and resharding between meshes plain pytree operati
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -20,51 +19,15 @@ from flax import nnx
 from arealjax.models import hf, lora
 from arealjax.models.config import ModelConfig, from_hf_config, to_hf_config
 from arealjax.models.lora import LoraConfig
+from arealjax.models.model import Model, _abstract, _sharding
 from arealjax.models.paged import DecodeIndex, PagedKV, init_pages
 from arealjax.models.transformer import KVCache, Transformer, decode_step, forward, prefill
-from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, reshard, tree_shardings
+from arealjax.sharding import DEFAULT_RULES, Rules, tree_shardings
 
 __all__ = [
     "DecodeIndex", "KVCache", "LoraConfig", "Model", "ModelConfig", "PagedKV", "Transformer", "decode_step", "forward",
     "from_config", "from_hf_config", "init_pages", "load_pretrained", "prefill", "save_pretrained", "to_hf_config",
 ]
-
-
-@dataclasses.dataclass
-class Model:
-    """A model definition bound to one set of params (and, through `graphdef`, to one mesh or none)."""
-
-    cfg: ModelConfig
-    graphdef: nnx.GraphDef
-    params: nnx.State
-    lora: LoraConfig | None = None  # the adapters' config when the params hold LoRA adapters (models/lora.py)
-
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
-        """Causal forward; with positions/segment ids, over packed rows. fp32 logits [B, T, V]."""
-        return forward(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32), positions, segment_ids)
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return jax.tree.leaves(self.params)[0].dtype
-
-    def to_mesh(self, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES, dtype=None) -> Model:
-        """The same weights resharded onto `mesh` (e.g. the generator's slice), with a graphdef for that mesh;
-        cast to `dtype` first if given (e.g. a bf16 generator of an fp32 trainer)."""
-        shard = LogicalSharding(mesh, rules)
-        dtype = self.dtype if dtype is None else dtype
-        graphdef, abstract = _abstract(self.cfg, dtype, shard, self.lora)
-        return Model(self.cfg, graphdef, reshard(self.params, tree_shardings(abstract, shard), dtype), self.lora)
-
-
-def _abstract(cfg: ModelConfig, dtype, shard: LogicalSharding | None,
-              lora: LoraConfig | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graphdef and shape-only params for `cfg` (with adapters if `lora`), without allocating anything."""
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), shard=shard, lora=lora)))
-
-
-def _sharding(mesh, rules) -> LogicalSharding | None:
-    return None if mesh is None else LogicalSharding(mesh, tuple(rules))
 
 
 def from_config(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,

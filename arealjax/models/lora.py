@@ -24,6 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from arealjax.models.model import Model, _abstract, _sharding
+from arealjax.models.transformer import Transformer
+from arealjax.sharding import DEFAULT_RULES, tree_shardings
+
 SERVING = ("merged", "on_the_fly")  # how the generator applies adapters
 EXPORTS = ("merged", "adapters")  # what a run's exported model is
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -56,10 +60,6 @@ class LoraConfig:
 def add_lora(model, lora: LoraConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None, rules=None):
     """`model` with fresh adapters on `lora.targets` (placed on `mesh` by the logical rules): its base params are
     the model's own arrays, so nothing is copied, and B = 0 makes it compute exactly what the base does."""
-    from arealjax.models import Model, _abstract, _sharding
-    from arealjax.models.transformer import Transformer
-    from arealjax.sharding import DEFAULT_RULES, tree_shardings
-
     if model.lora is not None:
         raise ValueError("the model already has adapters")
     shard = _sharding(mesh, rules or DEFAULT_RULES)
@@ -109,9 +109,6 @@ def merged_params(params: nnx.State, scale: float) -> nnx.State:
 def merger(model, shard=None):
     """(the plain model's graphdef, a jitted params -> merged params) for an adapted `model`; with `shard` (a
     LogicalSharding), the merged params come out laid out by its rules on its mesh."""
-    from arealjax.models import _abstract
-    from arealjax.sharding import tree_shardings
-
     graphdef, abstract = _abstract(model.cfg, model.dtype, shard, None)
     out = None if shard is None else tree_shardings(abstract, shard)
     return graphdef, jax.jit(functools.partial(merged_params, scale=model.lora.scale), out_shardings=out)
@@ -119,8 +116,6 @@ def merger(model, shard=None):
 
 def merge(model, shard=None):
     """The adapted `model` as a plain one: kernels W + (α/r)·A·B, no adapters (what export writes)."""
-    from arealjax.models import Model
-
     graphdef, fn = merger(model, shard)
     return Model(model.cfg, graphdef, fn(model.params), None)
 

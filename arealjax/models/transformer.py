@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from arealjax.sharding import LogicalSharding, constrain
 Array = jax.Array
 INIT_STD = 0.02  # HF `initializer_range` default for all three families
 REMAT = ("none", "full", "save_dots", "offload")
+HIDDEN_AXES = ("batch", "length", "embed")  # logical axes of the hidden states between layers
 
 
 class KVCache(NamedTuple):
@@ -161,11 +163,26 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
+    """One pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(x))."""
+
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lora=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs, lora)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs, lora)
+
+    def __call__(self, x: Array, positions: Array, inv_freq: np.ndarray, shard: LogicalSharding | None,
+                 attend: Callable[[Array, Array, Array], tuple[Array, Any]]) -> tuple[Array, Any]:
+        """x [B, T, D] at `positions` [B, T] -> (x [B, T, D], what `attend` returned beside its output).
+
+        `attend(q, k, v)` -> (o [B, T, H, head_dim], extra) is the attention core, the only part that differs
+        between the entry points: over the rows' own segments (forward, prefill; extra = (k, v)) or over the KV
+        pages after writing the new token's k, v into them (decode; extra = the pages)."""
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, inv_freq, shard)
+        o, extra = attend(q, k, v)
+        x = constrain(x + self.self_attn.o_proj(o), shard, HIDDEN_AXES)
+        x = constrain(x + self.mlp(self.post_attention_layernorm(x)), shard, HIDDEN_AXES)
+        return x, extra
 
 
 def remat_policy(name: str):
@@ -198,7 +215,7 @@ class Transformer(nnx.Module):
             (cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",), use_bias=False, dtype=dtype, rngs=rngs)
 
     def _act(self, x: Array) -> Array:
-        return constrain(x, self.shard, ("batch", "length", "embed"))
+        return constrain(x, self.shard, HIDDEN_AXES)
 
     def head(self) -> tuple[Array, str]:
         """The output projection and its einsum against hidden states [N, D]: tied embeddings or lm_head."""
@@ -247,11 +264,11 @@ class Transformer(nnx.Module):
         inv_freq = rope_inv_freq(self.cfg)
         kind = attn.pick(attention)
 
+        def attend(q, k, v):  # within each row's own segments; the layer's k, v come back (prefill caches them)
+            return attn.attend(q, k, v, segment_ids, kind), (k, v)
+
         def layer(block, x, _):
-            q, k, v = block.self_attn.qkv(block.input_layernorm(x), positions, inv_freq, self.shard)
-            x = self._act(x + block.self_attn.o_proj(attn.attend(q, k, v, segment_ids, kind)))
-            x = self._act(x + block.mlp(block.post_attention_layernorm(x)))
-            return x, (k, v)
+            return block(x, positions, inv_freq, self.shard, attend)
 
         x = self._act(jnp.take(self.embed_tokens[...], tokens, axis=0))
         x, (ks, vs) = self._layers(layer, x, scan=scan, remat=remat)
@@ -277,14 +294,16 @@ class Transformer(nnx.Module):
 
         def layer(block, carry, i):
             x, pk, pv = carry
-            q, k, v = block.self_attn.qkv(block.input_layernorm(x), positions[:, None], inv_freq, self.shard)
-            pk, pv = write_token(pk, pv, i, k[:, 0], v[:, 0], index.table, positions, attention)
-            if attention == "pallas":
-                o = pallas_attention(q[:, 0], pk[i], pv[i], positions, index)
-            else:
-                o = ragged_attention(q[:, 0], pk, pv, i, positions, index)
-            x = self._act(x + block.self_attn.o_proj(o[:, None]))
-            x = self._act(x + block.mlp(block.post_attention_layernorm(x)))
+
+            def attend(q, k, v):  # one token per row: [A, 1, ...]
+                pk_i, pv_i = write_token(pk, pv, i, k[:, 0], v[:, 0], index.table, positions, attention)
+                if attention == "pallas":
+                    o = pallas_attention(q[:, 0], pk_i[i], pv_i[i], positions, index)
+                else:
+                    o = ragged_attention(q[:, 0], pk_i, pv_i, i, positions, index)
+                return o[:, None], (pk_i, pv_i)
+
+            x, (pk, pv) = block(x, positions[:, None], inv_freq, self.shard, attend)
             return (x, constrain(pk, self.shard, k_axes), constrain(pv, self.shard, v_axes)), None
 
         x = self._act(jnp.take(self.embed_tokens[...], tokens[:, None], axis=0))
