@@ -2,6 +2,7 @@
 
   python benchmarks/async_vs_sync.py                                   # default job, η = 0 and 4, 40 RL steps
   python benchmarks/async_vs_sync.py --config=configs/longtail.py --etas=0,1,2,4,8,4:generator.mode=keep
+  python benchmarks/async_vs_sync.py --smoke                           # η = 1, tiny sizes: the script itself works
 
 An entry of --etas may add config overrides after a colon ("4:generator.mode=keep", several joined by "+").
 
@@ -12,6 +13,10 @@ step is outside it). Printed per η: seconds per step and the speedup over the f
 wall-clock spent resharding weights to the generator and with the generator idle, generated tokens/s, the trainer's
 step and wait, the staleness of trained tokens (mean, max and histogram, token-weighted), rollout reward and the
 held-out accuracy after the last step (pass@1 at the training temperature).
+
+The table goes to stdout (and --json to a file); the runs' directories to --out. --smoke runs one η (default 1;
+--etas still applies) for 2 steps with tiny sizes (benchmarks/learning.py `SMOKE`), in --out/smoke, and writes its
+results to --out/smoke/results.json.
 """
 
 import argparse
@@ -20,11 +25,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 
 def run(entry: str, args, out: Path) -> dict:
@@ -72,11 +79,21 @@ def main():
     p.add_argument("--config", default="configs/default.py")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the timing (compilation)")
-    p.add_argument("--etas", default="0,4")
+    p.add_argument("--etas", default=None, help="η entries, comma-separated (default: 0,4; --smoke: 1)")
     p.add_argument("--eval-problems", type=int, default=256)
-    p.add_argument("--out", default="/tmp/arealjax_async_vs_sync")
+    p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "arealjax_async_vs_sync"))
     p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--smoke", action="store_true", help="2 RL steps of a tiny job (seconds), into --out/smoke")
     args, args.extra = p.parse_known_args()
+    args.etas = args.etas or ("1" if args.smoke else "0,4")
+    if args.smoke:
+        from benchmarks.learning import smoke_flags
+
+        args.steps, args.warmup, args.eval_problems = 2, 1, 4
+        args.out = str(Path(args.out) / "smoke")
+        args.json = str(Path(args.out) / "results.json")
+        args.extra = [*smoke_flags("rl.steps", "rl.eval_every", "eval.num_problems"), *args.extra]
+        shutil.rmtree(args.out, ignore_errors=True)  # the cached SFT warm start too: the smoke runs it
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
     out = Path(args.out)

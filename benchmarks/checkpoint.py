@@ -1,11 +1,14 @@
 """Checkpoint and data-pipeline figures, side by side in one run.
 
   python benchmarks/checkpoint.py            # --params 50 (millions) --rows 20000
+  python benchmarks/checkpoint.py --smoke    # 1M params, 200 rows (seconds): checks that the script runs
 
 1. Save (the blocking part the trainer waits for, then the whole async write) and restore of params + Adam
    state, on local disk and on a gs:// bucket served by the local GCS emulator (tests/gcs_emulator.py).
 2. Converting a GSM8K-layout JSONL file to array_record, and streaming prompts (shuffle + chat template +
    tokenise) through grain.
+Printed to stdout as two tables; checkpoints and converted data go to a temporary directory and the emulator's
+memory, removed at exit.
 """
 
 import argparse
@@ -98,10 +101,13 @@ def data_rows(rows: int, tmp: Path) -> list[str]:
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=int, default=50, help="millions")
     p.add_argument("--rows", type=int, default=20000)
+    p.add_argument("--smoke", action="store_true", help="--params 1 --rows 200")
     args = p.parse_args()
+    if args.smoke:
+        args.params, args.rows = 1, 200
     proc, bucket = emulator()
     try:
         with tempfile.TemporaryDirectory() as tmp:

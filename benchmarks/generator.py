@@ -2,6 +2,7 @@
 side by side in one run; then the decode step's cost against the longest sequence and against free slots.
 
   pip install -r benchmarks/requirements.txt && python benchmarks/generator.py     # --quick for a fast pass
+  python benchmarks/generator.py --smoke       # a tiny model, a few short requests (seconds): the script runs
 
 Workloads (greedy, no stop tokens, so every request produces exactly its requested length and all systems do the
 same useful work; useful tokens/s = requested output tokens / wall-clock):
@@ -15,9 +16,14 @@ Then: (e) one decode step's time as the longest active sequence grows (16 active
 with 4 active rows out of 4, 64 and 256 slots; (f) weight swaps during (a): update_weights() -> next token latency
 and the loop time spent applying them, recompute and keep modes. Peak KV bytes held by (a) are reported against a
 dense slots × max_len cache. Timings: fastest of --repeats runs after one warm-up pass.
+Printed to stdout as tables; nothing is written but a temporary HF checkpoint. A system whose package is missing
+(google-tunix; torch / transformers) is skipped with one printed line, as with --skip. --smoke shrinks the model,
+the workloads and (e) to seconds.
 """
 
 import argparse
+import importlib.util
+import json
 import os
 import sys
 import tempfile
@@ -30,11 +36,26 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def workload(n: int, seed: int, prompt_range: tuple[int, int], median: float, sigma: float, cap: int):
+# The model (a Qwen3 config), the output cap, the prompt cap, and the workloads: (requests, prompt lengths, median
+# output length, σ, output cap) — requests None: --requests. (e): lengths of the longest row, slot counts.
+SIZES = {
+    "full": dict(model=dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=64), cap=512, max_prompt=64,
+                 long_tail=(None, (16, 64), 64, 1.0, 512), short=(96, (16, 48), 24, 0.9, 192),
+                 longest=(64, 128, 256, 512), free=(4, 64, 256)),
+    "smoke": dict(model=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=32), cap=16, max_prompt=16,
+                  long_tail=(None, (4, 16), 6, 1.0, 16), short=(8, (4, 12), 4, 0.9, 8), longest=(16, 24),
+                  free=(4, 8)),
+}
+
+
+def workload(n: int, seed: int, prompt_range: tuple[int, int], median: float, sigma: float, cap: int,
+             vocab: int = 8192):
     rng = np.random.RandomState(seed)
     prompt_lens = rng.randint(*prompt_range, n)
     out_lens = np.clip(rng.lognormal(np.log(median), sigma, n).astype(int), 4, cap)
-    prompts = [[int(t) for t in rng.randint(10, 8000, p)] for p in prompt_lens]
+    prompts = [[int(t) for t in rng.randint(10, vocab - 192, p)] for p in prompt_lens]
     return prompts, [int(x) for x in out_lens]
 
 
@@ -49,7 +70,7 @@ def run_arealjax(engine, params, prompts, lens, static: bool, decode_steps: int,
     def swapper():  # one weight update per `swap_every` generated tokens, alternating two param sets
         version, nxt = 0, swap_every
         while not stop.is_set():
-            if gen.stats.tokens >= nxt:
+            if gen.counters.tokens >= nxt:
                 version += 1
                 swaps.append(gen.update_weights(alt_params[version % 2], version))
                 nxt += swap_every
@@ -70,7 +91,7 @@ def run_arealjax(engine, params, prompts, lens, static: bool, decode_steps: int,
     wall = time.perf_counter() - t0
     stop.set()
     gen.close()
-    return wall, [o.output_tokens for o in outs], gen.stats
+    return wall, [o.output_tokens for o in outs], gen.counters
 
 
 class IdTokenizer:
@@ -92,17 +113,18 @@ class IdTokenizer:
         return 0
 
 
-def tunix_sampler(path, hf_cfg, cache_size):
+def tunix_sampler(path, cache_size):
     from tunix.generate import sampler as tsampler
     from tunix.models.qwen3 import model as tmodel
     from tunix.models.qwen3 import params as tparams
 
-    cfg = tmodel.ModelConfig(num_layers=hf_cfg.num_hidden_layers, vocab_size=hf_cfg.vocab_size,
-                             embed_dim=hf_cfg.hidden_size, hidden_dim=hf_cfg.intermediate_size,
-                             num_heads=hf_cfg.num_attention_heads, head_dim=hf_cfg.head_dim,
-                             num_kv_heads=hf_cfg.num_key_value_heads,
-                             rope_theta=int(hf_cfg.rope_parameters["rope_theta"]),
-                             norm_eps=hf_cfg.rms_norm_eps, use_tied_embedding=hf_cfg.tie_word_embeddings)
+    hf = json.loads((Path(path) / "config.json").read_text())  # the checkpoint's HF config
+    rope_theta = hf.get("rope_theta") or hf["rope_parameters"]["rope_theta"]
+    cfg = tmodel.ModelConfig(num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
+                             embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
+                             num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
+                             num_kv_heads=hf["num_key_value_heads"], rope_theta=int(rope_theta),
+                             norm_eps=hf["rms_norm_eps"], use_tied_embedding=hf.get("tie_word_embeddings", False))
     model = tparams.create_model_from_safe_tensors(str(path), cfg)
     return tsampler.Sampler(model, IdTokenizer(), tsampler.CacheConfig(
         cache_size=cache_size, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
@@ -153,7 +175,8 @@ def best(runs):
     return min(runs, key=lambda r: r[0])
 
 
-def step_times(model, max_len, page_size, decode_steps):
+def step_times(model, max_len, page_size, decode_steps, longest_lens=(64, 128, 256, 512), free_slots=(4, 64, 256),
+               repeats=20):
     """(e): seconds per decode step (one call of `decode_steps`, divided) for given active rows and lengths."""
     import jax
 
@@ -161,7 +184,7 @@ def step_times(model, max_len, page_size, decode_steps):
     from arealjax.generation.engine import PageWrites, SlotSampling
     from arealjax.generation.pages import PagePool, decode_index
 
-    def measure(slots, lengths, repeats=20):
+    def measure(slots, lengths):
         engine = Engine(model, slots=slots, max_len=max_len, page_size=page_size)
         pool = PagePool(engine.num_pages, page_size)
         state = engine.init_decode_state()
@@ -186,14 +209,16 @@ def step_times(model, max_len, page_size, decode_steps):
             state = state._replace(positions=jax.device_put(np.array(list(lengths) + [0] * (slots - a), np.int32)))
         return float(np.median(times[2:])) / decode_steps
 
-    longest = {n: measure(16, [48] * 15 + [n]) for n in (64, 128, 256, 512)}
-    free = {s: measure(s, [100] * 4) for s in (4, 64, 256)}
+    base = min(48, min(longest_lens) - 1, max_len - decode_steps - 1)
+    longest = {n: measure(16, [base] * 15 + [n]) for n in longest_lens}
+    free = {s: measure(s, [min(100, max_len - decode_steps - 1)] * 4) for s in free_slots}
     return longest, free
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model and workloads (seconds)")
     ap.add_argument("--requests", type=int, default=128, help="long-tail requests")
     ap.add_argument("--slots", default="16,64,256")
     ap.add_argument("--page-size", type=int, default=16)
@@ -202,38 +227,55 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per system after warm-up; the fastest counts")
     ap.add_argument("--skip", default="", help="systems to leave out: tunix,transformers")
     args = ap.parse_args()
+    size = SIZES["smoke" if args.smoke else "full"]
     if args.quick:
         args.requests, args.slots, args.repeats = 32, "8,32", 1
+    if args.smoke:
+        args.requests, args.slots, args.repeats, args.swap_every = 8, "4", 1, "16"
+    skip = set(args.skip.split(","))
+    for name, modules in (("tunix", ("tunix",)), ("transformers", ("torch", "transformers"))):
+        if name not in skip and not all(importlib.util.find_spec(m) for m in modules):
+            print(f"{' / '.join(modules)} not installed: {name} skipped", flush=True)
+            skip.add(name)
 
     import jax
-    import torch
-    import transformers
 
     from arealjax.generation import Engine
-    from arealjax.models import from_config, load_pretrained
+    from arealjax.models import ModelConfig, from_config, load_pretrained, save_pretrained
 
-    torch.set_num_threads(os.cpu_count())
-    cap, max_prompt = 512, 64
+    cap, max_prompt = size["cap"], size["max_prompt"]
     max_len = max_prompt + cap
-    hf_cfg = transformers.Qwen3Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                                      max_position_embeddings=max_len, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    m = size["model"]
     tmp = tempfile.mkdtemp()
-    hf_model.save_pretrained(tmp)
-    model = load_pretrained(tmp)
+    hf_model = None
+    if "transformers" not in skip:
+        import torch
+        import transformers
+
+        torch.set_num_threads(os.cpu_count())
+        hf_cfg = transformers.Qwen3Config(**m, max_position_embeddings=max_len, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+        hf_model.save_pretrained(tmp)
+        model = load_pretrained(tmp)
+    else:  # the same shapes from arealjax alone (Tunix reads its HF export)
+        model = from_config(ModelConfig.make(
+            family="qwen3", vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+            intermediate_size=m["intermediate_size"], num_layers=m["num_hidden_layers"],
+            num_heads=m["num_attention_heads"], num_kv_heads=m["num_key_value_heads"], head_dim=m["head_dim"],
+            max_position_embeddings=max_len, tie_word_embeddings=False))
+        save_pretrained(model, tmp)
     alt = from_config(model.cfg, seed=1).params
-    skip = set(args.skip.split(","))
-    sampler = None if "tunix" in skip else tunix_sampler(tmp, hf_cfg, max_len + 64)
+    sampler = None if "tunix" in skip else tunix_sampler(tmp, max_len + 64)
     k, ps = args.decode_steps, args.page_size
     slot_counts = [int(s) for s in args.slots.split(",")]
 
     print(f"\n{jax.device_count()} device(s): {jax.devices()[0].platform}; {os.cpu_count()} CPU cores; "
           f"{model.cfg.num_params() / 1e6:.1f}M-param Qwen3 fp32, greedy; arealjax decode_steps={k}, "
           f"page_size={ps}\n", flush=True)
-    workloads = {"long-tail": workload(args.requests, 0, (16, 64), 64, 1.0, cap),
-                 "short": workload(96 if not args.quick else 16, 1, (16, 48), 24, 0.9, 192)}
+    vocab = m["vocab_size"]
+    workloads = {"long-tail": workload(args.requests, 0, *size["long_tail"][1:], vocab),
+                 "short": workload(16 if args.quick else size["short"][0], 1, *size["short"][1:], vocab)}
     rows = []
     for name, (prompts, lens) in workloads.items():
         useful = sum(lens)
@@ -277,12 +319,14 @@ def main():
     agree = [(r["workload"], r["slots"], r.get("agree_c"), r.get("agree_d")) for r in rows]
     print("\ngreedy outputs identical to (a), share of requests (Tunix, transformers):", agree)
 
-    longest, free = step_times(model, max_len, ps, k)
-    print("\n(e) decode step, 16 active rows (15 × 48 tokens + one of n):",
+    longest, free = step_times(model, max_len, ps, k, size["longest"], size["free"], 2 if args.smoke else 20)
+    lo, hi, s0 = min(longest), max(longest), min(free)
+    print(f"\n(e) decode step, 16 active rows (15 × {min(48, lo - 1, max_len - k - 1)} tokens + one of n):",
           ", ".join(f"n={n}: {t * 1e3:.1f} ms" for n, t in longest.items()),
-          f"— longest 512 ÷ 64: {longest[512] / longest[64]:.2f}×")
-    print("    4 active rows of 100 tokens in S slots:", ", ".join(f"S={s}: {t * 1e3:.1f} ms" for s, t in free.items()),
-          f"— S=64 ÷ S=4: {free[64] / free[4]:.2f}×, S=256 ÷ S=4: {free[256] / free[4]:.2f}×")
+          f"— longest {hi} ÷ {lo}: {longest[hi] / longest[lo]:.2f}×")
+    print(f"    4 active rows of {min(100, max_len - k - 1)} tokens in S slots:",
+          ", ".join(f"S={s}: {t * 1e3:.1f} ms" for s, t in free.items()),
+          "— " + ", ".join(f"S={s} ÷ S={s0}: {free[s] / free[s0]:.2f}×" for s in free if s != s0))
 
     prompts, lens = workloads["short"]
     engine = Engine(model, slots=slot_counts[0], max_len=max_len, page_size=ps)

@@ -18,6 +18,8 @@ and greedy), seconds per RL step over training wall-clock (evaluations left out,
 compilation), the mean gradient norm. Results accumulate in --results/learning.json over invocations (a cell is
 keyed by tag, job, η, seed), and learning.md / learning.png are redrawn from all of them: mean ± sd over seeds per
 (tag, job, η), every seed's final value, and the difference of each tag against the first one.
+--smoke runs one cell (default job, its own η, seed 0; --jobs / --etas still apply) with tiny sizes (`SMOKE`), from
+scratch, and writes the table and figure to --work/smoke, never to --results.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,13 +41,21 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.staleness_ablation import training_curve  # noqa: E402
 
-# --smoke: a seconds-long run of the same code path (a 1-layer model, a few steps, a small evaluation).
-SMOKE = ["--config.sft.steps=4", "--config.sft.optim.warmup_steps=1", "--config.rl.steps=2", "--config.rl.eval_every=2",
-         "--config.eval.num_problems=8", "--config.model.num_layers=1", "--config.model.hidden_size=32",
-         "--config.model.intermediate_size=64", "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
-         "--config.model.head_dim=16", "--config.generator.slots=32", "--config.rl.max_new_tokens=24",
-         "--config.trainer.max_tokens=64", "--config.generator.max_len=64", "--config.sft.max_tokens=64",
-         "--config.advantage.filter_uniform=False"]
+# --smoke: main.py overrides for a seconds-long run of the same code path (a 1-layer model, two RL steps of 4 prompts
+# x 2 samples, a small evaluation); every benchmark that runs main.py uses them in its --smoke mode.
+SMOKE = ["--config.sft.steps=2", "--config.sft.optim.warmup_steps=1", "--config.sft.batch_size=8",
+         "--config.sft.micro_rows=4", "--config.sft.max_tokens=64", "--config.rl.steps=2", "--config.rl.eval_every=2",
+         "--config.rl.batch_size=4", "--config.rl.group_size=2", "--config.rl.max_concurrent=8",
+         "--config.rl.max_new_tokens=16", "--config.eval.num_problems=4", "--config.model.num_layers=1",
+         "--config.model.hidden_size=32", "--config.model.intermediate_size=64", "--config.model.num_heads=2",
+         "--config.model.num_kv_heads=1", "--config.model.head_dim=16", "--config.generator.slots=8",
+         "--config.generator.max_prefill_batch=4", "--config.generator.max_len=64", "--config.trainer.max_tokens=64",
+         "--config.trainer.micro_rows=4", "--config.advantage.filter_uniform=False"]
+
+
+def smoke_flags(*own: str) -> list[str]:
+    """`SMOKE` less the config keys a benchmark sets itself (e.g. "rl.steps")."""
+    return [f for f in SMOKE if f.split("=")[0].removeprefix("--config.") not in own]
 
 
 def git(checkout: Path, *args: str) -> str:
@@ -186,13 +197,16 @@ def figure(results: list[dict], out: Path) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--jobs", default="default,longtail", help="config names under configs/")
-    p.add_argument("--etas", default="0,config", help="max staleness values; 'config' = the job's own")
+    p.add_argument("--jobs", default=None, help="config names under configs/ (default: default,longtail; --smoke: "
+                   "default)")
+    p.add_argument("--etas", default=None, help="max staleness values; 'config' = the job's own (default: 0,config; "
+                   "--smoke: config)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--checkout", default=str(ROOT), help="the git checkout whose main.py runs the cells")
     p.add_argument("--tag", default="", help="the rows' label (default: the checkout's short commit)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of s/step (compilation)")
-    p.add_argument("--work", default="/tmp/arealjax_learning", help="run directories (resumable)")
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "arealjax_learning"),
+                   help="run directories (resumable)")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (seconds); results into --work, not --results")
@@ -205,12 +219,14 @@ def main():
     args.commit = git(args.checkout, "rev-parse", "--short", "HEAD") + ("+dirty" if git(
         args.checkout, "status", "--porcelain", "--untracked-files=no") else "")
     args.tag = args.tag or args.commit
-    args.jobs = args.jobs.split(",")
-    args.etas = args.etas.split(",")
+    args.jobs = (args.jobs or ("default" if args.smoke else "default,longtail")).split(",")
+    args.etas = (args.etas or ("config" if args.smoke else "0,config")).split(",")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     if args.smoke:
         args.work, args.results, args.seeds = str(Path(args.work) / "smoke"), str(Path(args.work) / "smoke"), [0]
         args.warmup = 0
+        if not args.report_only:
+            shutil.rmtree(args.work, ignore_errors=True)  # a finished cell would not run again
     work = Path(args.work)
     store = Path(args.results) / "learning.json"
     results = {(r["tag"], r["job"], r["eta"], r["seed"]): r for r in

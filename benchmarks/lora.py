@@ -2,6 +2,7 @@
 
   python benchmarks/lora.py                # the step/sync/generation table (a few minutes)
   python benchmarks/lora.py --accuracy     # also: the default job trained full and with LoRA (≈ 10 minutes)
+  python benchmarks/lora.py --smoke        # the table at tiny sizes (seconds): the script itself works
 
 1. Train step (decoupled PPO, AdamW) on one batch of default-job-shaped trajectories, the default model on the
    default trainer mesh: seconds per step (best of N), trainable params, optimizer state bytes.
@@ -10,6 +11,9 @@
 3. Generation, the same adapted params merged vs applied on the fly: tokens/s for a batch of greedy requests.
 4. (--accuracy) `main.py --config=configs/default.py` full and with LoRA from one shared SFT warm start: held-out
    accuracy every 10 RL steps and wall-clock.
+The tables are printed to stdout; the --accuracy runs' directories go to a fresh temporary directory. --smoke shrinks
+the default job's model, batch and generator (and, with --accuracy, runs main.py at benchmarks/learning.py `SMOKE`
+sizes).
 """
 
 import argparse
@@ -36,7 +40,7 @@ from arealjax.models.lora import add_lora  # noqa: E402
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig  # noqa: E402
 from arealjax.rl.trajectory import Trajectory  # noqa: E402
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes  # noqa: E402
-from arealjax.train import WeightSync  # noqa: E402
+from arealjax.weights import WeightSync  # noqa: E402
 from benchmarks.trainer import best_of  # noqa: E402
 from configs import default  # noqa: E402
 
@@ -57,8 +61,16 @@ def batch(n: int, vocab: int, seed: int = 0) -> list[Trajectory]:
     return out
 
 
-def micro(rank: int, repeats: int) -> None:
+def micro(rank: int, repeats: int, smoke: bool = False) -> None:
     config = default.get_config()
+    prompts_n, new_tokens = 128, 40
+    if smoke:  # the sizes of benchmarks/learning.py SMOKE
+        config.model.update(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
+                            head_dim=16)
+        config.rl.batch_size, config.rl.group_size = 4, 2
+        config.trainer.max_tokens, config.trainer.micro_rows = 64, 4
+        config.generator.slots, config.generator.max_len = 8, 64
+        prompts_n, new_tokens = 8, 8
     rules = normalize_rules(config.sharding_rules)
     meshes = role_meshes(config.mesh)
     m = config.model
@@ -95,8 +107,8 @@ def micro(rank: int, repeats: int) -> None:
     # Generation: B ≠ 0 (trained adapters), the same params merged and on the fly, greedy, alternated rounds.
     adapted.train_step(trajs)
     rng = np.random.RandomState(1)
-    prompts = [list(rng.randint(3, cfg.vocab_size, rng.randint(6, 10))) for _ in range(128)]
-    sampling = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=())
+    prompts = [list(rng.randint(3, cfg.vocab_size, rng.randint(6, 10))) for _ in range(prompts_n)]
+    sampling = SamplingParams(temperature=0, max_new_tokens=new_tokens, stop_token_ids=())
     g = config.generator
     tps = {}
     gens = {}
@@ -115,7 +127,7 @@ def micro(rank: int, repeats: int) -> None:
     finally:
         for gen in gens.values():
             gen.close()
-    print(f"\n| generation ({len(prompts)} greedy requests × 40 tokens, {g.slots} slots) | tokens/s (best of "
+    print(f"\n| generation ({len(prompts)} greedy requests × {new_tokens} tokens, {g.slots} slots) | tokens/s (best of "
           f"{repeats}, first round = compile, dropped) |\n|---|---|")
     best = {mode: max(xs[1:] or xs) for mode, xs in tps.items()}
     for mode, x in best.items():
@@ -123,7 +135,7 @@ def micro(rank: int, repeats: int) -> None:
     print(f"\non the fly / merged: {best['on_the_fly'] / best['merged']:.2f}×")
 
 
-def accuracy(rank: int, lr: float) -> None:
+def accuracy(rank: int, lr: float, overrides: list[str] = ()) -> None:
     """The default job, full and LoRA, from one SFT warm start (sft.cache_dir shared)."""
     work = Path(tempfile.mkdtemp(prefix="arealjax-lora-"))
     runs = {"full": [], f"LoRA r={rank}, lr {lr:g}": [f"--config.lora.rank={rank}", f"--config.lora.alpha={2 * rank}",
@@ -134,7 +146,7 @@ def accuracy(rank: int, lr: float) -> None:
         workdir = work / name.split(",")[0].replace(" ", "_").replace("=", "")
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "main.py", "--config=configs/default.py", f"--workdir={workdir}",
-                        f"--config.sft.cache_dir={work / 'sft'}", *extra], cwd=ROOT, env=env, check=True,
+                        f"--config.sft.cache_dir={work / 'sft'}", *overrides, *extra], cwd=ROOT, env=env, check=True,
                        capture_output=True)
         rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
         table[name] = ({r["step"]: r["eval_accuracy"] for r in rows if "eval_accuracy" in r},
@@ -152,15 +164,20 @@ def accuracy(rank: int, lr: float) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--lr", type=float, default=5e-3, help="LoRA's learning rate in the accuracy runs")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (seconds)")
     args = ap.parse_args()
-    micro(args.rank, args.repeats)
+    if args.smoke:
+        args.rank, args.repeats = 2, 1
+    micro(args.rank, args.repeats, args.smoke)
     if args.accuracy:
-        accuracy(args.rank, args.lr)
+        from benchmarks.learning import SMOKE
+
+        accuracy(args.rank, args.lr, SMOKE if args.smoke else [])
 
 
 if __name__ == "__main__":

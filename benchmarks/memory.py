@@ -3,6 +3,7 @@ CPU devices (abstract shapes: nothing is allocated), before and after each memor
 
   python benchmarks/memory.py            # Qwen3-1.7B at 8k/16k/32k tokens per row, Qwen3-8B at 8k/32k
   python benchmarks/memory.py --quick    # Qwen3-1.7B at 8k only, and compile times at fewer depths
+  python benchmarks/memory.py --smoke    # a tiny model at 256 tokens, seconds: checks that the script runs
   --part memory | compile | lora         # one table (the compile times are timings: run them alone); lora: full
                                          # fine-tuning vs LoRA adapters on the same step
 
@@ -19,7 +20,7 @@ plus the optimizer moments that stay resident during the gradient program. Items
   bf16          trainer.compute_dtype = bfloat16 (fp32 master params, bf16 matmuls and activations)
 Generator: bf16 params tensor-parallel over 8 devices, a KV page pool for `--gen-slots` sequences of T tokens, one
 decode call of 4 steps with every sequence at full length. Then compile time of the train step against depth,
-layers scanned vs unrolled.
+layers scanned vs unrolled. The tables are printed to stdout (progress to stderr); nothing is written to disk.
 """
 
 import argparse
@@ -37,9 +38,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from arealjax.models import LoraConfig, ModelConfig  # noqa: E402
-from arealjax.models import _abstract as abstract_model  # noqa: E402
+from arealjax.generation.engine import DecodeState, Engine, SlotSampling  # noqa: E402
+from arealjax.models import DecodeIndex, LoraConfig, Model, ModelConfig, PagedKV, abstract_model  # noqa: E402
 from arealjax.models.lora import split as split_lora  # noqa: E402
+from arealjax.models.paged import pool_axes, pool_shapes  # noqa: E402
 from arealjax.rl.packing import FIELDS  # noqa: E402
 from arealjax.rl.trainer import OptimConfig, TrainerConfig, make_optimizer, make_steps  # noqa: E402
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh, tree_shardings  # noqa: E402
@@ -50,6 +52,8 @@ SHAPES = {  # the Hugging Face configs' numbers
                        num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3-8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                      num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(family="qwen3", vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8,
+                 num_kv_heads=8, head_dim=8, tie_word_embeddings=True),  # --smoke
 }
 STAGES = [
     ("baseline", dict(remat="none", attention="xla", logits_chunk=0, compute_dtype="float32")),
@@ -111,16 +115,16 @@ def train_step_bytes(cfg: ModelConfig, t: int, axes: dict, knobs: dict, scan: bo
 
 
 def generator_bytes(cfg: ModelConfig, t: int, slots: int, page_size: int = 16, steps: int = 4) -> int:
-    """Peak bytes per device of a decode call over `slots` sequences of t tokens (bf16, TP over 8 devices)."""
-    from arealjax.generation.engine import DecodeState, SlotSampling, _generate
-    from arealjax.models.paged import DecodeIndex, PagedKV, pool_axes, pool_shapes
-
+    """Peak bytes per device of a decode call (`Engine.generate`) over `slots` sequences of t tokens (bf16, TP over 8
+    devices)."""
     mesh = make_mesh({"tensor": 8})
     shard = LogicalSharding(mesh, DEFAULT_RULES)
     graphdef, params = abstract_model(cfg, jnp.bfloat16, shard)
     p = sds(jax.tree.map(lambda v: v, params), tree_shardings(params, shard))
     pages_per_seq = t // page_size
     num_pages = slots * pages_per_seq
+    engine = Engine(Model(cfg, graphdef, params), slots=slots, max_len=t, page_size=page_size, num_pages=num_pages,
+                    attention="ragged", shard=shard)
     pool = PagedKV(*(jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=shard.named(a, s)) for s, a in
                      zip(pool_shapes(cfg, num_pages, page_size, "ragged"), pool_axes("ragged"))))
     rep = shard.named((), ())
@@ -130,8 +134,14 @@ def generator_bytes(cfg: ModelConfig, t: int, slots: int, page_size: int = 16, s
     pairs = slots * pages_per_seq
     index = DecodeIndex(jax.ShapeDtypeStruct((slots, pages_per_seq), jnp.int32, sharding=rep), vec(pairs), vec(pairs),
                         vec(pairs))
-    compiled = _generate.lower(graphdef, t, False, steps, "ragged", p, state, vec(slots), index).compile()
-    return program_bytes(compiled)
+    # the engine's decode call, jitted as it is (the decode state donated): lowered on shapes, never run
+    generate = jax.jit(lambda params, state, rows, index: engine.generate(params, state, rows, index, steps=steps),
+                       donate_argnums=1)
+    return program_bytes(generate.lower(p, state, vec(slots), index).compile())
+
+
+def gib(b: int) -> str:
+    return f"{b / GiB:.1f} GiB" if b >= GiB / 10 else f"{b / 2**20:.1f} MiB"  # MiB: the --smoke model
 
 
 def fits(b: int) -> str:
@@ -139,22 +149,26 @@ def fits(b: int) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="the tiny model only (seconds): checks that the script runs")
     ap.add_argument("--rows", default=",".join(f"{m}:{t}" for m, t in ROWS), help="model:tokens_per_row,...")
     ap.add_argument("--part", default="all", choices=("all", "memory", "compile", "lora"))
     ap.add_argument("--gen-slots", type=int, default=32)
     args = ap.parse_args()
     rows = [(r.split(":")[0], int(r.split(":")[1])) for r in args.rows.split(",")]
+    depths, compile_model, compile_tokens, ranks = (4, 28, 36), "qwen3-1.7b", 2048, (16, 64)
     if args.quick:
-        rows = rows[:1]
+        rows, depths = rows[:1], (4, 28)
+    if args.smoke:
+        rows, args.gen_slots, depths, compile_model, compile_tokens, ranks = [("tiny", 256)], 2, (1,), "tiny", 256, (4,)
     print(f"{jax.device_count()} fake {jax.devices()[0].platform} devices; bytes per device as compiled by XLA\n")
     if args.part in ("all", "memory"):
         memory_tables(rows, args.gen_slots)
     if args.part in ("all", "compile"):
-        compile_times((4, 28) if args.quick else (4, 28, 36))
+        compile_times(depths, compile_model, compile_tokens)
     if args.part in ("all", "lora"):
-        lora_table(rows[:1] if args.quick else [r for r in rows if r[1] == 8192])
+        lora_table(rows[:1] if args.quick or args.smoke else [r for r in rows if r[1] == 8192], ranks)
 
 
 def lora_table(rows, ranks=(16, 64)):
@@ -173,7 +187,7 @@ def lora_table(rows, ranks=(16, 64)):
             n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trained))
             b, _ = train_step_bytes(cfg, t, MESHES["FSDP 8"], knobs, lora=lora)
             print(f"| {name} | {t:,} | {'full' if not rank else f'LoRA r={rank}'} | {n / 1e6:,.1f} M | "
-                  f"{b / GiB:.1f} GiB | {2 * n / 2**20:,.1f} MiB |", flush=True)
+                  f"{gib(b)} | {2 * n / 2**20:,.1f} MiB |", flush=True)
 
 
 def memory_tables(rows, gen_slots):
@@ -190,7 +204,7 @@ def memory_tables(rows, gen_slots):
                     cells.append("")
                     continue
                 b, _ = train_step_bytes(cfg, t, axes, knobs)
-                cells.append(f"{b / GiB:.1f} GiB")
+                cells.append(gib(b))
                 print(f"  {name} T={t} {mesh_name} {knobs}: {cells[-1]}", file=sys.stderr, flush=True)
             print(f"| {name} ({cfg.num_params() / 1e9:.2f}B) | {t:,} | {mesh_name} | " + " | ".join(cells)
                   + f" | {fits(b)} |", flush=True)
@@ -199,17 +213,17 @@ def memory_tables(rows, gen_slots):
     print("| model | tokens / sequence | params + KV pool + decode temporaries, per device | fits |\n|---|---|---|---|")
     for name, t in rows:
         b = generator_bytes(ModelConfig.make(**SHAPES[name]), t, gen_slots)
-        print(f"| {name} | {t:,} | {b / GiB:.1f} GiB | {fits(b)} |", flush=True)
+        print(f"| {name} | {t:,} | {gib(b)} | {fits(b)} |", flush=True)
 
 
-def compile_times(depths):
-    base = SHAPES["qwen3-1.7b"]
-    print("\nCompile time of the gradient program (Qwen3-1.7B width, 2,048 tokens / row, FSDP 8):\n")
+def compile_times(depths, model="qwen3-1.7b", tokens=2048):
+    base = SHAPES[model]
+    print(f"\nCompile time of the gradient program ({model} width, {tokens:,} tokens / row, FSDP 8):\n")
     print("| layers | scanned | unrolled |\n|---|---|---|")
     for depth in depths:
         cfg = ModelConfig.make(**{**base, "num_layers": depth})
         knobs = dict(STAGES[0][1], logits_chunk=1024)
-        times = [train_step_bytes(cfg, 2048, MESHES["FSDP 8"], knobs, scan=scan)[1] for scan in (True, False)]
+        times = [train_step_bytes(cfg, tokens, MESHES["FSDP 8"], knobs, scan=scan)[1] for scan in (True, False)]
         print(f"| {depth} | {times[0]:.1f} s | {times[1]:.1f} s |", flush=True)
 
 

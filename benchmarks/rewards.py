@@ -1,6 +1,11 @@
 """Reward service throughput: rewards/s with N worker processes, on math answers and on sandboxed code tests.
 
   python benchmarks/rewards.py                 # --workers 1,2 --math 400 --code 40
+  python benchmarks/rewards.py --smoke         # one worker, a few calls (seconds): checks that the script runs
+
+`RewardService` (arealjax/rewards/service.py) scores math answers with math-verify (a mix of right and wrong LaTeX
+answers) and a Python solution against two stdin tests in the sandbox; timed after one warm-up call per worker.
+Printed to stdout as a table (rewards/s and the mean reward, which shows the scoring is right); nothing is written.
 """
 
 import argparse
@@ -33,11 +38,14 @@ def rate(fn: str, calls: list[tuple[str, dict]], workers: int) -> tuple[float, f
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", default="1,2")
     p.add_argument("--math", type=int, default=400)
     p.add_argument("--code", type=int, default=40)
+    p.add_argument("--smoke", action="store_true", help="one worker, 16 math and 2 code calls")
     args = p.parse_args()
+    if args.smoke:
+        args.workers, args.math, args.code = "1", 16, 2
     math_calls = [(MATH[i % len(MATH)][0], {"answer": MATH[i % len(MATH)][1]}) for i in range(args.math)]
     code_calls = [(CODE, {"tests": TESTS})] * args.code
     print(f"{os.cpu_count()} CPU cores; sandbox isolation: {isolation()}\n")

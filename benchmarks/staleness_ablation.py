@@ -2,6 +2,7 @@
 
   python benchmarks/staleness_ablation.py                      # the whole grid (~2 h on 2 CPU cores), resumable
   python benchmarks/staleness_ablation.py --report-only        # table + figure from the cells done so far
+  python benchmarks/staleness_ablation.py --smoke              # 2 tiny cells (seconds): the script itself works
 
 Cells: η ∈ --etas × objective ∈ {standard, decoupled} × --seeds, plus --extra cells (default: η = 4 decoupled with
 `keep` swaps, and with one PPO minibatch instead of the config's four); η = 0 runs once per seed, since with
@@ -17,6 +18,10 @@ flight go on during an evaluation in every cell alike), seconds per step and eff
 over steps (--warmup, --steps], the token-weighted staleness histogram, and the share of trained tokens the
 behaviour-weight mask dropped. Written to --results: staleness_ablation.md (table), staleness_ablation.png (figure)
 and staleness_ablation.json (every cell, for notebooks/staleness_ablation.ipynb).
+
+--smoke runs two cells from scratch (η = 0, and η = 1 standard PPO with keep swaps as an --extra cell; --etas /
+--extra still apply), 2 RL steps each at tiny sizes (benchmarks/learning.py `SMOKE`), and writes the table, figure
+and JSON to --work/smoke, never to --results.
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 
 def cells(args) -> list[dict]:
@@ -208,19 +215,35 @@ def figure(results: list[dict], out: Path) -> None:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/longtail.py")
-    p.add_argument("--etas", default="0,1,2,4,8")
+    p.add_argument("--etas", default=None, help="η values, comma-separated (default: 0,1,2,4,8; --smoke: 0)")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--extra", default="4:decoupled:keep,4:decoupled:recompute:trainer.ppo_n_minibatches=1",
-                   help="more cells per seed, η:objective:mode[:key=value+key=value], comma-separated")
+    p.add_argument("--extra", default=None,
+                   help="more cells per seed, η:objective:mode[:key=value+key=value], comma-separated (default: "
+                   "4:decoupled:keep,4:decoupled:recompute:trainer.ppo_n_minibatches=1; --smoke: 1:standard:keep)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of s/step (compilation)")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-problems", type=int, default=256)
-    p.add_argument("--work", default="/tmp/arealjax_ablation", help="run directories (resumable)")
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "arealjax_ablation"),
+                   help="run directories (resumable)")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="two tiny cells (seconds), results into --work/smoke")
     args, args.overrides = p.parse_known_args()
     args.argv = [a for a in sys.argv[1:] if a != "--report-only"]  # the command that ran the grid
+    if args.etas is None:
+        args.etas = "0" if args.smoke else "0,1,2,4,8"
+    if args.extra is None:
+        args.extra = "1:standard:keep" if args.smoke else \
+            "4:decoupled:keep,4:decoupled:recompute:trainer.ppo_n_minibatches=1"
+    if args.smoke:
+        from benchmarks.learning import smoke_flags
+
+        args.seeds, args.steps, args.warmup, args.eval_every, args.eval_problems = "0", 2, 1, 2, 4
+        args.work = args.results = str(Path(args.work) / "smoke")
+        args.overrides = [*smoke_flags("rl.steps", "rl.eval_every", "eval.num_problems"), *args.overrides]
+        if not args.report_only:
+            shutil.rmtree(args.work, ignore_errors=True)  # finished cells would not run again
     args.etas = [int(x) for x in args.etas.split(",")]
     args.seeds = [int(x) for x in args.seeds.split(",")]
     args.extra = [x for x in args.extra.split(",") if x]

@@ -1,12 +1,15 @@
 """Trainer figures, measured side by side in one run on this machine.
 
   python benchmarks/trainer.py                 # add --quick for a fast pass, --d-model 1024 for a bigger model
+  python benchmarks/trainer.py --smoke         # a tiny model and few trajectories, seconds: the script runs
 
 1. Peak: the best fp32 matmul FLOP/s this machine reaches under XLA (square matmuls of several sizes).
 2. One RL train step (decoupled PPO, one minibatch, AdamW) on long-tail trajectory lengths, sequence-packed:
    trained tokens/s and model-FLOPs utilisation against that peak. Model FLOPs count only real tokens:
    6·(matmul params) per token plus causal attention within each trajectory (×3 for forward + backward).
 3. The same trajectories with naive padding (one trajectory per row): tokens/s and the packed / naive ratio.
+4. The packed step with the layers unrolled instead of scanned.
+Printed to stdout as JSON (one line per variant, then the whole result); --json also writes it to a file.
 """
 
 import argparse
@@ -36,10 +39,10 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
-def matmul_peak(repeats: int) -> tuple[float, int]:
+def matmul_peak(repeats: int, sizes=(1024, 2048, 3072)) -> tuple[float, int]:
     """(FLOP/s, size) of the fastest fp32 square matmul."""
     best = (0.0, 0)
-    for n in (1024, 2048, 3072):
+    for n in sizes:
         a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
         b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
         f = jax.jit(jnp.matmul)
@@ -72,18 +75,24 @@ def model_flops(cfg: ModelConfig, trajs: list[Trajectory]) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): checks that the script runs")
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--trajectories", type=int, default=64)
+    ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args()
     repeats = 2 if args.quick else 3
     n = 24 if args.quick else args.trajectories
+    sizes = (1024, 2048, 3072)
+    if args.smoke:
+        repeats, n, sizes = 1, 8, (128, 256)
+        args.d_model, args.layers, args.max_tokens, args.rows = 64, 1, 128, 2
 
-    peak, peak_n = matmul_peak(repeats)
+    peak, peak_n = matmul_peak(repeats, sizes)
     d = args.d_model
     cfg = ModelConfig.make(family="qwen3", vocab_size=2048, hidden_size=d, intermediate_size=3 * d,
                            num_layers=args.layers, num_heads=d // 64, num_kv_heads=max(d // 256, 1), head_dim=64)
@@ -114,6 +123,8 @@ def main():
     results["scanned_over_unrolled"] = (results["packed"]["tokens_per_s"]
                                         / results["packed, layers unrolled"]["tokens_per_s"])
     print(json.dumps(results, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

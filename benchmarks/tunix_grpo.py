@@ -2,6 +2,7 @@
 environment that has it, with this repository on PYTHONPATH).
 
   PYTHONPATH=. python benchmarks/tunix_grpo.py --sft=/tmp/run/sft --config=configs/default.py --steps=3
+  python benchmarks/tunix_grpo.py --smoke       # a random tiny model, 1 step (seconds): the script itself works
 
 `train_tunix()` trains the warm-started model (the HF directory arealjax's SFT stage writes, loaded into Tunix's
 Qwen3) with Tunix's `GRPOLearner` on arealjax's training prompt stream (`SyntheticPrompts`, same order), with the
@@ -22,6 +23,12 @@ GRPO advantages with the unbiased group std. Tunix 0.1.7's Qwen3 ignores ModelCo
     the whole batch once and clips the n updates against π_prox;
   - Tunix recomputes nothing: with num_iterations = 1 its ratio is π_θ / stop_grad(π_θ) = 1, so the clip never
     acts (as in arealjax with one minibatch, where π_θ = π_prox), and there is no behaviour-policy correction.
+
+The rows (one per step, see `train_tunix`) go to --out as JSON. --smoke writes a random tiny model (the config at
+benchmarks/learning.py `SMOKE` sizes) as the warm start, trains it one step and evaluates it on 4 problems, all in a
+temporary directory (its rows: smoke/rows.json there). Without google-tunix installed, --smoke checks the arealjax
+side alone (config overrides, the warm-start directory and its tokenizer, the prompt round trip through the adapter,
+prompts, rewards, the optimizer) and says in one printed line that Tunix was skipped.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ import argparse
 import importlib.util
 import itertools
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -77,11 +86,38 @@ def load_config(path: str, overrides: tuple[str, ...] = ()):
         node = config
         for p in parents:
             node = node[p]
-        try:
-            node[leaf] = type(node[leaf])(json.loads(value))
-        except (json.JSONDecodeError, TypeError, ValueError):
+        for text in (value, value.lower()):  # JSON, or a Python bool ("False")
+            try:
+                node[leaf] = type(node[leaf])(json.loads(text))
+                break
+            except (json.JSONDecodeError, TypeError, ValueError):
+                continue
+        else:
             node[leaf] = value
     return config
+
+
+def task_side(config, sft_dir: str | None):
+    """What comes from arealjax, no Tunix needed: (tokenizer, its Tunix adapter, reward function, held-out prompts,
+    the training prompt stream, the static prompt width)."""
+    from arealjax.data.prompts import SyntheticPrompts, eval_prompts
+    from arealjax.rewards.service import resolve
+    from arealjax.tokenizer import CHAR_FILE, CharTokenizer, load_tokenizer
+
+    if config.data.path:
+        raise ValueError("train_tunix: synthetic tasks only (config.data.path is set)")
+    tokenizer = (load_tokenizer(sft_dir) if sft_dir and (Path(sft_dir) / CHAR_FILE).is_file()
+                 else CharTokenizer(config.tokenizer.alphabet))
+    tok = TunixCharTokenizer(tokenizer)
+    held_out = eval_prompts(config, tokenizer)
+    # Prompt width of the static batches: the longest held-out or early training prompt (a longer one later makes
+    # Tunix's sampler pad to the next power of two and compile again).
+    probe = SyntheticPrompts(config, tokenizer)
+    longest = max(len(p.tokens) for p in held_out + [next(probe) for _ in range(4096)])
+    for p in held_out[:8]:  # the adapter's round trip gives our exact prompt ids
+        assert [tok.bos_id(), *tok.encode(tokenizer.decode(p.tokens))] == list(p.tokens), p.tokens
+    return (tokenizer, tok, resolve(config.rewards.fn), held_out, SyntheticPrompts(config, tokenizer),
+            -(-longest // 8) * 8)
 
 
 def make_optimizer(optim: dict, steps: int):
@@ -156,38 +192,19 @@ def train_tunix(sft_dir: str, config_path: str, steps: int, eval_every: int, eva
     from tunix.rl.grpo import grpo_learner
     from tunix.rl.rollout import base_rollout
 
-    from arealjax.rewards.service import resolve
-    from arealjax.tokenizer import CHAR_FILE, CharTokenizer, load_tokenizer
-    from arealjax.train import SyntheticPrompts, eval_prompts
-
     config = load_config(config_path, overrides)
     config.seed = seed
     config.eval.num_problems = eval_problems
-    if config.data.path:
-        raise ValueError("train_tunix: synthetic tasks only (config.data.path is set)")
     r, t = config.rl, config.trainer
     n_mini = t.get("ppo_n_minibatches", 1)
     if r.batch_size % n_mini:
         raise ValueError(f"rl.batch_size {r.batch_size} is not a multiple of trainer.ppo_n_minibatches {n_mini}")
-    tokenizer = (load_tokenizer(sft_dir) if (Path(sft_dir) / CHAR_FILE).is_file()
-                 else CharTokenizer(config.tokenizer.alphabet))
-    tok = TunixCharTokenizer(tokenizer)
-    reward_fn = resolve(config.rewards.fn)
+    tokenizer, tok, reward_fn, held_out, stream, max_prompt = task_side(config, sft_dir)
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     actor, hf = load_model(sft_dir, mesh)
     if hf["vocab_size"] < tokenizer.vocab_size:
         raise ValueError(f"{sft_dir}: vocab_size {hf['vocab_size']} < the tokenizer's {tokenizer.vocab_size}")
-
-    held_out = eval_prompts(config, tokenizer)
-    stream = SyntheticPrompts(config, tokenizer)
-    # Prompt width of the static batches: the longest held-out or early training prompt (a longer one later makes
-    # Tunix's sampler pad to the next power of two and compile again).
-    probe = SyntheticPrompts(config, tokenizer)
-    longest = max(len(p.tokens) for p in held_out + [next(probe) for _ in range(4096)])
-    max_prompt = -(-longest // 8) * 8
-    for p in held_out[:8]:  # the adapter's round trip gives our exact prompt ids
-        assert [tok.bos_id(), *tok.encode(tokenizer.decode(p.tokens))] == list(p.tokens), p.tokens
 
     eval_temperature = config.eval.temperature if config.eval.get("temperature", -1.0) >= 0 else r.temperature
     train_rollout = base_rollout.RolloutConfig(
@@ -276,9 +293,32 @@ def train_tunix(sft_dir: str, config_path: str, steps: int, eval_every: int, eva
     return rows
 
 
+def write_warm_start(config, out: Path) -> None:
+    """A random model of `config.model` and its tokenizer as the HF directory arealjax's SFT stage writes."""
+    from arealjax import components, serve
+    from arealjax.sharding import normalize_rules
+
+    tokenizer, model = components.build(config, None, normalize_rules(config.sharding_rules))
+    serve.save_model(model, tokenizer, out)
+
+
+def check_task_side(config, sft_dir: str, steps: int) -> dict[str, Any]:
+    """Without Tunix: everything train_tunix takes from arealjax, built and used once."""
+    import jax.numpy as jnp
+
+    tokenizer, _, reward_fn, held_out, stream, max_prompt = task_side(config, sft_dir)
+    batch = [next(stream) for _ in range(config.rl.batch_size)]
+    optimizer = make_optimizer(config.trainer.optim.to_dict(), steps)
+    optimizer.init({"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)})
+    rewards = [float(reward_fn("", **{k: str(v) for k, v in p.reward_kwargs.items()})) for p in held_out]
+    return {"step": 0, "tunix": "not installed", "held_out": len(held_out), "batch": len(batch),
+            "max_prompt": max_prompt, "vocab_size": tokenizer.vocab_size, "empty_answer_reward": max(rewards)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sft", required=True, help="the warm-started model: a HF directory written by arealjax")
+    p.add_argument("--sft", default="", help="the warm-started model: a HF directory written by arealjax (required "
+                   "but with --smoke)")
     p.add_argument("--config", default="configs/default.py")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--eval-every", type=int, default=10)
@@ -288,11 +328,38 @@ def main():
     p.add_argument("--budget", type=float, default=0.0, help="stop after this many seconds of training (0: none)")
     p.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
     p.add_argument("--out", default="", help="write the rows here as JSON")
+    p.add_argument("--smoke", action="store_true", help="a random tiny warm start, 1 step, 4 held-out problems, in a "
+                   "temporary directory; without Tunix, the arealjax side only")
     args = p.parse_args()
-    rows = train_tunix(args.sft, args.config, args.steps, args.eval_every, args.eval_problems, args.seed,
-                       overrides=tuple(args.set), greedy=args.greedy, budget=args.budget)
+    have_tunix = importlib.util.find_spec("tunix") is not None
+    if args.smoke:
+        from benchmarks.learning import SMOKE
+
+        work = Path(tempfile.gettempdir()) / "arealjax_tunix_grpo" / "smoke"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        args.set = [f.removeprefix("--config.") for f in SMOKE] + args.set
+        args.steps, args.eval_every, args.eval_problems = 1, 1, 4
+        args.out = args.out or str(work / "rows.json")
+        if not args.sft:
+            args.sft = str(work / "sft")
+            write_warm_start(load_config(args.config, tuple(args.set)), Path(args.sft))
+    elif not args.sft:
+        p.error("--sft is required (but with --smoke)")
+    if have_tunix:
+        rows = train_tunix(args.sft, args.config, args.steps, args.eval_every, args.eval_problems, args.seed,
+                           overrides=tuple(args.set), greedy=args.greedy, budget=args.budget)
+    elif args.smoke:
+        config = load_config(args.config, tuple(args.set))
+        config.eval.num_problems = args.eval_problems
+        rows = [check_task_side(config, args.sft, args.steps)]
+        print("google-tunix is not installed: Tunix GRPO skipped; its arealjax side (config, warm start, tokenizer "
+              "adapter, prompts, rewards, optimizer) checked:", json.dumps(rows[0]), flush=True)
+    else:
+        sys.exit("google-tunix is not installed (pip install -r benchmarks/requirements.txt)")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
+        print(f"rows written to {args.out}")
 
 
 if __name__ == "__main__":

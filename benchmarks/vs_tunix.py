@@ -4,6 +4,7 @@ clip and number of trained samples; wall-clock to reach a held-out accuracy, and
   pip install -r benchmarks/requirements.txt            # google-tunix: benchmark-only
   python benchmarks/vs_tunix.py                         # default and long-tail tasks
   python benchmarks/vs_tunix.py --tasks=default --steps=20 --eval-every=5     # a quicker look
+  python benchmarks/vs_tunix.py --smoke                 # default task, 2 steps, tiny sizes: the script itself works
 
 Per task, in this order, each system in its own process (nothing else should run on the machine):
   1. arealjax η = 0 (synchronous RL; `main.py`, which also writes the SFT warm start, cached in --work/TASK/sft as a
@@ -26,16 +27,22 @@ when Tunix never reached it); held-out accuracy at the budget (the last evaluati
 --budget, default the shortest run's training time); s/step, trained and generated samples.
 Written to --results: vs_tunix.md (table), vs_tunix.png (accuracy vs training wall-clock, a panel per task) and
 vs_tunix.json (every system's curve).
+
+--smoke runs the default task (--tasks still applies) from scratch for 2 steps at tiny sizes (benchmarks/learning.py
+`SMOKE`) and writes to --work/smoke, never to --results. Without google-tunix installed, --smoke runs the two
+arealjax systems and skips Tunix (one printed line says so); a full run stops before it starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +74,7 @@ def run_arealjax(task: str, eta: int, args, work: Path) -> dict:
                f"--config.seed={args.seed}", f"--config.rl.max_staleness={eta}", f"--config.rl.steps={t['steps']}",
                f"--config.rl.eval_every={t['eval_every']}", f"--config.eval.num_problems={args.eval_problems}",
                "--config.eval.greedy=False", "--config.checkpoint.every_steps=100000",
-               f"--config.sft.cache_dir={work / 'sft'}"]
+               f"--config.sft.cache_dir={work / 'sft'}", *args.overrides]
         shutil.rmtree(workdir, ignore_errors=True)  # metrics.jsonl appends
         print(f"  arealjax η = {eta}: {log}", flush=True)
         with open(log, "w") as f:
@@ -92,7 +99,9 @@ def run_tunix(task: str, args, work: Path, budget: float) -> dict:
         cmd = [sys.executable, "benchmarks/tunix_grpo.py", f"--sft={work / 'sft'}", f"--config={t['config']}",
                f"--steps={t['steps'] * args.tunix_steps}", f"--eval-every={t['eval_every']}",
                f"--eval-problems={args.eval_problems}",
-               f"--seed={args.seed}", f"--budget={budget:.1f}", f"--out={out}"]
+               f"--seed={args.seed}", f"--budget={budget:.1f}", f"--out={out}",
+               # the job's own config keys that Tunix reads (rl.*) as main.py ran them
+               *[f"--set={o.removeprefix('--config.')}" for o in args.overrides if o.startswith("--config.rl.")]]
         print(f"  Tunix GRPO (budget {budget:.0f} s of training): {log}", flush=True)
         with open(log, "w") as f:
             res = subprocess.run(cmd, cwd=ROOT, env=clean_env(), stdout=f, stderr=subprocess.STDOUT)
@@ -131,15 +140,16 @@ def report(results: dict[str, list[dict]], args) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for task, systems in results.items():
         budget, targets = systems[0]["budget"], systems[0]["targets"]
-        tunix = next(s for s in systems if s["system"].startswith("Tunix"))
+        tunix = next((s for s in systems if s["system"].startswith("Tunix")), None)  # None: not installed
         for s in systems:
             cols = []
             for target in targets:
-                tt, ref = time_to(s["curve"], target), time_to(tunix["curve"], target)
+                tt = time_to(s["curve"], target)
+                ref = time_to(tunix["curve"], target) if tunix else None
                 if tt is None:
                     cols.append(f"{target:.2f}: not reached in {s['train_seconds']:.0f} s")
                     continue
-                ratio = ("" if s is tunix else f" (**{ref / max(tt, 1e-9):.2f}×**)" if ref is not None
+                ratio = ("" if s is tunix or tunix is None else f" (**{ref / max(tt, 1e-9):.2f}×**)" if ref is not None
                          else f" (> {tunix['train_seconds'] / max(tt, 1e-9):.2f}×)")
                 cols.append(f"{target:.2f}: {tt:.0f} s{ratio}")
             gen = f"{s['generated_samples']:,}" if s["generated_samples"] else "—"
@@ -186,11 +196,28 @@ def main():
     p.add_argument("--tunix-factor", type=float, default=3.0, help="Tunix's time cap ÷ the slower arealjax run's")
     p.add_argument("--tunix-steps", type=int, default=4, help="Tunix's step cap ÷ the task's steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work", default="/tmp/arealjax_vs_tunix", help="run directories; finished runs are reused")
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "arealjax_vs_tunix"),
+                   help="run directories; finished runs are reused")
     p.add_argument("--fresh", action="store_true", help="rerun finished runs too")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--smoke", action="store_true", help="2 steps of the default task at tiny sizes, into --work/smoke")
     args = p.parse_args()
     args.argv = sys.argv[1:]
+    args.overrides = []
+    have_tunix = importlib.util.find_spec("tunix") is not None
+    if args.smoke:
+        from benchmarks.learning import smoke_flags
+
+        if args.tasks == p.get_default("tasks"):
+            args.tasks = "default"
+        args.steps, args.eval_every, args.eval_problems, args.tunix_steps = 2, 2, 4, 1
+        args.work = args.results = str(Path(args.work) / "smoke")
+        args.overrides = smoke_flags("rl.steps", "rl.eval_every", "eval.num_problems")
+        shutil.rmtree(args.work, ignore_errors=True)  # finished runs would be reused
+        if not have_tunix:
+            print("google-tunix is not installed: Tunix GRPO skipped, the arealjax systems only", flush=True)
+    elif not have_tunix:
+        sys.exit("google-tunix is not installed (pip install -r benchmarks/requirements.txt); --smoke runs without it")
     for kv in filter(None, args.targets.split(",")):
         task, value = kv.split("=")
         TASKS[task]["targets"] = tuple(float(v) for v in value.split("/"))
@@ -204,7 +231,8 @@ def main():
         print(f"{task}:", flush=True)
         systems = [run_arealjax(task, 0, args, work), run_arealjax(task, 4, args, work)]
         systems.reverse()  # η = 4 first: the reference of the ratios
-        systems.append(run_tunix(task, args, work, args.tunix_factor * max(s["train_seconds"] for s in systems)))
+        if have_tunix:
+            systems.append(run_tunix(task, args, work, args.tunix_factor * max(s["train_seconds"] for s in systems)))
         budget = args.budget or min(s["train_seconds"] for s in systems)
         for s in systems:
             s["budget"], s["task_steps"] = budget, TASKS[task]["steps"]

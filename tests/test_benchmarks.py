@@ -1,8 +1,40 @@
 """The benchmarks' arithmetic on run metrics: training wall-clock leaves evaluations out, time to a target and
-accuracy at a budget read the right evaluation."""
+accuracy at a budget read the right evaluation. And nothing rots: every script in benchmarks/ prints its description
+with --help and runs end to end with --smoke (seconds), leaving its result but never touching benchmarks/results."""
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from benchmarks.staleness_ablation import training_curve
 from benchmarks.vs_tunix import accuracy_at, time_to
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))  # a new script is tested as it lands
+# What each --smoke leaves: text on stdout, and files under its temporary directory (TMPDIR). A script not listed
+# only has to exit 0 and print something.
+SMOKE_RESULTS = {
+    "async_vs_sync.py": (["| η (overrides) |", "\n| 1 |"], ["arealjax_async_vs_sync/smoke/results.json"]),
+    "checkpoint.py": (["| local disk |", "| gs:// (local emulator) |", "| stream prompts"], []),
+    "generator.py": (["| long-tail | 4 |", "| short | 4 |", "(e) decode step", "| keep, N=16 |"], []),
+    "learning.py": (["| default | 2 |"], [f"arealjax_learning/smoke/learning.{x}" for x in ("json", "md", "png")]),
+    "lora.py": (["| LoRA r=2 |", "| LoRA r=2, on_the_fly |", "on the fly / merged:"], []),
+    "memory.py": (["| tiny (", "| FSDP 4 × TP 2 |", "Generator (bf16", "| 1 |", "| LoRA r=4 |"], []),
+    "model.py": (["| decode 4 tokens", "| reshard"], []),
+    "rewards.py": (["| math (math-verify) | 1 | 16 |", "| code ("], []),
+    "staleness_ablation.py": (["| η = 0 |", "| η = 1 (keep) |"],
+                              [f"arealjax_ablation/smoke/staleness_ablation.{x}" for x in ("json", "md", "png")]),
+    "trainer.py": (['"packed_over_naive"'], []),
+    "tunix_grpo.py": ([], ["arealjax_tunix_grpo/smoke/rows.json"]),
+    "vs_tunix.py": (["| default (budget", "arealjax η = 4", "arealjax η = 0"],
+                    [f"arealjax_vs_tunix/smoke/vs_tunix.{x}" for x in ("json", "md", "png")]),
+}
 
 
 def test_training_curve_leaves_every_evaluation_out():
@@ -45,3 +77,39 @@ def test_learning_report_compares_tags_over_seeds():
     assert "0: 0.60, 1: 0.70, 2: 0.80" in text
     # difference −0.10, standard error sqrt(0.01/3 + 0.01/3) = 0.0816, t = −1.2: not separable from noise
     assert "| default | 2 | new − old | -0.10 | 0.08 | -1.2 |" in text
+
+
+def results_digest() -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((ROOT / "benchmarks" / "results").glob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("mode", ["--help", pytest.param("--smoke", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_runs(script, mode, tmp_path):
+    """`--help` prints the script's description; `--smoke` runs it end to end at tiny sizes in a subprocess, prints
+    or writes its result (SMOKE_RESULTS) under a temporary directory, and leaves benchmarks/results as it was."""
+    # One fake device unless a script asks for more itself; its scratch files in tmp_path (tempfile.gettempdir());
+    # the persistent compilation cache of tests/conftest.py is shared by the smokes' main.py runs.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(TMPDIR=str(tmp_path), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    before = results_digest()
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, f"benchmarks/{script}", mode], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60 if mode == "--help" else 600)
+    wall = time.perf_counter() - t0
+    assert res.returncode == 0, f"{script} {mode}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    if mode == "--help":
+        assert "--smoke" in res.stdout, f"{script} has no --smoke"
+        after_usage = res.stdout.split("\n\n", 1)[-1]
+        description = re.split(r"^(?:options|optional arguments):$", after_usage, flags=re.M)[0]
+        assert len(description.split()) > 10, f"{script} --help: no description of what it measures\n{res.stdout}"
+        return
+    print(f"{script} --smoke: {wall:.1f} s")
+    assert res.stdout.strip(), f"{script} --smoke printed nothing"
+    texts, files = SMOKE_RESULTS.get(script, ([], []))
+    for text in texts:
+        assert text in res.stdout, f"{script} --smoke: {text!r} not in its output\n{res.stdout[-3000:]}"
+    for f in files:
+        assert (tmp_path / f).is_file() and (tmp_path / f).stat().st_size, f"{script} --smoke wrote no {f}"
+    assert results_digest() == before, f"{script} --smoke changed benchmarks/results"

@@ -19,13 +19,14 @@ from flax import nnx
 from arealjax.models import hf, lora
 from arealjax.models.config import ModelConfig, from_hf_config, to_hf_config
 from arealjax.models.lora import LoraConfig
-from arealjax.models.model import Model, _abstract, _sharding
+from arealjax.models.model import Model, _sharding, abstract_model
 from arealjax.models.paged import DecodeIndex, PagedKV, init_pages
 from arealjax.models.transformer import KVCache, Transformer, decode_step, forward, prefill
 from arealjax.sharding import DEFAULT_RULES, Rules, tree_shardings
 
 __all__ = [
-    "DecodeIndex", "KVCache", "LoraConfig", "Model", "ModelConfig", "PagedKV", "Transformer", "decode_step", "forward",
+    "DecodeIndex", "KVCache", "LoraConfig", "Model", "ModelConfig", "PagedKV", "Transformer", "abstract_model",
+    "decode_step", "forward",
     "from_config", "from_hf_config", "init_pages", "load_pretrained", "prefill", "save_pretrained", "to_hf_config",
 ]
 
@@ -34,7 +35,7 @@ def from_config(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh: jax
                 rules: Rules = DEFAULT_RULES) -> Model:
     """A randomly initialised model (normal(0.02) weights, as HF initialises), built directly sharded on `mesh`."""
     shard = _sharding(mesh, rules)
-    graphdef, abstract = _abstract(cfg, dtype, shard)
+    graphdef, abstract = abstract_model(cfg, dtype, shard)
     out_shardings = None if shard is None else tree_shardings(abstract, shard)
     init = jax.jit(lambda: nnx.split(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), shard=shard))[1],
                    out_shardings=out_shardings)
@@ -55,7 +56,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, mesh: jax.sharding.M
             raise ValueError(f"{os.path.join(path, 'config.json')}: dtype '{name}' is not one of {sorted(hf.DTYPES)}")
         dtype = hf.DTYPES[name]
     shard = _sharding(mesh, rules)
-    graphdef, abstract = _abstract(cfg, dtype, shard)
+    graphdef, abstract = abstract_model(cfg, dtype, shard)
     shardings = None if shard is None else tree_shardings(abstract, shard)
     return Model(cfg, graphdef, hf.load_params(path, abstract, cfg, dtype, shardings))
 

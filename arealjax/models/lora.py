@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from arealjax.models.model import Model, _abstract, _sharding
+from arealjax.models.model import Model, _sharding, abstract_model
 from arealjax.models.transformer import Transformer
 from arealjax.sharding import DEFAULT_RULES, tree_shardings
 
@@ -63,7 +63,7 @@ def add_lora(model, lora: LoraConfig, *, seed: int = 0, mesh: jax.sharding.Mesh 
     if model.lora is not None:
         raise ValueError("the model already has adapters")
     shard = _sharding(mesh, rules or DEFAULT_RULES)
-    graphdef, abstract = _abstract(model.cfg, model.dtype, shard, lora)
+    graphdef, abstract = abstract_model(model.cfg, model.dtype, shard, lora)
     abstract_adapters, _ = split(abstract)
     out = None if shard is None else tree_shardings(abstract_adapters, shard)
 
@@ -109,7 +109,7 @@ def merged_params(params: nnx.State, scale: float) -> nnx.State:
 def merger(model, shard=None):
     """(the plain model's graphdef, a jitted params -> merged params) for an adapted `model`; with `shard` (a
     LogicalSharding), the merged params come out laid out by its rules on its mesh."""
-    graphdef, abstract = _abstract(model.cfg, model.dtype, shard, None)
+    graphdef, abstract = abstract_model(model.cfg, model.dtype, shard, None)
     out = None if shard is None else tree_shardings(abstract, shard)
     return graphdef, jax.jit(functools.partial(merged_params, scale=model.lora.scale), out_shardings=out)
 

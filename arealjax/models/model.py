@@ -44,11 +44,11 @@ class Model:
         cast to `dtype` first if given (e.g. a bf16 generator of an fp32 trainer)."""
         shard = LogicalSharding(mesh, rules)
         dtype = self.dtype if dtype is None else dtype
-        graphdef, abstract = _abstract(self.cfg, dtype, shard, self.lora)
+        graphdef, abstract = abstract_model(self.cfg, dtype, shard, self.lora)
         return Model(self.cfg, graphdef, reshard(self.params, tree_shardings(abstract, shard), dtype), self.lora)
 
 
-def _abstract(cfg: ModelConfig, dtype, shard: LogicalSharding | None,
+def abstract_model(cfg: ModelConfig, dtype, shard: LogicalSharding | None,
               lora: LoraConfig | None = None) -> tuple[nnx.GraphDef, nnx.State]:
     """Graphdef and shape-only params for `cfg` (with adapters if `lora`), without allocating anything."""
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), shard=shard, lora=lora)))

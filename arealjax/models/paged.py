@@ -15,6 +15,8 @@ Decode attention reads, for each sequence, only its own pages; the pool layout f
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -77,7 +79,13 @@ def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float
                attention: str = "ragged") -> PagedKV:
     """An empty page pool laid out for `attention`, placed by (key, value) `shardings` (NamedShardings) if given."""
     shapes = pool_shapes(cfg, num_pages, page_size, attention)
-    return PagedKV(*(jax.jit(lambda s=s: jnp.zeros(s, dtype), out_shardings=sh)() for s, sh in zip(shapes, shardings)))
+    return PagedKV(*(_zeros(tuple(s), jnp.dtype(dtype), sh)() for s, sh in zip(shapes, shardings)))
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], dtype, sharding) -> Callable[[], Array]:
+    """A zero array made in place on its devices, compiled once per (shape, dtype, sharding)."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 def _at(axes: tuple[str, ...], **index) -> tuple:
