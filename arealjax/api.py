@@ -125,5 +125,5 @@ class WeightTransport(Protocol):
         """Hands the trainer's `params` (policy `version`) to the backend; the Future resolves once it serves them.
         Returns when the trainer may change `params` again."""
 
-    def fingerprint(self, params: Any) -> str:
+    def fingerprint(self, params: Any) -> float:
         """A digest of what the backend would serve for `params` (equal across processes when they agree)."""

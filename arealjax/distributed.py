@@ -30,7 +30,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -163,19 +162,3 @@ def put_rows(arrays: dict[str, np.ndarray], sharding: NamedSharding, count: int)
         return jax.device_put(arrays, sharding)
     return {k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0] * count, *v.shape[1:]))
             for k, v in arrays.items()}
-
-
-def reduce_metrics(rows: Sequence[dict[str, float]], sums: Sequence[str] = (), maxima: Sequence[str] = ()
-                   ) -> dict[str, float]:
-    """Per-process metric dicts → one: keys in `sums` (or starting with one of them) added, in `maxima` the max,
-    the rest averaged over the processes that report them."""
-    out: dict[str, float] = {}
-    for k in dict.fromkeys(k for r in rows for k in r):
-        values = [float(r[k]) for r in rows if k in r]
-        if k in maxima:
-            out[k] = max(values)
-        elif any(k == s or k.startswith(s) for s in sums):
-            out[k] = sum(values)
-        else:
-            out[k] = float(np.mean(values))
-    return out

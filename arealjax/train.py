@@ -297,7 +297,8 @@ class RLLoop:
             raise Interrupted(signals[0])
         solved = [s for s in statuses if s.startswith("solved")]
         if solved:
-            why = status[len("solved: "):] if status.startswith("solved") else "so another process found"
+            why = status[len("solved: "):] if status.startswith("solved") else ""
+            why = why or "so another process found"
             self.summary.update(status="completed", stopped_early=f"the task is solved after step {self.done}: {why}")
             logging.warning("%s; ending the run", self.summary["stopped_early"])
         else:

@@ -56,5 +56,5 @@ class WeightSync:
             raise RuntimeError("WeightSync.push before connect(backend)")
         return self.backend.update_weights(self(params), version)
 
-    def fingerprint(self, params: Any) -> str:
+    def fingerprint(self, params: Any) -> float:
         return fingerprint(self(params))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from arealjax.distributed import reduce_metrics
+from arealjax.metrics import reduce_metrics, reduce_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT = 5
@@ -207,3 +207,12 @@ def test_reduce_metrics_sums_counts_takes_maxima_and_averages_the_rest():
     out = reduce_metrics([a, b], sums=("staleness_tokens_", "queue_depth"), maxima=("staleness_max",))
     assert out == {"reward": 0.75, "staleness_max": 2.0, "staleness_tokens_0": 15, "queue_depth": 4,
                    "only_here": 7.0}
+
+
+def test_reduce_processes_sums_generator_time_before_its_idle_share():
+    """The idle share is of the summed seconds over processes, not the mean of each process's share."""
+    a = {"generator_idle_seconds": 1.0, "generator_busy_seconds": 3.0, "weight_sync_seconds": 0.2}
+    b = {"generator_idle_seconds": 3.0, "generator_busy_seconds": 1.0, "weight_sync_seconds": 0.5}
+    out = reduce_processes([a, b])
+    assert out["generator_idle_share"] == 0.5 and out["weight_sync_seconds"] == 0.5
+    assert out["generator_idle_seconds"] == 4.0
