@@ -23,7 +23,6 @@ the workloads and (e) to seconds.
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import tempfile
@@ -115,16 +114,11 @@ class IdTokenizer:
 
 def tunix_sampler(path, cache_size):
     from tunix.generate import sampler as tsampler
-    from tunix.models.qwen3 import model as tmodel
     from tunix.models.qwen3 import params as tparams
 
-    hf = json.loads((Path(path) / "config.json").read_text())  # the checkpoint's HF config
-    rope_theta = hf.get("rope_theta") or hf["rope_parameters"]["rope_theta"]
-    cfg = tmodel.ModelConfig(num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
-                             embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
-                             num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
-                             num_kv_heads=hf["num_key_value_heads"], rope_theta=int(rope_theta),
-                             norm_eps=hf["rms_norm_eps"], use_tied_embedding=hf.get("tie_word_embeddings", False))
+    from benchmarks.tunix_grpo import tunix_config
+
+    cfg, _, _ = tunix_config(path)  # from the checkpoint's HF config
     model = tparams.create_model_from_safe_tensors(str(path), cfg)
     return tsampler.Sampler(model, IdTokenizer(), tsampler.CacheConfig(
         cache_size=cache_size, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))

@@ -141,19 +141,26 @@ def make_optimizer(optim: dict, steps: int):
     return optax.chain(optax.clip_by_global_norm(o["grad_clip"]), adamw) if o["grad_clip"] else adamw
 
 
-def load_model(sft_dir: str, mesh):
-    """Our HF export (config.json + model.safetensors) as Tunix's Qwen3, fp32."""
+def tunix_config(path: str | Path) -> tuple[Any, dict, float]:
+    """Tunix's Qwen3 ModelConfig for the HF checkpoint at `path` (its config.json), that config, its rope theta."""
     from tunix.models.qwen3 import model as tmodel
-    from tunix.models.qwen3 import params as tparams
 
-    hf = json.loads((Path(sft_dir) / "config.json").read_text())
+    hf = json.loads((Path(path) / "config.json").read_text())
     rope_theta = hf.get("rope_theta") or hf["rope_parameters"]["rope_theta"]
     cfg = tmodel.ModelConfig(num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
                              embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
                              num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
                              num_kv_heads=hf["num_key_value_heads"], rope_theta=int(rope_theta),
                              norm_eps=hf["rms_norm_eps"], use_tied_embedding=hf.get("tie_word_embeddings", False))
-    use_rope_theta(float(rope_theta))
+    return cfg, hf, float(rope_theta)
+
+
+def load_model(sft_dir: str, mesh):
+    """Our HF export (config.json + model.safetensors) as Tunix's Qwen3, fp32."""
+    from tunix.models.qwen3 import params as tparams
+
+    cfg, hf, rope_theta = tunix_config(sft_dir)
+    use_rope_theta(rope_theta)
     return tparams.create_model_from_safe_tensors(str(sft_dir), cfg, mesh=mesh), hf
 
 
