@@ -14,11 +14,13 @@ from arealjax.generation import Engine, Generator
 from arealjax.rewards.service import RewardService
 from arealjax.rl.losses import PPOConfig
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
-from arealjax.sharding import LogicalSharding
+from arealjax.sharding import LogicalSharding, role_meshes
 from arealjax.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 from arealjax.weights import WeightSync
 
-BACKENDS = ("local",)  # config.generator.backend: the in-process interruptible generator (generation/)
+# config.generator.backend: the in-process interruptible generator (generation/generator.py), or generation servers
+# in their own processes (generation/server.py) driven through generation/remote.py.
+BACKENDS = ("local", "remote")
 
 
 def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, models.Model]:
@@ -60,13 +62,20 @@ def trainer_config(c: Any, loss: str = "ppo", steps: int = 0, knobs: Any = None)
 
 
 def make_backend(config: Any, model: models.Model, version: int, meshes: dict[str, jax.sharding.Mesh],
-                 rules) -> tuple[RolloutBackend, WeightTransport]:
+                 rules, *, workdir: str | None = None, local: bool = False) -> tuple[RolloutBackend, WeightTransport]:
     """The rollout backend of `config.generator` serving `model`'s params as `version`, and the transport that
-    brings trainer params to it. 'local': the interruptible generator on the generator mesh, fed by resharding."""
+    brings trainer params to it. 'local' (or `local=True`: what a generation server runs): the interruptible
+    generator on the generator mesh, fed by resharding. 'remote': generation servers (their logs in
+    workdir/servers when this process starts them), fed by streaming."""
     g = config.generator
-    backend = g.get("backend", "local")
-    if backend != "local":
+    backend = "local" if local else g.get("backend", "local")
+    if backend not in BACKENDS:
         raise ValueError(f"config.generator.backend = '{backend}'; expected one of {BACKENDS}")
+    if backend == "remote":
+        from arealjax.generation.remote import RemoteBackend
+
+        remote = RemoteBackend(config, model, version, workdir)
+        return remote, remote.transport
     sync = WeightSync(model, meshes["generator"], rules, models.hf.DTYPES[g.dtype], config.lora.generator)
     gen = sync.model
     engine = Engine(gen, slots=g.slots, max_len=g.max_len, page_size=g.page_size, num_pages=g.kv_pages or None,
@@ -75,6 +84,15 @@ def make_backend(config: Any, model: models.Model, version: int, meshes: dict[st
     generator = Generator(engine, gen.params, version=version, mode=g.mode, decode_steps=g.decode_steps,
                           max_prefill_batch=g.max_prefill_batch)
     return generator, sync.connect(generator)
+
+
+def role_meshes_for(config: Any) -> dict[str, jax.sharding.Mesh]:
+    """This process's meshes: with generation servers (backend 'remote') the generator's devices are theirs, so the
+    trainer's process takes only its own."""
+    mesh = config.mesh
+    if config.generator.get("backend", "local") == "remote":
+        mesh = {"trainer": mesh.trainer, "generator": {"devices": 0, "axes": {}}}
+    return role_meshes(mesh)
 
 
 def make_rewards(config: Any) -> RewardService:

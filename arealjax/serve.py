@@ -16,11 +16,11 @@ import jax
 from arealjax import models
 from arealjax.checkpoint import Checkpointer
 from arealjax.checks import check_config
-from arealjax.components import build, make_backend, make_rewards, make_trainer
+from arealjax.components import build, make_backend, make_rewards, make_trainer, role_meshes_for
 from arealjax.rl.trainer import Trainer
 from arealjax.runtime import Stop
 from arealjax.sft import warm_start
-from arealjax.sharding import normalize_rules, role_meshes
+from arealjax.sharding import normalize_rules
 from arealjax.tokenizer import CharTokenizer, Tokenizer
 
 
@@ -46,7 +46,7 @@ def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | N
             config.sft.steps = 0  # nothing is trained here
     check_config(config)
     rules = normalize_rules(config.sharding_rules)
-    meshes = role_meshes(config.mesh)
+    meshes = role_meshes_for(config)
     tokenizer, model = build(config, meshes["trainer"], rules)
     version = 0
     if workdir:
@@ -106,7 +106,7 @@ def export(config: Any, workdir: str, out: str) -> int:
     """The latest checkpoint's params as a Hugging Face directory (config.json, safetensors, tokenizer) for
     serving — merged, or with LoRA and lora.export = 'adapters' the adapters in PEFT's format; returns its step."""
     rules = normalize_rules(config.sharding_rules)
-    mesh = role_meshes(config.mesh)["trainer"]
+    mesh = role_meshes_for(config)["trainer"]
     tokenizer, model = build(config, mesh, rules)
     trainer, step = restore_trainer(config, workdir, tokenizer, model, mesh, rules)
     save_model(trainer.model, tokenizer, out, config.model_path, config.lora.export)

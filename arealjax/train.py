@@ -29,7 +29,7 @@ from arealjax import evaluate as evaluation
 from arealjax.api import RolloutBackend, SamplingParams
 from arealjax.checkpoint import Checkpointer
 from arealjax.checks import check_config, output_dir
-from arealjax.components import build, make_backend, make_rewards, make_trainer
+from arealjax.components import build, make_backend, make_rewards, make_trainer, role_meshes_for
 from arealjax.controller import Group, Prompt, RolloutController, TaskSolved, staleness_of, token_staleness
 from arealjax.data.prompts import eval_prompts, train_prompts
 from arealjax.distributed import Processes
@@ -39,7 +39,7 @@ from arealjax.rl.advantages import AdvantageConfig, assign_advantages
 from arealjax.runtime import Interrupted, Stop, error_text
 from arealjax.serve import save_model, wait
 from arealjax.sft import warm_start
-from arealjax.sharding import normalize_rules, role_meshes
+from arealjax.sharding import normalize_rules
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import Tokenizer
 from arealjax.workflows import load_workflow
@@ -146,7 +146,7 @@ class RLLoop:
         self.config, self.workdir, self.stop, self.summary, self.processes = config, workdir, stop, summary, processes
         rl, c = config.rl, config.checkpoint
         rules = normalize_rules(config.sharding_rules)
-        meshes = role_meshes(config.mesh)
+        meshes = role_meshes_for(config)
         self.tokenizer, model = build(config, meshes["trainer"], rules)
         self.ckpt = Checkpointer(c.dir or workdir / "checkpoints", every_steps=c.every_steps,
                                  every_seconds=c.every_seconds, max_to_keep=c.max_to_keep)
@@ -183,7 +183,8 @@ class RLLoop:
         if writer is not None:
             stack.callback(writer.close)
         self.log = writer.write if writer is not None else lambda step, metrics: None
-        self.backend, self.transport = make_backend(config, self.trainer.model, self.trainer.version, meshes, rules)
+        self.backend, self.transport = make_backend(config, self.trainer.model, self.trainer.version, meshes, rules,
+                                                    workdir=str(workdir))
         stack.callback(self.backend.close)
         self.rewards = make_rewards(config)
         stack.callback(self.rewards.close)

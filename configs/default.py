@@ -147,7 +147,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # The interruptible generator (arealjax/generation): KV-cache slots, cache length, weight-swap mode.
     config.generator = ml_collections.ConfigDict()
-    config.generator.backend = "local"  # the rollout backend (components.BACKENDS): the in-process generator
+    # The rollout backend (components.BACKENDS): "local" = the generator in this process on its own devices;
+    # "remote" = generation servers in their own processes (docs/servers.md), which take mesh.generator.
+    config.generator.backend = "local"
+    config.generator.servers = ml_collections.ConfigDict()
+    config.generator.servers.address = "127.0.0.1:0"  # where the trainer listens for servers (port 0: any free one)
+    config.generator.servers.spawn = 0  # servers this process starts on its host (0: started elsewhere)
+    config.generator.servers.min = 1  # servers to wait for before training starts
+    config.generator.servers.wait_seconds = 300.0  # for them to start, or for one to rejoin when none is left
+    config.generator.servers.heartbeat_seconds = 10.0  # a server silent this long is dropped; the reverse: it stops
+    config.generator.servers.verify = False  # servers report a fingerprint of the weights they got, every update
     config.generator.slots = 128
     config.generator.max_len = 64  # prompt + output tokens per sequence
     config.generator.mode = "recompute"  # on a weight swap: re-prefill in-flight slots (AReaL) | "keep" stale KV

@@ -66,12 +66,17 @@ class ProtocolOnly:
         return getattr(self._backend, name)
 
 
-def test_local_backend_and_transport_satisfy_the_protocols_and_serve_through_them():
+@pytest.mark.parametrize("kind", ["local", "remote"])
+def test_backends_and_transports_satisfy_the_protocols_and_serve_through_them(kind, tmp_path):
+    """The in-process generator and two generation servers in their own processes (generation/remote.py) serve
+    the controller (a multi-turn workflow), a weight push and evaluation through the protocol alone."""
     c = small_config()
+    c.generator.backend = kind
+    c.generator.servers.spawn = 2
     rules = normalize_rules(c.sharding_rules)
-    meshes = role_meshes(c.mesh)
+    meshes = components.role_meshes_for(c)
     tokenizer, model = components.build(c, meshes["trainer"], rules)
-    backend, transport = components.make_backend(c, model, 0, meshes, rules)
+    backend, transport = components.make_backend(c, model, 0, meshes, rules, workdir=str(tmp_path))
     try:
         assert isinstance(backend, RolloutBackend) and isinstance(transport, WeightTransport)
         assert backend.max_len == 48 and transport.bytes > 0

@@ -110,7 +110,7 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
     (["--config.advantage.estimator=ppo"], r"advantage\.estimator = 'ppo'; expected one of"),
     (["--config.trainer.ppo.objective=vanilla"], r"trainer\.ppo\.objective = 'vanilla'; expected one of"),
     (["--config.generator.mode=swap"], r"generator\.mode = 'swap': expected one of"),
-    (["--config.generator.backend=vllm"], r"generator\.backend = 'vllm': expected one of \('local',\)"),
+    (["--config.generator.backend=vllm"], r"generator\.backend = 'vllm': expected one of \('local', 'remote'\)"),
     (["--config.sft.steps=10"], r"sft\.steps = 10: expected more than sft\.optim\.warmup_steps = 20"),
     (["--config.trainer.max_tokens=32"], r"trainer\.max_tokens = 32: expected ≥ generator\.max_len = 64"),
     (["--config.rl.temperature=0.0"], r"rl\.temperature = 0\.0: expected > 0"),

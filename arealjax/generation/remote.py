@@ -1,0 +1,531 @@
+"""The `remote` rollout backend: the trainer drives N generation servers (generation/server.py) through the same
+RolloutBackend interface the in-process generator serves.
+
+    generator.backend = "remote"; generator.servers.spawn = 2     # two servers started on this host
+    python -m arealjax.generation.server --trainer=HOST:PORT      # or started by hand / tpu_scripts, any time
+
+The trainer listens on `generator.servers.address`; servers connect, say hello, get the config, the model's shapes
+and the current weights, and are then sent requests. Routing: the samples of one group (request ids
+`<prompt>#<seq>/<j>...`) go to one server, so its prompt pages are shared; a new group goes to the server with
+the fewest outstanding tokens (max_new_tokens × samples of its unfinished requests). Staleness admission stays in
+the controller, global over all servers.
+
+Weights: after each step the trainer casts its params to the servers' dtype, gathers them to host one array at a
+time (one host copy of what the servers serve, whatever their number; LoRA: the adapters only) and streams them,
+one message per array, to every server, which places each on its mesh and swaps the update in between two decode
+steps. Host-staged streaming rather than a collective over one `jax.distributed` job: in such a job a dead member
+ends every process (JAX's heartbeat), and servers must be able to die, start late and rejoin without stopping the
+trainer.
+
+Faults: a server that exits or stays silent for `servers.heartbeat_seconds` is dropped and its unfinished requests
+are sent again to the others (the same seeds and sample numbers: the same draws); its late answers are ignored, so
+nothing is generated into a batch twice. With no server left the backend waits `servers.wait_seconds` for one to
+(re)join, then fails every request with an error naming the servers that died.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from arealjax import models
+from arealjax.api import SamplingParams
+from arealjax.distributed import fingerprint
+from arealjax.generation import rpc
+from arealjax.generation.server import model_config_to_wire
+from arealjax.sharding import localize
+
+Snapshot = list[tuple[str, np.ndarray]]  # (tree path, host array) in leaf order
+
+
+def host_snapshot(tree: Any, dtype) -> Snapshot:
+    """`tree`'s arrays on this host, floating ones cast to `dtype` on their devices first, one array at a time
+    (device memory: one extra array at most)."""
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        x = localize(x)
+        if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) and x.dtype != dtype:
+            x = x.astype(dtype)
+        out.append((jax.tree_util.keystr(path), np.asarray(jax.device_get(x))))
+    return out
+
+
+@dataclasses.dataclass
+class _Server:
+    name: str
+    pid: int = 0
+    host: str = ""
+    proc: subprocess.Popen | None = None
+    log: str = ""
+    state: str = "joining"  # joining → ready → dead
+    version: int = -1  # the version it serves
+    last_heard: float = dataclasses.field(default_factory=time.monotonic)
+    outstanding: int = 0  # tokens its unfinished requests may still generate
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    why: str = ""
+
+
+@dataclasses.dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    first_sample: int
+    future: Future
+    group: str
+    server: str | None = None
+
+    @property
+    def budget(self) -> int:
+        return self.sampling.max_new_tokens * self.sampling.n
+
+
+@dataclasses.dataclass
+class _Update:
+    version: int
+    future: Future
+    waiting: set[str]
+    started: float
+    bytes: int
+
+
+class RemoteBackend:
+    """api.RolloutBackend over generation servers; see the module docstring. `transport` is its WeightTransport."""
+
+    def __init__(self, config: Any, model: models.Model, version: int, workdir: str | os.PathLike | None = None):
+        s = config.generator.servers
+        self.config, self.heartbeat, self.wait_seconds = config, float(s.heartbeat_seconds), float(s.wait_seconds)
+        self._max_len = int(config.generator.max_len)
+        self.dtype = models.hf.DTYPES[config.generator.dtype]
+        self.lora = model.lora is not None
+        self._cv = threading.Condition()
+        self._servers: dict[str, _Server] = {}
+        self._requests: dict[str, _Request] = {}
+        self._groups: dict[str, tuple[str, int]] = {}  # group -> (server, unfinished requests)
+        self._updates: list[_Update] = []
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._tokens = itertools.count()
+        self._ids = itertools.count()
+        self._closed = False
+        self._orphaned_since: float | None = None  # when the last server died, with requests waiting
+        self._error: str | None = None
+        self._version = version
+        self.counters = {"requests_reissued_total": 0, "servers_lost_total": 0, "weight_bytes_total": 0,
+                         "weight_stream_seconds_total": 0.0}
+        self._dead_stats: dict[str, float] = {}
+        # What a joining server gets: the full model (LoRA: with the base), then the latest update of the adapters.
+        self._full = host_snapshot(model.params, self.dtype)
+        self._full_version, self._latest = version, None
+        self._welcome = rpc.pack({"config": json.loads(config.to_json_best_effort()),
+                                  "model": model_config_to_wire(model.cfg), "lora": self.lora,
+                                  "dtype": config.generator.dtype})
+        self.endpoint = rpc.Endpoint(rpc.zmq.ROUTER, s.address, bind=True, on_message=self._on_message,
+                                     on_tick=self._on_tick, tick=0.25, name="trainer")
+        self.endpoint.sock.setsockopt(rpc.zmq.ROUTER_HANDOVER, 1)  # a restarted server may reuse its name
+        self.address = self.endpoint.address
+        self.transport = RemoteTransport(self)
+        self._spawn(int(s.spawn), workdir)
+        self._wait_ready(max(int(s.min), 1) if int(s.spawn) == 0 else max(int(s.min), int(s.spawn)))
+
+    # ---- servers started here ----
+
+    def _spawn(self, count: int, workdir) -> None:
+        if not count:
+            logging.info("generation servers: waiting for %d at %s (python -m arealjax.generation.server "
+                         "--trainer=%s)", self.config.generator.servers.min, self.address, self.address)
+            return
+        logs = Path(workdir) / "servers" if workdir else Path(os.environ.get("TMPDIR", "/tmp"))
+        logs.mkdir(parents=True, exist_ok=True)
+        host = "127.0.0.1" if self.address.startswith(("0.0.0.0", "*")) else self.address.rsplit(":", 1)[0]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        for i in range(count):
+            name = f"server-{i}"
+            log = logs / f"{name}.log"
+            cmd = [sys.executable, "-m", "arealjax.generation.server", f"--trainer={host}:{self.endpoint.port}",
+                   f"--devices={int(self.config.mesh.generator.devices) or 1}", f"--name={name}"]
+            with open(log, "w") as f:
+                # in their own session: a Ctrl-C meant for the trainer reaches them as its 'stop', and a trainer
+                # that dies without one leaves them to notice its silence (servers.heartbeat_seconds)
+                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                        cwd=Path(__file__).resolve().parents[2])
+            with self._cv:
+                self._servers[name] = _Server(name, pid=proc.pid, proc=proc, log=str(log))
+
+    def _wait_ready(self, count: int) -> None:
+        deadline = time.monotonic() + self.wait_seconds
+        with self._cv:
+            while sum(s.state == "ready" for s in self._servers.values()) < count:
+                dead = [s for s in self._servers.values() if s.state == "dead"]
+                if dead or time.monotonic() > deadline:
+                    self.close_locked()
+                    what = "; ".join(f"{s.name}: {s.why}" for s in dead) or (
+                        f"{sum(s.state == 'ready' for s in self._servers.values())} of {count} ready after "
+                        f"{self.wait_seconds:g} s (generator.servers.wait_seconds); start them with: python -m "
+                        f"arealjax.generation.server --trainer={self.address}")
+                    raise RuntimeError(f"generation servers did not start: {what}")
+                self._cv.wait(0.25)
+        logging.info("generation servers ready: %s", ", ".join(self._servers))
+
+    # ---- messages from servers (endpoint thread) ----
+
+    def _send(self, name: str, kind: str, *buffers: Any, **header: Any) -> None:
+        self.endpoint.send(name.encode(), kind.encode(), rpc.pack(header), *buffers)
+
+    def _send_weights(self, name: str, snapshot: Snapshot, version: int, full: bool) -> int:
+        for i, (path, x) in enumerate(snapshot):
+            self._send(name, "tensor", np.ascontiguousarray(x).reshape(-1).view(np.uint8), version=version, index=i,
+                       count=len(snapshot), full=full, **rpc.array_header(path, x))
+        return sum(x.nbytes for _, x in snapshot)
+
+    def _on_message(self, frames: list) -> None:
+        name, kind, header = bytes(frames[0]).decode(), bytes(frames[1]).decode(), rpc.unpack(frames[2])
+        with self._cv:
+            server = self._servers.get(name)
+            if kind == "hello":
+                self._hello(name, header)
+                return
+            if server is None or server.state == "dead":
+                return  # a dead server's late words: its requests went elsewhere
+            server.last_heard = time.monotonic()
+            getattr(self, f"_on_{kind}")(server, header)
+            self._cv.notify_all()
+
+    def _hello(self, name: str, header: dict) -> None:
+        old = self._servers.get(name)
+        if old is not None and old.state != "dead" and old.pid and old.pid != header["pid"]:
+            self._lose(old, f"replaced by a new server process {header['pid']}")
+        server = self._servers[name] = _Server(name, pid=header["pid"], host=header["host"],
+                                               proc=old.proc if old else None, log=old.log if old else "")
+        self.endpoint.send(name.encode(), b"welcome", self._welcome)
+        self.counters["weight_bytes_total"] += self._send_weights(name, self._full, self._full_version, True)
+        if self._latest is not None:
+            self._send_weights(name, *self._latest, False)
+        logging.info("generation server %s joined (pid %d on %s, %d devices)", name, header["pid"], header["host"],
+                     len(header["devices"]))
+        server.last_heard = time.monotonic()
+
+    def _on_applied(self, server: _Server, h: dict) -> None:
+        server.version = h["version"]
+        if server.state == "joining" and server.version >= self._current_version():
+            server.state = "ready"
+            self._orphaned_since = None
+            self._dispatch()
+        if self.config.generator.servers.verify and h.get("fingerprint") is not None:
+            server.stats["fingerprint"] = h["fingerprint"]
+            server.stats["fingerprint_version"] = h["version"]
+        for u in list(self._updates):
+            if u.version <= server.version:
+                u.waiting.discard(server.name)
+        self._settle_updates()
+
+    def _on_done(self, server: _Server, h: dict) -> None:
+        req = self._requests.get(h["rid"])
+        if req is None or req.server != server.name:
+            return
+        self._finish(req)
+        if not req.future.done():
+            req.future.set_result([rpc.completion_from_wire(c) for c in h["completions"]])
+
+    def _on_failed(self, server: _Server, h: dict) -> None:
+        req = self._requests.get(h["rid"])
+        if req is None or req.server != server.name:
+            return
+        self._finish(req)
+        if not req.future.done():
+            req.future.set_exception(RuntimeError(f"generation server {server.name}: {h['error']}"))
+
+    def _on_fatal(self, server: _Server, h: dict) -> None:
+        self._lose(server, h["error"])
+
+    def _on_ping(self, server: _Server, h: dict) -> None:
+        pass
+
+    def _on_stats(self, server: _Server, h: dict) -> None:
+        server.stats.update(h["stats"])
+        self._replies.setdefault(h["token"], {})[server.name] = h
+
+    def _on_paused(self, server: _Server, h: dict) -> None:
+        self._replies.setdefault(h["token"], {})[server.name] = h
+
+    def _on_tick(self) -> None:
+        with self._cv:
+            now = time.monotonic()
+            for s in list(self._servers.values()):
+                if s.state == "dead":
+                    continue
+                code = s.proc.poll() if s.proc is not None else None
+                if code is not None:
+                    self._lose(s, f"exited with code {code} (log: {s.log})")
+                elif now - s.last_heard > self.heartbeat:
+                    self._lose(s, f"silent for {now - s.last_heard:.0f} s (generator.servers.heartbeat_seconds = "
+                                  f"{self.heartbeat:g})")
+                else:
+                    self._send(s.name, "ping")
+            if self._orphaned_since is not None and now - self._orphaned_since > self.wait_seconds:
+                self._fail_all(f"no generation server left and none joined within {self.wait_seconds:g} s "
+                               f"(generator.servers.wait_seconds); lost: {self._lost_text()}")
+            self._cv.notify_all()
+
+    # ---- bookkeeping (under the lock) ----
+
+    def _current_version(self) -> int:
+        return self._latest[1] if self._latest is not None else self._full_version
+
+    def _ready(self) -> list[_Server]:
+        return [s for s in self._servers.values() if s.state == "ready"]
+
+    def _lost_text(self) -> str:
+        return "; ".join(f"{s.name} ({s.why})" for s in self._servers.values() if s.state == "dead") or "none"
+
+    def _lose(self, server: _Server, why: str) -> None:
+        """Drops `server`; its unfinished requests go to the others (or wait for one)."""
+        server.state, server.why = "dead", why
+        self.counters["servers_lost_total"] += 1
+        for k, v in server.stats.items():
+            if k.endswith("_total"):
+                self._dead_stats[k] = self._dead_stats.get(k, 0) + v
+        server.stats = {}
+        alive = [s.name for s in self._servers.values() if s.state != "dead"]
+        logging.warning("generation server %s lost: %s; %d left (%s)", server.name, why, len(alive),
+                        ", ".join(alive) or "none")
+        orphans = [r for r in self._requests.values() if r.server == server.name]
+        for r in orphans:
+            r.server = None
+            self._groups.pop(r.group, None)
+        self.counters["requests_reissued_total"] += len(orphans)
+        for u in self._updates:
+            u.waiting.discard(server.name)
+        self._settle_updates()
+        if not self._ready():
+            self._orphaned_since = self._orphaned_since or time.monotonic()
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Sends every unassigned request to a server: its group's, or the least loaded one."""
+        ready = {s.name: s for s in self._ready()}
+        if not ready:
+            return
+        for req in self._requests.values():
+            if req.server is not None:
+                continue
+            group = self._groups.get(req.group)
+            name = group[0] if group and group[0] in ready else min(ready, key=lambda n: ready[n].outstanding)
+            req.server = name
+            self._groups[req.group] = (name, (group[1] if group and group[0] == name else 0) + 1)
+            ready[name].outstanding += req.budget
+            self._send(name, "submit", rid=req.rid, prompt=req.prompt, sampling=rpc.sampling_to_wire(req.sampling),
+                       first_sample=req.first_sample)
+
+    def _finish(self, req: _Request) -> None:
+        self._requests.pop(req.rid, None)
+        server = self._servers.get(req.server)
+        if server is not None:
+            server.outstanding -= req.budget
+        name, count = self._groups.get(req.group, (None, 0))
+        if count <= 1:
+            self._groups.pop(req.group, None)
+        else:
+            self._groups[req.group] = (name, count - 1)
+
+    def _settle_updates(self) -> None:
+        for u in [u for u in self._updates if not u.waiting]:
+            self._updates.remove(u)
+            self._version = max(self._version, u.version)
+            self.counters["weight_stream_seconds_total"] += time.perf_counter() - u.started
+            if not u.future.done():
+                u.future.set_result(time.perf_counter() - u.started)
+
+    def _fail_all(self, why: str) -> None:
+        self._error = why
+        self._orphaned_since = None
+        for r in list(self._requests.values()):
+            if not r.future.done():
+                r.future.set_exception(RuntimeError(why))
+        self._requests.clear()
+        self._groups.clear()
+        for u in self._updates:
+            if not u.future.done():
+                u.future.set_exception(RuntimeError(why))
+        self._updates.clear()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RuntimeError("generator closed")
+        if self._error is not None:
+            raise RuntimeError(self._error)
+
+    def _ask(self, kind: str, timeout: float = 5.0) -> dict[str, dict]:
+        """Sends `kind` to every ready server and waits (up to `timeout`) for their answers: name -> reply."""
+        with self._cv:
+            token = next(self._tokens)
+            names = {s.name for s in self._ready()}
+            for n in names:
+                self._send(n, kind, token=token)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                got = self._replies.get(token, {})
+                if names <= set(got) | {s.name for s in self._servers.values() if s.state == "dead"}:
+                    break
+                self._cv.wait(0.05)
+            return self._replies.pop(token, {})
+
+    # ---- api.RolloutBackend ----
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    def servers(self) -> dict[str, dict[str, Any]]:
+        """name -> {state, version, pid, host, why, fingerprint (with servers.verify)} of every server seen."""
+        with self._cv:
+            return {s.name: {"state": s.state, "version": s.version, "pid": s.pid, "host": s.host, "why": s.why,
+                             "fingerprint": s.stats.get("fingerprint"),
+                             "fingerprint_version": s.stats.get("fingerprint_version")}
+                    for s in self._servers.values()}
+
+    def server_of(self, request_id: str) -> str | None:
+        """The server an unfinished request was sent to (None: finished, or waiting for a server)."""
+        with self._cv:
+            req = self._requests.get(request_id)
+            return req.server if req is not None else None
+
+    def submit(self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
+               request_id: str | None = None, first_sample: int = 0) -> Future:
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self._max_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_len={self._max_len}")
+        with self._cv:
+            self._check()
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._requests:
+                raise ValueError(f"request id '{rid}' is already in flight")
+            req = self._requests[rid] = _Request(rid, prompt, sampling, first_sample, Future(), rid.split("/")[0])
+            self._dispatch()
+        return req.future
+
+    def update_weights(self, weights: Snapshot, version: int) -> Future:
+        """Streams a host snapshot (RemoteTransport's) to every server; resolves once all that are alive serve it."""
+        with self._cv:
+            self._check()
+            full = not self.lora
+            if full:
+                self._full, self._full_version, self._latest = weights, version, None
+            else:
+                self._latest = (weights, version)
+            targets = [s.name for s in self._servers.values() if s.state != "dead"]
+            nbytes = 0
+            for name in targets:
+                nbytes = self._send_weights(name, weights, version, full)
+            self.counters["weight_bytes_total"] += nbytes * len(targets)
+            update = _Update(version, Future(), {s.name for s in self._ready()}, time.perf_counter(), nbytes)
+            self._updates.append(update)
+            self._settle_updates()
+        return update.future
+
+    def abort(self, request_id: str) -> bool:
+        with self._cv:
+            req = self._requests.get(request_id)
+            if req is None:
+                return False
+            if req.server is not None:
+                self._send(req.server, "abort", rid=request_id)
+            else:  # not sent anywhere yet
+                self._finish(req)
+                req.future.set_result([])
+            return True
+
+    def pause(self) -> None:
+        self._ask("pause")
+
+    def resume(self) -> None:
+        with self._cv:
+            for s in self._ready():
+                self._send(s.name, "resume")
+
+    def in_flight(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for reply in self._ask("stats").values():
+            out.update(reply["in_flight"])
+        with self._cv:
+            return {rid: out.get(rid, 0) for rid in self._requests}
+
+    def stats(self) -> dict[str, float]:
+        """The servers' generator counters summed (lost servers' last counts kept: the totals never go back),
+        pages at peak as the largest, and the remote backend's own: servers ready, servers lost, requests sent
+        again, weight bytes streamed and the seconds from a push to every server serving it."""
+        self._ask("stats", timeout=2.0)
+        with self._cv:
+            out: dict[str, float] = dict(self._dead_stats)
+            for s in self._ready():
+                for k, v in s.stats.items():
+                    if k.endswith("_total"):
+                        out[k] = out.get(k, 0) + v
+                    elif k == "kv_pages_peak":
+                        out[k] = max(out.get(k, 0), v)
+            out.update(self.counters, servers_ready=len(self._ready()))
+            return out
+
+    def close(self) -> None:
+        with self._cv:
+            self.close_locked()
+
+    def close_locked(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for s in self._servers.values():
+            if s.state != "dead":
+                self._send(s.name, "stop", why="the trainer is closing")
+        self._fail_all("generator closed")
+        self._error = None
+        procs = [s.proc for s in self._servers.values() if s.proc is not None]
+        self._cv.release()
+        try:
+            time.sleep(0.2)  # the stop messages go out
+            self.endpoint.close()
+            for p in procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        finally:
+            self._cv.acquire()
+
+
+class RemoteTransport:
+    """api.WeightTransport to the servers of a RemoteBackend: trainer params → host (cast to the servers' dtype,
+    one array at a time) → streamed to every server. LoRA: the adapters only."""
+
+    def __init__(self, backend: RemoteBackend):
+        self.backend = backend
+        self.bytes = sum(x.nbytes for _, x in backend._full) if not backend.lora else 0
+
+    def push(self, params: Any, version: int) -> Future:
+        snapshot = host_snapshot(params, self.backend.dtype)
+        self.bytes = sum(x.nbytes for _, x in snapshot)
+        return self.backend.update_weights(snapshot, version)
+
+    def fingerprint(self, params: Any) -> float:
+        """What each server reports for these params with servers.verify (their trainable weights as received)."""
+        return fingerprint([x for _, x in host_snapshot(params, self.backend.dtype)])

@@ -1,0 +1,265 @@
+"""A generation server: the interruptible generator in its own process, on its own devices, serving a trainer.
+
+    python -m arealjax.generation.server --trainer=HOST:PORT [--devices=N] [--name=NAME]
+
+It connects to the trainer's address (`generator.servers.address`), says hello, and gets everything else from the
+trainer: the config, the model's architecture and its current weights (a server started late, or again after a
+crash, joins with the weights the trainer serves now). Then it serves the trainer's `remote` backend
+(generation/remote.py): generate requests, weight updates (applied between two decode steps, as in-process),
+abort, pause/resume and stats. It stops when the trainer says so or goes silent for `servers.heartbeat_seconds`.
+
+Its mesh is `mesh.generator` of the trainer's config over this process's devices (on CPU, `--devices` fakes that
+many). The trainer's process never compiles a generator program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+SERVER_HELP = __doc__
+
+
+def model_config(d: dict[str, Any]):
+    """A ModelConfig from its wire form (msgpack turns tuples into lists)."""
+    from arealjax import models
+
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])
+    if isinstance(d.get("eos_token_id"), list):
+        d["eos_token_id"] = tuple(d["eos_token_id"])
+    return models.ModelConfig(**d)
+
+
+def model_config_to_wire(cfg) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+class Server:
+    """The server's state: the endpoint to the trainer, then (after the welcome) the mesh and model shapes, then
+    (after the first weights) the generator. Messages are handled on the endpoint's thread."""
+
+    def __init__(self, trainer: str, name: str):
+        from arealjax.generation import rpc
+
+        self.name, self.trainer = name, trainer
+        self.config = self.generator = self.sync = None
+        self.heartbeat = 60.0
+        self.last_heard = time.monotonic()
+        self.done = threading.Event()
+        self.exit_code = 0
+        self._incoming: dict[str, Any] | None = None  # a weight update being received
+        self.endpoint = rpc.Endpoint(rpc.zmq.DEALER, trainer, bind=False, on_message=self.on_message,
+                                     on_tick=self.on_tick, tick=0.25, identity=name.encode(), name="server")
+        import jax
+
+        self.send("hello", name=name, pid=os.getpid(), host=socket.gethostname(),
+                  devices=[str(d) for d in jax.local_devices()])
+
+    def send(self, kind: str, *buffers: Any, **header: Any) -> None:
+        from arealjax.generation import rpc
+
+        self.endpoint.send(kind.encode(), rpc.pack(header), *buffers)
+
+    def stop(self, why: str, code: int = 0) -> None:
+        if not self.done.is_set():
+            logging.warning("generation server %s: %s", self.name, why)
+            self.exit_code = code
+            self.done.set()
+
+    # ---- messages (endpoint thread) ----
+
+    def on_tick(self) -> None:
+        silent = time.monotonic() - self.last_heard
+        if silent > self.heartbeat:
+            self.stop(f"no word from the trainer at {self.trainer} for {silent:.0f} s "
+                      f"(servers.heartbeat_seconds = {self.heartbeat:g}): stopping", code=3)
+            return
+        version = self.generator.version if self.generator is not None else -1
+        self.send("ping", version=version)
+
+    def on_message(self, frames: list) -> None:
+        from arealjax.generation import rpc
+
+        self.last_heard = time.monotonic()
+        kind, header, buffers = bytes(frames[0]).decode(), rpc.unpack(frames[1]), frames[2:]
+        handler = getattr(self, f"on_{kind}", None)
+        if handler is None:
+            logging.warning("generation server: unknown message '%s'", kind)
+            return
+        try:
+            handler(header, buffers)
+        except Exception as e:  # noqa: BLE001 — the trainer learns why, then this server stops
+            from arealjax.runtime import error_text
+
+            logging.exception("generation server: '%s' failed", kind)
+            self.send("fatal", error=f"server {self.name}: {kind}: {error_text(e)}")
+            self.stop(f"'{kind}' failed: {error_text(e)}", code=1)
+
+    def on_ping(self, header, buffers) -> None:
+        pass
+
+    def on_stop(self, header, buffers) -> None:
+        self.stop(header.get("why", "the trainer stopped"))
+
+    def on_welcome(self, header, buffers) -> None:
+        """The trainer's config and model: the mesh and the shapes the weights will come in."""
+        import ml_collections
+
+        from arealjax import models
+        from arealjax.components import lora_config
+        from arealjax.sharding import LogicalSharding, make_mesh, normalize_rules
+
+        self.config = ml_collections.ConfigDict(header["config"])
+        self.heartbeat = float(self.config.generator.servers.heartbeat_seconds)
+        import jax
+
+        g = self.config.mesh.generator
+        devices = jax.local_devices()
+        count = int(g.devices) or len(devices)
+        if count > len(devices):
+            raise ValueError(f"mesh.generator.devices = {count}, but this server has {len(devices)} devices")
+        self.rules = normalize_rules(self.config.sharding_rules)
+        self.mesh = make_mesh(dict(g.axes), devices[:count])
+        self.cfg = model_config(header["model"])
+        self.lora = lora_config(self.config) if header["lora"] else None
+        dtype = models.hf.DTYPES[header["dtype"]]
+        self.graphdef, abstract = models.abstract_model(self.cfg, dtype, LogicalSharding(self.mesh, self.rules),
+                                                        self.lora)
+        self.full_def = jax.tree_util.tree_structure(abstract)
+        self.full_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+        if self.lora is not None:
+            trainable = models.lora.split(abstract)[0]
+            self.trainable_def = jax.tree_util.tree_structure(trainable)
+            self.trainable_paths = [jax.tree_util.keystr(p)
+                                    for p, _ in jax.tree_util.tree_flatten_with_path(trainable)[0]]
+        else:
+            self.trainable_def, self.trainable_paths = self.full_def, self.full_paths
+        logging.info("generation server %s: welcomed by %s (%d devices)", self.name, self.trainer, count)
+
+    def on_tensor(self, header, buffers) -> None:
+        """One array of a weight update (`count` arrays, in the order of the tree's leaves)."""
+        from arealjax.generation import rpc
+
+        if header["index"] == 0:
+            self._incoming = {"version": header["version"], "full": header["full"], "arrays": [],
+                              "started": time.perf_counter(), "bytes": 0}
+        inc = self._incoming
+        if inc is None or inc["version"] != header["version"] or len(inc["arrays"]) != header["index"]:
+            raise RuntimeError(f"weights for version {header['version']} arrived out of order")
+        x = rpc.array_from_wire(header, buffers[0])
+        inc["arrays"].append((header["path"], x))
+        inc["bytes"] += x.nbytes
+        if len(inc["arrays"]) == header["count"]:
+            self._incoming = None
+            self.apply(inc)
+
+    def apply(self, inc: dict[str, Any]) -> None:
+        """A complete update: the first builds the generator on it; later ones are swapped in between two decode
+        steps. Answers 'applied' once the generator serves it (with the fingerprint of what arrived)."""
+        import jax
+
+        from arealjax import models
+        from arealjax.components import make_backend
+        from arealjax.distributed import fingerprint
+
+        full = inc["full"]
+        paths, treedef = (self.full_paths, self.full_def) if full else (self.trainable_paths, self.trainable_def)
+        got = [p for p, _ in inc["arrays"]]
+        if got != paths:
+            wrong = next((a, b) for a, b in zip(got + [None] * len(paths), paths + [None] * len(got)) if a != b)
+            raise ValueError(f"weights for version {inc['version']}: array {wrong[0]} where {wrong[1]} was expected "
+                             f"(the trainer's model differs from the one this server built)")
+        tree = jax.tree_util.tree_unflatten(treedef, [x for _, x in inc["arrays"]])
+        version = int(inc["version"])
+        received = fingerprint(tree) if self.config.generator.servers.verify else None
+        if self.generator is None:
+            if not full:
+                raise RuntimeError("the first weights a server gets must be the full model")
+            model = models.Model(self.cfg, self.graphdef, tree, self.lora)
+            self.generator, self.sync = make_backend(self.config, model, version, {"generator": self.mesh},
+                                                     self.rules, local=True)
+            self.send("applied", version=version, seconds=time.perf_counter() - inc["started"],
+                      bytes=inc["bytes"], fingerprint=received, ready=True)
+            logging.info("generation server %s: serving version %d", self.name, version)
+            return
+        if full and self.lora is not None:
+            tree = models.lora.split(tree)[0]  # a rejoin's full model: the base is already here
+        started, nbytes = inc["started"], inc["bytes"]
+        self.sync.push(tree, version).add_done_callback(
+            lambda f: self.send("applied", version=version, seconds=time.perf_counter() - started, bytes=nbytes,
+                                fingerprint=received, ready=True))
+
+    def on_submit(self, header, buffers) -> None:
+        from arealjax.generation import rpc
+
+        rid = header["rid"]
+        fut = self.generator.submit(header["prompt"], rpc.sampling_from_wire(header["sampling"]), request_id=rid,
+                                    first_sample=header["first_sample"])
+
+        def done(f):
+            if f.exception() is not None:
+                from arealjax.runtime import error_text
+
+                self.send("failed", rid=rid, error=error_text(f.exception()))
+            else:
+                self.send("done", rid=rid, completions=[rpc.completion_to_wire(c) for c in f.result()])
+
+        fut.add_done_callback(done)
+
+    def on_abort(self, header, buffers) -> None:
+        if self.generator is not None:
+            self.generator.abort(header["rid"])
+
+    def on_pause(self, header, buffers) -> None:
+        if self.generator is not None:
+            self.generator.pause()
+        self.send("paused", token=header["token"])
+
+    def on_resume(self, header, buffers) -> None:
+        if self.generator is not None:
+            self.generator.resume()
+
+    def on_stats(self, header, buffers) -> None:
+        g = self.generator
+        self.send("stats", token=header["token"], stats=g.stats() if g else {}, in_flight=g.in_flight() if g else {},
+                  version=g.version if g else -1)
+
+    def close(self) -> None:
+        if self.generator is not None:
+            self.generator.close()
+        self.endpoint.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=SERVER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trainer", required=True, help="HOST:PORT the trainer listens on (generator.servers.address)")
+    p.add_argument("--devices", type=int, default=0, help="CPU only: fake this many host devices (0: leave as is)")
+    p.add_argument("--name", default="", help="this server's name in the trainer's logs (default: host-pid)")
+    args = p.parse_args(argv)
+    if args.devices > 0 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.devices}").strip()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(message)s", stream=sys.stderr)
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    server = Server(args.trainer, args.name or f"{socket.gethostname()}-{os.getpid()}")
+    try:
+        while not server.done.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        server.stop("interrupted", code=130)
+    finally:
+        server.close()
+    return server.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

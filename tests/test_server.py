@@ -1,0 +1,256 @@
+"""Generation servers in their own processes (generation/server.py) driven by the trainer's `remote` backend
+(generation/remote.py): the same completions as the in-process generator, weights equal on every server after each
+update, a killed server's requests sent again to the others (the same tokens: same seeds), a late server joining
+with the current weights, servers stopping when the trainer dies, and a whole run through kill -9 of a server and
+of everything."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from arealjax import components
+from arealjax.api import SamplingParams
+from arealjax.sharding import normalize_rules, role_meshes
+from configs.default import get_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small_config(**servers):
+    c = get_config()
+    c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    c.generator.update(slots=8, max_len=48, max_prefill_batch=8)
+    c.generator.servers.update({"spawn": 2, "verify": True, "heartbeat_seconds": 3.0, **servers})
+    return c
+
+
+def backends(c, tmp_path, kinds=("local", "remote")):
+    """(tokenizer, model, {kind: (backend, transport)}) for the same model."""
+    rules = normalize_rules(c.sharding_rules)
+    tokenizer, model = components.build(c, role_meshes(c.mesh)["trainer"], rules)
+    out = {}
+    for kind in kinds:
+        c.generator.backend = kind
+        out[kind] = components.make_backend(c, model, 0, components.role_meshes_for(c), rules,
+                                            workdir=str(tmp_path))
+    return tokenizer, model, out
+
+
+def requests(tokenizer, groups: int, samples: int = 3):
+    """`samples` one-sample requests per group, numbered as the controller numbers them."""
+    return [(f"p{k}#{k}/{j}", tokenizer.encode(f"{k}+{7 * k}="), j) for k in range(groups) for j in range(samples)]
+
+
+def live_processes() -> list[tuple[int, str]]:
+    """(pid, command line) of every process on this machine that is not a zombie."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and "zombie" not in (p / "status").read_text().lower():
+                out.append((int(p.name), (p / "cmdline").read_text().replace("\0", " ")))
+        except OSError:  # gone meanwhile
+            pass
+    return out
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_they_are_sent(tmp_path):
+    """Temperature ≠ 1 with top-k and top-p, and greedy: the same tokens, logprobs and versions from two servers as
+    from the in-process generator; a group's samples on one server, groups spread over both; after each update
+    every server serves the trainer's version, and the weights it got have the trainer's fingerprint."""
+    tokenizer, model, made = backends(small_config(), tmp_path)
+    (local, _), (remote, transport) = made["local"], made["remote"]
+    try:
+        for sampling in (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=20, seed=3),
+                         SamplingParams(temperature=0.0, max_new_tokens=12)):
+            reqs = requests(tokenizer, groups=6)
+            theirs = {rid: remote.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
+            routes = {rid: remote.server_of(rid) for rid in theirs}
+            ours = {rid: local.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
+            for rid in ours:
+                (a,), (b,) = ours[rid].result(timeout=120), theirs[rid].result(timeout=120)
+                assert a.output_tokens == b.output_tokens and a.sample == b.sample, rid
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+                assert list(a.versions) == list(b.versions) == [0] * len(a.output_tokens)
+            by_group = {}
+            for rid, server in routes.items():
+                by_group.setdefault(rid.split("/")[0], set()).add(server)
+            assert all(len(s) == 1 for s in by_group.values()), by_group  # a group's samples share a server
+            assert {s for (s,) in by_group.values()} == {"server-0", "server-1"}  # and groups spread
+
+        for version in (1, 2):
+            params = jax.tree.map(lambda x, v=version: x * (1 + 0.01 * v), model.params)
+            assert transport.push(params, version).result(timeout=60) >= 0
+            servers = remote.servers()
+            assert remote.version == version and all(s["version"] == version for s in servers.values())
+            assert {s["fingerprint"] for s in servers.values()} == {transport.fingerprint(params)}
+        (after,) = remote.submit(reqs[0][1], SamplingParams(max_new_tokens=4)).result(timeout=60)
+        assert list(after.versions) == [2] * 4
+        stats = remote.stats()
+        assert stats["servers_ready"] == 2 and stats["decode_steps_total"] > 0
+        assert stats["weight_bytes_total"] >= 2 * 3 * transport.bytes  # the first weights and two updates, ×2
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_a_killed_server_loses_nothing_and_the_last_one_dying_is_named(tmp_path):
+    """kill -9 of one server with requests in flight on both: every request completes with the tokens it would
+    have had (re-sent to the other, same seeds), the backend counts the loss. Then the other dies too: what is
+    waiting fails after servers.wait_seconds with an error naming both."""
+    c = small_config(wait_seconds=3.0)
+    tokenizer, _, made = backends(c, tmp_path)
+    (local, _), (remote, _) = made["local"], made["remote"]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=40, seed=11)  # no stop token: every sample is long
+    reqs = requests(tokenizer, groups=24, samples=2)
+    try:
+        expected = {rid: local.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
+        futures = {rid: remote.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
+        victim = remote.servers()["server-0"]["pid"]
+        wait_until(lambda: sum(remote.in_flight().values()) > 0, 60, "generation to start")
+        os.kill(victim, signal.SIGKILL)
+        for rid, fut in futures.items():
+            (got,), (want,) = fut.result(timeout=120), expected[rid].result(timeout=120)
+            assert got.output_tokens == want.output_tokens, rid
+        stats = remote.stats()
+        assert stats["servers_lost_total"] == 1 and stats["servers_ready"] == 1
+        assert stats["requests_reissued_total"] > 0, "the kill came after every request had finished"
+        assert "exited with code -9" in remote.servers()["server-0"]["why"]
+
+        os.kill(remote.servers()["server-1"]["pid"], signal.SIGKILL)
+        wait_until(lambda: remote.stats()["servers_ready"] == 0, 30, "the second loss to be noticed")
+        orphan = remote.submit(reqs[0][1], sampling, request_id="orphan")
+        with pytest.raises(RuntimeError, match=r"no generation server left.*server-0 \(exited.*server-1 \(exited"):
+            orphan.result(timeout=30)
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_a_late_server_joins_with_the_current_weights_and_servers_stop_when_the_trainer_dies(tmp_path):
+    """A server started by hand after two updates serves the latest version (its fingerprint is the trainer's)
+    and takes requests. The trainer's process killed with kill -9: its servers stop within the heartbeat."""
+    c = small_config(spawn=1)
+    tokenizer, model, made = backends(c, tmp_path, kinds=("remote",))
+    remote, transport = made["remote"]
+    late = None
+    try:
+        for version in (1, 2):
+            params = jax.tree.map(lambda x, v=version: x * (1 + 0.01 * v), model.params)
+            transport.push(params, version).result(timeout=60)
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        late = subprocess.Popen([sys.executable, "-m", "arealjax.generation.server", f"--trainer={remote.address}",
+                                 "--devices=2", "--name=late"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT)
+        wait_until(lambda: remote.servers().get("late", {}).get("state") == "ready", 60, "the late server")
+        joined = remote.servers()["late"]
+        assert joined["version"] == 2 and joined["fingerprint"] == transport.fingerprint(params)
+        futures = [remote.submit(p, SamplingParams(max_new_tokens=4), request_id=rid, first_sample=j)
+                   for rid, p, j in requests(tokenizer, groups=4, samples=1)]
+        assert all(list(c.versions) == [2] * 4 for f in futures for c in f.result(timeout=60))
+    finally:
+        remote.close()
+    assert late.wait(timeout=30) == 0  # the trainer's stop
+
+    # the trainer's death: a trainer process with one server of its own, killed
+    script = ("import sys, time; sys.path.insert(0, '.'); from tests.test_server import small_config, backends; "
+              "from pathlib import Path; _, _, made = backends(small_config(spawn=1), Path(sys.argv[1]), "
+              "kinds=('remote',)); print(made['remote'][0].servers()['server-0']['pid'], flush=True); time.sleep(600)")
+    trainer = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "dead")], cwd=ROOT, stdout=subprocess.PIPE,
+                               text=True, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    server = int(trainer.stdout.readline())
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    t0 = time.monotonic()
+    wait_until(lambda: server not in dict(live_processes()), 30, "the orphaned server to stop")
+    assert time.monotonic() - t0 < 3.0 + 5, time.monotonic() - t0  # heartbeat_seconds, and a tick or two
+    log = (tmp_path / "dead" / "servers" / "server-0.log").read_text()
+    assert "no word from the trainer" in log, log[-2000:]
+
+
+LONGTAIL = ["--config=configs/longtail.py", "--config.sft.steps=0", "--config.rl.steps=10",
+            "--config.rl.max_staleness=2", "--config.rl.eval_every=0", "--config.eval.num_problems=4",
+            "--config.advantage.filter_uniform=False", "--config.checkpoint.every_steps=2",
+            "--config.model.num_layers=1", "--config.model.hidden_size=32", "--config.model.intermediate_size=64",
+            "--config.model.num_heads=2", "--config.model.num_kv_heads=1", "--config.model.head_dim=16",
+            "--config.rl.batch_size=4", "--config.rl.group_size=2", "--config.generator.slots=16",
+            "--config.rewards.fn=tests.reward_fns:digits", "--config.generator.backend=remote",
+            "--config.generator.servers.spawn=2", "--config.generator.servers.heartbeat_seconds=3",
+            "--config.generator.servers.verify=True"]
+
+
+@pytest.mark.slow
+def test_a_run_on_two_servers_survives_a_server_kill_then_kill_9_of_everything_and_resumes_exactly(tmp_path):
+    """η = 2 on the long-tail task with two servers: one killed with kill -9 after checkpoint 2 (the run goes on on
+    the other and says so), then the trainer killed after checkpoint 6 (its servers stop), then resumed to step
+    10 (new servers, the checkpoint's weights). Every step trains 4 prompts, none twice, none lost; versions one per
+    step; staleness ≤ η throughout."""
+    import orbax.checkpoint as ocp
+
+    from tests.test_checkpoint import trained
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = tmp_path / "run"
+
+    def start(*extra):
+        return subprocess.Popen([sys.executable, "main.py", *LONGTAIL, f"--workdir={run}", *extra], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def server_pids(name: str = "server-") -> list[int]:
+        """Live generation servers of this run (named `name`...): those serving the trainer address in its logs."""
+        logs = " ".join(f.read_text() for f in (run / "servers").glob("*.log"))
+        trainers = {f"--trainer={a} " for a in re.findall(r"welcomed by (\S+) ", logs)}
+        return [pid for pid, cmd in live_processes() if "arealjax.generation.server" in cmd and
+                f"--name={name}" in cmd and any(t in cmd + " " for t in trainers)]
+
+    def checkpoint_at_least(step: int, proc) -> None:
+        manager = ocp.CheckpointManager(run / "checkpoints", options=ocp.CheckpointManagerOptions(read_only=True))
+        wait_until(lambda: proc.poll() is None and (run / "checkpoints").is_dir() and
+                   (manager.reload() or manager.latest_step() or 0) >= step or proc.poll() is not None, 600,
+                   f"checkpoint {step}")
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+
+    proc = start()
+    checkpoint_at_least(2, proc)
+    (victim,) = server_pids("server-0")
+    os.kill(victim, signal.SIGKILL)
+    checkpoint_at_least(6, proc)
+    servers = server_pids()
+    assert len(servers) == 1, servers  # server-1 still serving
+    os.killpg(proc.pid, signal.SIGKILL)  # the trainer (its servers are in their own sessions: they outlive it)
+    out = proc.stdout.read()
+    proc.wait()
+    assert re.search(r"generation server server-0 lost: exited with code -9 .*; 1 left \(server-1\)", out), out[-3000:]
+    wait_until(lambda: not server_pids(), 3 + 10, "the servers to stop after the trainer's death")
+    assert len(trained(run)) < 10, "the run finished before the kill"
+
+    resumed = start("--config.resume=True")
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    ids = [i for step in trained(run) for i in step]
+    assert len(ids) == len(set(ids)) == 10 * 4  # none twice
+    manager = ocp.CheckpointManager(run / "checkpoints", options=ocp.CheckpointManagerOptions(read_only=True))
+    meta = manager.restore(10, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    pending = [p["id"] for p in meta["controllers"][0]["pending"]]
+    seen = sorted(int(i.split("-")[1]) for i in ids + pending)
+    assert seen == list(range(len(seen)))  # none lost
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == list(range(1, 11)) and [r["version"] for r in steps] == list(range(1, 11))
+    assert all(r["staleness_max"] <= 2 for r in steps) and max(r["staleness_max"] for r in steps) > 0
+    assert all(r["weight_bytes"] > 0 for r in steps[-3:])  # the resumed run streamed its weights too
