@@ -79,11 +79,24 @@ def test_launch_runs_main_on_all_workers_with_the_arguments_intact(fake_gcloud):
     assert rc == 2 and not cmds and "pass them after --" in err
 
 
+def test_serve_starts_a_generation_server_on_every_worker_of_the_generation_slice(fake_gcloud):
+    rc, (ssh,), err = dry_run("serve", "--trainer=10.128.0.7:5555", fake=fake_gcloud)
+    assert rc == 0, err
+    assert ssh[3:6] == ["tpu-vm", "ssh", "my-pod"] and flag(ssh, "worker") == "all"
+    remote = shlex.split(flag(ssh, "command"))
+    assert remote[remote.index(".venv/bin/python") + 1:remote.index(">")] == [
+        "-m", "arealjax.generation.server", "--trainer=10.128.0.7:5555"]
+    for bad in ([], ["--trainer=nowhere"], ["--trainer=h:1", "--extra"]):
+        rc, cmds, err = dry_run("serve", *bad, fake=fake_gcloud)
+        assert rc == 2 and not cmds and "--trainer" in err, err
+
+
 def test_stop_terminates_then_kills_and_logs_follow_worker_zero(fake_gcloud):
     rc, (ssh,), err = dry_run("stop", fake=fake_gcloud, STOP_TIMEOUT="120")
     assert rc == 0, err
     remote = flag(ssh, "command")
     assert remote.index("pkill -TERM") < remote.index("seq 120") < remote.index("pkill -KILL")
+    assert "main.py|-m arealjax.generation.server" in remote  # generation servers stop too
     rc, (tail,), _ = dry_run("logs", fake=fake_gcloud)
     assert flag(tail, "worker") == "0" and flag(tail, "command") == "tail -n 100 -F ~/arealjax.log"
     rc, (tail,), _ = dry_run("logs", "--worker=3", "--lines=20", fake=fake_gcloud)

@@ -9,6 +9,8 @@ parse_common "$@"
 ((${#ARGS[@]} == 0)) || die "unexpected arguments: ${ARGS[*]}"
 timeout=${STOP_TIMEOUT:-300}
 [[ $timeout =~ ^[0-9]+$ ]] || die "STOP_TIMEOUT=$timeout: expected seconds"
-on_workers "pkill -TERM -f '[p]ython main.py' || true; \
-for _ in \$(seq $timeout); do pgrep -f '[p]ython main.py' > /dev/null || exit 0; sleep 1; done; \
-pkill -KILL -f '[p]ython main.py' || true"
+# main.py, and generation servers (serve.sh), which stop by themselves once their trainer is gone
+pattern='[p]ython (main.py|-m arealjax.generation.server)'
+on_workers "pkill -TERM -f '$pattern' || true; \
+for _ in \$(seq $timeout); do pgrep -f '$pattern' > /dev/null || exit 0; sleep 1; done; \
+pkill -KILL -f '$pattern' || true"
