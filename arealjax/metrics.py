@@ -74,7 +74,7 @@ class Meter:
     # INPUTS are kept out of the report (only their ratio means something).
     RATIOS = {"generated_tokens_per_s": ("generated_tokens", "seconds"),
               "rollout_reward": ("reward_sum", "scored_samples"),
-              "weight_stream_bytes_per_s": ("weight_bytes", "weight_stream_seconds")}
+              "weight_transfer_bytes_per_s": ("weight_bytes", "weight_transfer_seconds")}
     INPUTS = ("reward_sum", "scored_samples", "seconds")
 
     def __init__(self, sources: Mapping[str, Callable[[], Mapping[str, float]]], clock=time.perf_counter):

@@ -5,12 +5,15 @@
   python benchmarks/weights.py --smoke    # a tiny model, one server, one update; a tiny job: the script works
 
 Per case, `--reps` updates after the servers joined, each timed from the trainer's side:
-  push     what blocks the trainer: cast to the servers' dtype and gather to host, one array at a time
-  stream   push → every server serves the update (sent over ZeroMQ, placed on its mesh, swapped in)
-  bytes/s  bytes one server receives per update / stream seconds (the wire carries that × servers)
+  push      what blocks the trainer: cast to the servers' dtype and gather to host, one array at a time
+  transfer  push → every server has received every array (over ZeroMQ)
+  served    push → every server serves the update (received, placed on its mesh, swapped in by its generator
+            between two decode steps: in recompute mode, after re-prefilling its in-flight samples)
+  bytes/s   bytes one server receives per update / transfer seconds (the wire carries that × servers)
 and `join`, a server's start → serving the current weights (process start, JAX import, the full model streamed).
 The share: a short run of the default job (main.py, `generator.backend=remote`, two servers on this host),
-`weight_sync_seconds` (the push) and `weight_stream_seconds` (push → served) over each step's seconds, from its
+`weight_sync_seconds` (the push), `weight_transfer_seconds` and `weight_stream_seconds` (push → served) over each
+step's seconds, from its
 metrics.jsonl. Everything shares this machine's cores: on a pod, the trainer's gather and the servers' placement
 run on their own hosts. Writes benchmarks/results/weights.{json,md} (--smoke: a scratch directory).
 """
@@ -71,21 +74,24 @@ def case(shape: str, dtype: str, servers: int, reps: int, work: Path) -> dict:
     t0 = time.perf_counter()
     backend, transport = components.make_backend(c, model, 0, meshes, rules, workdir=str(work))
     join = time.perf_counter() - t0
-    pushes, streams = [], []
+    pushes, transfers, streams = [], [], []
     try:
         for v in range(1, reps + 1):
+            before = backend.stats()["weight_transfer_seconds_total"]
             t0 = time.perf_counter()
             fut = transport.push(model.params, v)
             pushes.append(time.perf_counter() - t0)
             fut.result(timeout=1800)
             streams.append(time.perf_counter() - t0)
+            transfers.append(backend.stats()["weight_transfer_seconds_total"] - before)
         assert backend.version == reps
     finally:
         backend.close()
     nbytes = transport.bytes
     row = {"shape": shape, "params": int(params), "dtype": dtype, "servers": servers, "bytes": int(nbytes),
-           "join_seconds": join, "push_seconds": float(np.median(pushes)), "stream_seconds": float(np.median(streams)),
-           "bytes_per_s": nbytes / float(np.median(streams)), "reps": reps}
+           "join_seconds": join, "push_seconds": float(np.median(pushes)),
+           "transfer_seconds": float(np.median(transfers)), "stream_seconds": float(np.median(streams)),
+           "bytes_per_s": nbytes / float(np.median(transfers)), "reps": reps}
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
 
@@ -106,6 +112,7 @@ def share(work: Path, smoke: bool) -> dict:
         if first > 1 else rows[-1]["wall_seconds"]
     out = {"servers": 1 if smoke else 2, "steps": len(steps), "step_seconds": seconds / len(steps),
            "push_share": sum(r["weight_sync_seconds"] for r in steps) / seconds,
+           "transfer_share": sum(r.get("weight_transfer_seconds", 0.0) for r in steps) / seconds,
            "stream_share": sum(r.get("weight_stream_seconds", 0.0) for r in steps) / seconds,
            "bytes_per_step": float(np.mean([r["weight_bytes"] for r in steps]))}
     print(json.dumps(out), file=sys.stderr, flush=True)
@@ -115,17 +122,18 @@ def share(work: Path, smoke: bool) -> dict:
 def report(rows: list[dict], job: dict, tag: str) -> str:
     lines = [f"Weights to generation servers (`python benchmarks/weights.py`, commit {tag}, 2 CPU cores: trainer and "
              "servers share them).", "",
-             "| model | params | dtype | servers | MB / server | join s | push s (trainer blocked) | stream s | "
-             "MB/s per server |", "|---|---|---|---|---|---|---|---|---|"]
+             "| model | params | dtype | servers | MB / server | join s | push s (trainer blocked) | transfer s | "
+             "served s | MB/s per server |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['params'] / 1e6:.1f}M | {r['dtype']} | {r['servers']} | "
                      f"{r['bytes'] / 1e6:.1f} | {r['join_seconds']:.1f} | {r['push_seconds']:.3f} | "
-                     f"{r['stream_seconds']:.3f} | {r['bytes_per_s'] / 1e6:.0f} |")
+                     f"{r['transfer_seconds']:.3f} | {r['stream_seconds']:.3f} | {r['bytes_per_s'] / 1e6:.0f} |")
     lines += ["", f"Default job on {job['servers']} server(s) ({job['steps']} steps, "
               f"{job['step_seconds']:.2f} s/step): the push blocks the trainer {100 * job['push_share']:.1f}% of "
-              "the step; push → served on every server "
-              f"{100 * job['stream_share']:.1f}% ({job['bytes_per_step'] / 1e6:.1f} MB per step on the wire), "
-              "overlapping the next step's generation and training."]
+              f"the step; push → received by every server {100 * job['transfer_share']:.1f}% "
+              f"({job['bytes_per_step'] / 1e6:.1f} MB per step on the wire); push → served (placed, swapped in "
+              f"between decode steps, re-prefilled in recompute mode) {100 * job['stream_share']:.1f}%, overlapping "
+              "the next step's generation and training."]
     return "\n".join(lines) + "\n"
 
 

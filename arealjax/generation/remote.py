@@ -98,9 +98,10 @@ class _Request:
 class _Update:
     version: int
     future: Future
-    waiting: set[str]
+    waiting: set[str]  # servers that do not serve it yet
     started: float
     bytes: int
+    receiving: set[str] = dataclasses.field(default_factory=set)  # servers that have not received all of it yet
 
 
 class RemoteBackend:
@@ -125,7 +126,7 @@ class RemoteBackend:
         self._error: str | None = None
         self._version = version
         self.counters = {"requests_reissued_total": 0, "servers_lost_total": 0, "weight_bytes_total": 0,
-                         "weight_stream_seconds_total": 0.0}
+                         "weight_transfer_seconds_total": 0.0, "weight_stream_seconds_total": 0.0}
         self._dead_stats: dict[str, float] = {}
         # What a joining server gets: the full model (LoRA: with the base), then the latest update of the adapters.
         self._full = host_snapshot(model.params, self.dtype)
@@ -248,6 +249,14 @@ class RemoteBackend:
         if not req.future.done():
             req.future.set_exception(RuntimeError(f"generation server {server.name}: {h['error']}"))
 
+    def _on_received(self, server: _Server, h: dict) -> None:
+        """Every array of an update arrived at `server` (then it places them and its generator swaps them in)."""
+        for u in self._updates:
+            if u.version == h["version"] and u.receiving:
+                u.receiving.discard(server.name)
+                if not u.receiving:
+                    self.counters["weight_transfer_seconds_total"] += time.perf_counter() - u.started
+
     def _on_fatal(self, server: _Server, h: dict) -> None:
         self._lose(server, h["error"])
 
@@ -309,6 +318,7 @@ class RemoteBackend:
         self.counters["requests_reissued_total"] += len(orphans)
         for u in self._updates:
             u.waiting.discard(server.name)
+            u.receiving.discard(server.name)
         self._settle_updates()
         if not self._ready():
             self._orphaned_since = self._orphaned_since or time.monotonic()
@@ -437,7 +447,8 @@ class RemoteBackend:
             for name in targets:
                 nbytes = self._send_weights(name, weights, version, full)
             self.counters["weight_bytes_total"] += nbytes * len(targets)
-            update = _Update(version, Future(), {s.name for s in self._ready()}, time.perf_counter(), nbytes)
+            ready = {s.name for s in self._ready()}
+            update = _Update(version, Future(), ready, time.perf_counter(), nbytes, set(ready))
             self._updates.append(update)
             self._settle_updates()
         return update.future
@@ -472,7 +483,8 @@ class RemoteBackend:
     def stats(self) -> dict[str, float]:
         """The servers' generator counters summed (lost servers' last counts kept: the totals never go back),
         pages at peak as the largest, and the remote backend's own: servers ready, servers lost, requests sent
-        again, weight bytes streamed and the seconds from a push to every server serving it."""
+        again, weight bytes streamed, the seconds from a push to every server having received it (transfer) and to
+        every server serving it (stream: the transfer, placement on the server's mesh, the generator's swap)."""
         self._ask("stats", timeout=2.0)
         with self._cv:
             out: dict[str, float] = dict(self._dead_stats)

@@ -160,6 +160,7 @@ class Server:
         inc["bytes"] += x.nbytes
         if len(inc["arrays"]) == header["count"]:
             self._incoming = None
+            self.send("received", version=header["version"])
             self.apply(inc)
 
     def apply(self, inc: dict[str, Any]) -> None:
