@@ -23,13 +23,14 @@ from arealjax.sharding import normalize_rules, role_meshes
 from configs.default import get_config
 
 ROOT = Path(__file__).resolve().parents[1]
+HEARTBEAT = 5.0  # generator.servers.heartbeat_seconds here: short, with room for a loaded CI machine
 
 
 def small_config(**servers):
     c = get_config()
     c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
     c.generator.update(slots=8, max_len=48, max_prefill_batch=8)
-    c.generator.servers.update({"spawn": 2, "verify": True, "heartbeat_seconds": 3.0, **servers})
+    c.generator.servers.update({"spawn": 2, "verify": True, "heartbeat_seconds": HEARTBEAT, **servers})
     return c
 
 
@@ -178,9 +179,36 @@ def test_a_late_server_joins_with_the_current_weights_and_servers_stop_when_the_
     trainer.wait()
     t0 = time.monotonic()
     wait_until(lambda: server not in dict(live_processes()), 30, "the orphaned server to stop")
-    assert time.monotonic() - t0 < 3.0 + 5, time.monotonic() - t0  # heartbeat_seconds, and a tick or two
+    assert time.monotonic() - t0 < HEARTBEAT + 5, time.monotonic() - t0  # the heartbeat, and a tick or two
     log = (tmp_path / "dead" / "servers" / "server-0.log").read_text()
     assert "no word from the trainer" in log, log[-2000:]
+
+
+@pytest.mark.slow
+def test_a_synchronous_run_on_two_servers_trains_what_the_in_process_run_trains(tmp_path):
+    """η = 0 through main.py, the in-process generator vs two generation servers: the same prompts in every step,
+    the same rewards and losses, the same final params (to float noise)."""
+    from safetensors.numpy import load_file
+
+    from tests.test_checkpoint import TINY
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    common = [*TINY, "--config.rl.steps=4", "--config.advantage.filter_uniform=True"]
+    for name, extra in (("local", []), ("remote", ["--config.generator.backend=remote",
+                                                   "--config.generator.servers.spawn=2"])):
+        res = subprocess.run([sys.executable, "main.py", *common, *extra, f"--workdir={tmp_path / name}"], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    assert (local / "trained_prompts.jsonl").read_text() == (remote / "trained_prompts.jsonl").read_text()
+    rows = {d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()][1:] for d in (local, remote)}
+    assert [r["reward"] for r in rows[local]] == [r["reward"] for r in rows[remote]]
+    assert len({r["reward"] for r in rows[local]}) > 1  # rewards that vary: a learning signal to compare
+    np.testing.assert_allclose([r["loss"] for r in rows[remote]], [r["loss"] for r in rows[local]], rtol=1e-4,
+                               atol=1e-7)
+    a, b = load_file(str(local / "model/model.safetensors")), load_file(str(remote / "model/model.safetensors"))
+    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-5
+    assert all(r["servers_ready"] == 2 for r in rows[remote])
 
 
 LONGTAIL = ["--config=configs/longtail.py", "--config.sft.steps=0", "--config.rl.steps=10",
@@ -190,7 +218,7 @@ LONGTAIL = ["--config=configs/longtail.py", "--config.sft.steps=0", "--config.rl
             "--config.model.num_heads=2", "--config.model.num_kv_heads=1", "--config.model.head_dim=16",
             "--config.rl.batch_size=4", "--config.rl.group_size=2", "--config.generator.slots=16",
             "--config.rewards.fn=tests.reward_fns:digits", "--config.generator.backend=remote",
-            "--config.generator.servers.spawn=2", "--config.generator.servers.heartbeat_seconds=3",
+            "--config.generator.servers.spawn=2", f"--config.generator.servers.heartbeat_seconds={HEARTBEAT}",
             "--config.generator.servers.verify=True"]
 
 
@@ -236,7 +264,7 @@ def test_a_run_on_two_servers_survives_a_server_kill_then_kill_9_of_everything_a
     out = proc.stdout.read()
     proc.wait()
     assert re.search(r"generation server server-0 lost: exited with code -9 .*; 1 left \(server-1\)", out), out[-3000:]
-    wait_until(lambda: not server_pids(), 3 + 10, "the servers to stop after the trainer's death")
+    wait_until(lambda: not server_pids(), HEARTBEAT + 10, "the servers to stop after the trainer's death")
     assert len(trained(run)) < 10, "the run finished before the kill"
 
     resumed = start("--config.resume=True")

@@ -46,7 +46,6 @@ from arealjax import models
 from arealjax.api import SamplingParams
 from arealjax.distributed import fingerprint
 from arealjax.generation import rpc
-from arealjax.generation.server import model_config_to_wire
 from arealjax.sharding import localize
 
 Snapshot = list[tuple[str, np.ndarray]]  # (tree path, host array) in leaf order
@@ -132,7 +131,7 @@ class RemoteBackend:
         self._full = host_snapshot(model.params, self.dtype)
         self._full_version, self._latest = version, None
         self._welcome = rpc.pack({"config": json.loads(config.to_json_best_effort()),
-                                  "model": model_config_to_wire(model.cfg), "lora": self.lora,
+                                  "model": rpc.model_config_to_wire(model.cfg), "lora": self.lora,
                                   "dtype": config.generator.dtype})
         self.endpoint = rpc.Endpoint(rpc.zmq.ROUTER, s.address, bind=True, on_message=self._on_message,
                                      on_tick=self._on_tick, tick=0.25, name="trainer")

@@ -161,3 +161,21 @@ def array_from_wire(header: dict[str, Any], buffer: Any) -> np.ndarray:
 
     dtype = np.dtype(jnp.dtype(header["dtype"]))
     return np.frombuffer(buffer, dtype).reshape(header["shape"])
+
+
+def model_config_to_wire(cfg: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
+
+
+def model_config_from_wire(d: dict[str, Any]) -> Any:
+    """A ModelConfig from its wire form (msgpack turns tuples into lists)."""
+    from arealjax.models import ModelConfig
+
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])
+    if isinstance(d.get("eos_token_id"), list):
+        d["eos_token_id"] = tuple(d["eos_token_id"])
+    return ModelConfig(**d)

@@ -15,7 +15,6 @@ many). The trainer's process never compiles a generator program.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import socket
@@ -25,22 +24,6 @@ import time
 from typing import Any
 
 SERVER_HELP = __doc__
-
-
-def model_config(d: dict[str, Any]):
-    """A ModelConfig from its wire form (msgpack turns tuples into lists)."""
-    from arealjax import models
-
-    d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])
-    if isinstance(d.get("eos_token_id"), list):
-        d["eos_token_id"] = tuple(d["eos_token_id"])
-    return models.ModelConfig(**d)
-
-
-def model_config_to_wire(cfg) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
 
 
 class Server:
@@ -116,6 +99,7 @@ class Server:
 
         from arealjax import models
         from arealjax.components import lora_config
+        from arealjax.generation import rpc
         from arealjax.sharding import LogicalSharding, make_mesh, normalize_rules
 
         self.config = ml_collections.ConfigDict(header["config"])
@@ -129,7 +113,7 @@ class Server:
             raise ValueError(f"mesh.generator.devices = {count}, but this server has {len(devices)} devices")
         self.rules = normalize_rules(self.config.sharding_rules)
         self.mesh = make_mesh(dict(g.axes), devices[:count])
-        self.cfg = model_config(header["model"])
+        self.cfg = rpc.model_config_from_wire(header["model"])
         self.lora = lora_config(self.config) if header["lora"] else None
         dtype = models.hf.DTYPES[header["dtype"]]
         self.graphdef, abstract = models.abstract_model(self.cfg, dtype, LogicalSharding(self.mesh, self.rules),
