@@ -35,11 +35,9 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
     config in `sft.cache_dir` (default workdir/sft) and checkpointed there every `checkpoint.every_steps` steps:
     a run killed during SFT continues from its last SFT checkpoint. On several processes each trains on its
     share of every batch."""
-    s, t, d = config.sft, config.task, config.data
+    s = config.sft
     processes = processes or Processes(stop)
-    key = json.dumps({"sft": {k: v for k, v in s.to_dict().items() if k != "cache_dir"},
-                      "model": config.model.to_dict(), "model_path": config.model_path, "task": t.to_dict(),
-                      "prompt": [d.template, d.instruction], "seed": config.seed}, sort_keys=True)
+    key = cache_key(config)
     out = Path(s.cache_dir) if s.get("cache_dir") else workdir / "sft"
     cached = (out / "sft_config.json").is_file() and (out / "sft_config.json").read_text() == key
     if all(processes.allgather("sft_cache", cached)):
@@ -90,6 +88,15 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
     if processes.primary:
         (out / "sft_config.json").write_text(key)
     return trainer.model
+
+
+def cache_key(config: Any) -> str:
+    """What a warm start depends on (the SFT settings, the model, the task, the prompt format, the seed): a cached
+    one (`sft_config.json`) is reused only when this matches."""
+    s, t, d = config.sft, config.task, config.data
+    return json.dumps({"sft": {k: v for k, v in s.to_dict().items() if k != "cache_dir"},
+                       "model": config.model.to_dict(), "model_path": config.model_path, "task": t.to_dict(),
+                       "prompt": [d.template, d.instruction], "seed": config.seed}, sort_keys=True)
 
 
 def demonstrations(config: Any, tokenizer: Tokenizer, shard: int = 0, shards: int = 1):

@@ -48,7 +48,8 @@ SMOKE_CASES = [("default", "float32", 1)]
 JOB = ["--config=configs/default.py", "--config.sft.steps=0", "--config.rl.steps=8", "--config.rl.eval_every=0",
        "--config.eval.num_problems=8", "--config.advantage.filter_uniform=False",
        "--config.generator.backend=remote", "--config.generator.servers.spawn=2"]
-SMOKE_JOB = ["--config.rl.steps=3", "--config.generator.servers.spawn=1", "--config.model.num_layers=1",
+SMOKE_JOB = ["--config.rl.steps=2", "--config.generator.servers.spawn=1", "--config.model.num_layers=1",
+             "--config.eval.num_problems=4",
              "--config.rl.batch_size=4", "--config.rl.group_size=2"]
 
 

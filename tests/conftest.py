@@ -125,3 +125,14 @@ def tiny_recipes(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "arealjax.tiny", f"--out={root}"], cwd=Path(__file__).resolve().parents[1],
                    check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
     return root
+
+
+# The longest files first: under `-n 2 --dist loadfile` (the README's command) each worker takes whole files in
+# this order, so the short ones fill in at the end instead of one worker finishing a long file alone.
+LONGEST_FIRST = ["test_learning.py", "test_distributed.py", "test_notebooks.py", "test_main.py", "test_server.py",
+                 "test_checkpoint.py", "test_failures.py", "test_benchmarks.py", "test_models.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -110,6 +110,41 @@ def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_th
         local.close()
 
 
+def test_under_lora_and_bf16_only_the_adapters_travel_cast_and_servers_serve_the_merged_model(tmp_path):
+    """LoRA (merged serving) with a bf16 generator: an update moves the adapters only, as bf16; each server gets
+    exactly those bytes, merges them onto the base it got at join, and generates what the in-process generator
+    does after the same update."""
+    c = small_config()
+    c.lora.rank, c.generator.dtype = 2, "bfloat16"
+    rules = normalize_rules(c.sharding_rules)
+    tokenizer, base = components.build(c, role_meshes(c.mesh)["trainer"], rules)
+    trainer = components.make_trainer(c, base, role_meshes(c.mesh)["trainer"], rules)
+    made = {}
+    for kind in ("local", "remote"):
+        c.generator.backend = kind
+        made[kind] = components.make_backend(c, trainer.model, 0, components.role_meshes_for(c), rules,
+                                             workdir=str(tmp_path))
+    (local, _), (remote, transport) = made["local"], made["remote"]
+    try:
+        rng = np.random.RandomState(0)
+        adapters = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype), trainer.params)
+        sent = remote.stats()["weight_bytes_total"]
+        for _, t in made.values():
+            t.push(adapters, 1).result(timeout=60)
+        count = sum(x.size for x in jax.tree.leaves(adapters))
+        assert transport.bytes == 2 * count and count < sum(x.size for x in jax.tree.leaves(trainer.model.params)) / 5
+        assert remote.stats()["weight_bytes_total"] - sent == 2 * transport.bytes  # two servers, adapters only
+        assert {s["fingerprint"] for s in remote.servers().values()} == {transport.fingerprint(adapters)}
+        sampling = SamplingParams(temperature=0.8, max_new_tokens=16, seed=5)
+        for rid, p, j in requests(tokenizer, groups=4, samples=2):
+            (a,), (b,) = (made[k][0].submit(p, sampling, request_id=rid, first_sample=j).result(timeout=120)
+                          for k in ("local", "remote"))
+            assert a.output_tokens == b.output_tokens and list(b.versions) == [1] * len(b.output_tokens), rid
+    finally:
+        remote.close()
+        local.close()
+
+
 def test_a_killed_server_loses_nothing_and_the_last_one_dying_is_named(tmp_path):
     """kill -9 of one server with requests in flight on both: every request completes with the tokens it would
     have had (re-sent to the other, same seeds), the backend counts the loss. Then the other dies too: what is

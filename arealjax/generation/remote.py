@@ -127,9 +127,12 @@ class RemoteBackend:
         self.counters = {"requests_reissued_total": 0, "servers_lost_total": 0, "weight_bytes_total": 0,
                          "weight_transfer_seconds_total": 0.0, "weight_stream_seconds_total": 0.0}
         self._dead_stats: dict[str, float] = {}
+        self.verify = bool(s.verify)
+        self._sent: dict[tuple[int, bool], float] = {}  # (version, full) -> fingerprint sent (servers.verify)
         # What a joining server gets: the full model (LoRA: with the base), then the latest update of the adapters.
         self._full = host_snapshot(model.params, self.dtype)
         self._full_version, self._latest = version, None
+        self._remember(self._full, version, True)
         self._welcome = rpc.pack({"config": json.loads(config.to_json_best_effort()),
                                   "model": rpc.model_config_to_wire(model.cfg), "lora": self.lora,
                                   "dtype": config.generator.dtype})
@@ -224,9 +227,13 @@ class RemoteBackend:
             server.state = "ready"
             self._orphaned_since = None
             self._dispatch()
-        if self.config.generator.servers.verify and h.get("fingerprint") is not None:
-            server.stats["fingerprint"] = h["fingerprint"]
-            server.stats["fingerprint_version"] = h["version"]
+        if h.get("fingerprint") is not None:  # servers.verify: what arrived must be what was sent
+            server.stats.update(fingerprint=h["fingerprint"], fingerprint_version=h["version"])
+            sent = self._sent.get((h["version"], h["full"]))
+            if sent is not None and sent != h["fingerprint"]:
+                self._fail_all(f"generation server {server.name} got weights for version {h['version']} with "
+                               f"fingerprint {h['fingerprint']!r}, the trainer sent {sent!r}: the transfer corrupted "
+                               f"them (generator.servers.verify)")
         for u in list(self._updates):
             if u.version <= server.version:
                 u.waiting.discard(server.name)
@@ -289,6 +296,13 @@ class RemoteBackend:
             self._cv.notify_all()
 
     # ---- bookkeeping (under the lock) ----
+
+    def _remember(self, snapshot: Snapshot, version: int, full: bool) -> None:
+        """With servers.verify: the fingerprint of what is sent, which every server's answer must match."""
+        if self.verify:
+            keep = (self._full_version, True)  # what a joining server gets first
+            self._sent = {k: v for k, v in self._sent.items() if k[0] >= version - 8 or k == keep}
+            self._sent[(version, full)] = fingerprint([x for _, x in snapshot])
 
     def _current_version(self) -> int:
         return self._latest[1] if self._latest is not None else self._full_version
@@ -441,6 +455,7 @@ class RemoteBackend:
                 self._full, self._full_version, self._latest = weights, version, None
             else:
                 self._latest = (weights, version)
+            self._remember(weights, version, full)
             targets = [s.name for s in self._servers.values() if s.state != "dead"]
             nbytes = 0
             for name in targets:

@@ -173,7 +173,7 @@ class Server:
             self.generator, self.sync = make_backend(self.config, model, version, {"generator": self.mesh},
                                                      self.rules, local=True)
             self.send("applied", version=version, seconds=time.perf_counter() - inc["started"],
-                      bytes=inc["bytes"], fingerprint=received, ready=True)
+                      bytes=inc["bytes"], fingerprint=received, full=full)
             logging.info("generation server %s: serving version %d", self.name, version)
             return
         if full and self.lora is not None:
@@ -181,7 +181,7 @@ class Server:
         started, nbytes = inc["started"], inc["bytes"]
         self.sync.push(tree, version).add_done_callback(
             lambda f: self.send("applied", version=version, seconds=time.perf_counter() - started, bytes=nbytes,
-                                fingerprint=received, ready=True))
+                                fingerprint=received, full=full))
 
     def on_submit(self, header, buffers) -> None:
         from arealjax.generation import rpc
