@@ -71,8 +71,6 @@ def check_config(config: Any, processes: int = 1) -> None:
             need(_number(sv[key]) and sv[key] > 0, f"generator.servers.{key}", "seconds > 0")
         host, _, port = str(sv.address).rpartition(":")
         need(bool(host) and port.isdigit() and int(port) < 65536, "generator.servers.address", "'host:port'")
-        need(processes == 1, "generator.backend",
-             f"'local' with {processes} trainer processes (generation servers serve a single-process trainer)")
     need(g.mode in MODES, "generator.mode", f"one of {MODES}")
     need(g.attention in ATTENTION_KINDS, "generator.attention", f"one of {ATTENTION_KINDS}")
     need(g.prefill_attention in attn.KINDS, "generator.prefill_attention", f"one of {attn.KINDS}")

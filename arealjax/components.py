@@ -91,7 +91,7 @@ def role_meshes_for(config: Any) -> dict[str, jax.sharding.Mesh]:
     trainer's process takes only its own."""
     mesh = config.mesh
     if config.generator.get("backend", "local") == "remote":
-        mesh = {"trainer": mesh.trainer, "generator": {"devices": 0, "axes": {}}}
+        mesh = {"trainer": mesh.trainer, "generator": {"devices": 0, "axes": dict(mesh.trainer.axes)}}
     return role_meshes(mesh)
 
 

@@ -120,7 +120,7 @@ class Meter:
 SUMMED = ("queue_depth", "in_flight", "generated_tokens", "prefill_tokens", "staleness_tokens_",
           "generator_idle_seconds", "generator_busy_seconds", "interrupts", "refill_tokens", "preemptions",
           "kv_pages_peak", "filtered_groups", "rejected_episodes", "prompts_too_long", "reward_failures",
-          "reward_timeouts")
+          "reward_timeouts", "servers_ready", "servers_lost", "requests_reissued", "weight_bytes")
 MAXED = ("staleness_max", "batch_wait_seconds", "weight_sync_seconds", "wall_seconds")
 
 

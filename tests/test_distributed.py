@@ -133,11 +133,15 @@ def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path, warm_
 
 @pytest.mark.slow
 def test_async_two_processes_kill9_both_then_resume(tmp_path, warm_start):
-    """η = 2: staleness ≤ η in every step; both processes killed with SIGKILL after checkpoint 2, then resumed:
-    every step is trained once, no prompt twice, and both end on the same version and params. Resuming with
-    another process count is refused with a message."""
+    """η = 2 with generation servers (each trainer process drives one of its own; every update gathered across
+    the processes and streamed, the servers reporting that they received exactly what was sent): staleness ≤ η in
+    every step; both processes killed with SIGKILL after checkpoint 2, then resumed on new servers: every step is
+    trained once, no prompt twice, and both end on the same version and params. Resuming with another process
+    count is refused with a message."""
     work = tmp_path / "run"
-    args = [f"--config.sft.cache_dir={warm_start}", "--config.rl.steps=6", "--config.rl.max_staleness=2"]
+    args = [f"--config.sft.cache_dir={warm_start}", "--config.rl.steps=6", "--config.rl.max_staleness=2",
+            "--config.generator.backend=remote", "--config.generator.servers.spawn=1",
+            "--config.generator.servers.verify=True", f"--config.generator.servers.heartbeat_seconds={HEARTBEAT}"]
     procs = launch(work, *args)
     deadline = time.monotonic() + 300
     while not (work / "checkpoints/2/_CHECKPOINT_METADATA").exists() and time.monotonic() < deadline:
@@ -159,6 +163,8 @@ def test_async_two_processes_kill9_both_then_resume(tmp_path, warm_start):
     metrics = [r for r in rows(work / "metrics.jsonl") if "staleness_max" in r]
     assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5, 6]
     assert max(r["staleness_max"] for r in metrics) <= 2
+    assert all(r["servers_ready"] == 2 for r in metrics)  # one per trainer process
+    assert {p.name for p in (work / "servers").glob("*.log")} == {"p0-server-0.log", "p1-server-0.log"}
     assert json.loads((work / "summary.json").read_text())["status"] == "completed"
 
     other = run_single(work, *args, "--config.resume=True", "--config.rl.steps=8")

@@ -110,6 +110,8 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
     (["--config.advantage.estimator=ppo"], r"advantage\.estimator = 'ppo'; expected one of"),
     (["--config.trainer.ppo.objective=vanilla"], r"trainer\.ppo\.objective = 'vanilla'; expected one of"),
     (["--config.generator.mode=swap"], r"generator\.mode = 'swap': expected one of"),
+    (["--config.generator.backend=remote", "--config.generator.servers.address=nowhere"],
+     r"generator\.servers\.address = 'nowhere': expected 'host:port'"),
     (["--config.generator.backend=vllm"], r"generator\.backend = 'vllm': expected one of \('local', 'remote'\)"),
     (["--config.sft.steps=10"], r"sft\.steps = 10: expected more than sft\.optim\.warmup_steps = 20"),
     (["--config.trainer.max_tokens=32"], r"trainer\.max_tokens = 32: expected ≥ generator\.max_len = 64"),
@@ -122,7 +124,7 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
     (["--config.generator.page_size=12"], r"generator\.page_size = 12: expected a power of two"),
     (["--config.generator.kv_pages=2"], r"generator\.kv_pages = 2: expected 0 \(room for every slot\) or ≥ 4"),
     (["--config.generator.attention=flash"], r"generator\.attention = 'flash': expected one of"),
-], ids=lambda x: x[0].split("=")[0][9:] if isinstance(x, list) else None)
+], ids=lambda x: x[-1].split("=")[0][9:] if isinstance(x, list) else None)
 def test_bad_config_is_refused_at_start(tmp_path, flags, pattern):
     assert_clean_failure(main_py(tmp_path, *flags), pattern, within=30)
 

@@ -53,14 +53,23 @@ Snapshot = list[tuple[str, np.ndarray]]  # (tree path, host array) in leaf order
 
 def host_snapshot(tree: Any, dtype) -> Snapshot:
     """`tree`'s arrays on this host, floating ones cast to `dtype` on their devices first, one array at a time
-    (device memory: one extra array at most)."""
+    (device memory: one extra array at most). Arrays that span several processes (a multi-host trainer) are
+    gathered: a collective, every process calls it with the same tree."""
     out = []
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        x = localize(x)
         if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) and x.dtype != dtype:
-            x = x.astype(dtype)
-        out.append((jax.tree_util.keystr(path), np.asarray(jax.device_get(x))))
+            x = x.astype(dtype)  # before the gather: fewer bytes to move
+        out.append((jax.tree_util.keystr(path), np.asarray(jax.device_get(localize(x)))))
     return out
+
+
+def last_line(path: str) -> str:
+    """': <the last line of the log at path>', or nothing."""
+    try:
+        lines = [x for x in Path(path).read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return f": {lines[-1].strip()[-300:]}" if lines else ""
 
 
 @dataclasses.dataclass
@@ -136,7 +145,12 @@ class RemoteBackend:
         self._welcome = rpc.pack({"config": json.loads(config.to_json_best_effort()),
                                   "model": rpc.model_config_to_wire(model.cfg), "lora": self.lora,
                                   "dtype": config.generator.dtype})
-        self.endpoint = rpc.Endpoint(rpc.zmq.ROUTER, s.address, bind=True, on_message=self._on_message,
+        # A multi-host trainer: every process drives servers of its own (as every process has its own generator
+        # with the local backend), process p listening on the address's port + p.
+        self.process = jax.process_index()
+        host, _, port = str(s.address).rpartition(":")
+        address = f"{host}:{int(port) + self.process}" if int(port) else str(s.address)
+        self.endpoint = rpc.Endpoint(rpc.zmq.ROUTER, address, bind=True, on_message=self._on_message,
                                      on_tick=self._on_tick, tick=0.25, name="trainer")
         self.endpoint.sock.setsockopt(rpc.zmq.ROUTER_HANDOVER, 1)  # a restarted server may reuse its name
         self.address = self.endpoint.address
@@ -157,7 +171,7 @@ class RemoteBackend:
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         for i in range(count):
             name = f"server-{i}"
-            log = logs / f"{name}.log"
+            log = logs / (f"{name}.log" if jax.process_count() == 1 else f"p{self.process}-{name}.log")
             cmd = [sys.executable, "-m", "arealjax.generation.server", f"--trainer={host}:{self.endpoint.port}",
                    f"--devices={int(self.config.mesh.generator.devices) or 1}", f"--name={name}"]
             with open(log, "w") as f:
@@ -284,7 +298,7 @@ class RemoteBackend:
                     continue
                 code = s.proc.poll() if s.proc is not None else None
                 if code is not None:
-                    self._lose(s, f"exited with code {code} (log: {s.log})")
+                    self._lose(s, f"exited with code {code} (log: {s.log}{last_line(s.log)})")
                 elif now - s.last_heard > self.heartbeat:
                     self._lose(s, f"silent for {now - s.last_heard:.0f} s (generator.servers.heartbeat_seconds = "
                                   f"{self.heartbeat:g})")
