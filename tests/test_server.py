@@ -170,6 +170,8 @@ def test_a_killed_server_loses_nothing_and_the_last_one_dying_is_named(tmp_path)
 
         os.kill(remote.servers()["server-1"]["pid"], signal.SIGKILL)
         wait_until(lambda: remote.stats()["servers_ready"] == 0, 30, "the second loss to be noticed")
+        unsent = remote.submit(reqs[0][1], sampling, request_id="unsent")  # no server: aborting it is immediate
+        assert remote.abort("unsent") and [c.stop_reason for c in unsent.result(timeout=5)] == ["abort"]
         orphan = remote.submit(reqs[0][1], sampling, request_id="orphan")
         with pytest.raises(RuntimeError, match=r"no generation server left.*server-0 \(exited.*server-1 \(exited"):
             orphan.result(timeout=30)

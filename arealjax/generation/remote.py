@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from arealjax import models
-from arealjax.api import SamplingParams
+from arealjax.api import Completion, SamplingParams
 from arealjax.distributed import fingerprint
 from arealjax.generation import rpc
 from arealjax.sharding import localize
@@ -80,6 +80,7 @@ class _Server:
     proc: subprocess.Popen | None = None
     log: str = ""
     state: str = "joining"  # joining → ready → dead
+    heard: bool = False  # said hello (until then a spawned server has servers.wait_seconds to start)
     version: int = -1  # the version it serves
     last_heard: float = dataclasses.field(default_factory=time.monotonic)
     outstanding: int = 0  # tokens its unfinished requests may still generate
@@ -96,6 +97,13 @@ class _Request:
     future: Future
     group: str
     server: str | None = None
+    aborted: bool = False
+
+    def aborted_result(self) -> list[Completion]:
+        """What an abort before any token gives (as the in-process generator): one empty sample per sample."""
+        return [Completion(self.rid, self.first_sample + j, list(self.prompt), [], np.zeros(0, np.float32),
+                           np.zeros(0, np.int32), "abort", 0, self.sampling.logprob_temperature)
+                for j in range(self.sampling.n)]
 
     @property
     def budget(self) -> int:
@@ -126,7 +134,8 @@ class RemoteBackend:
         self._requests: dict[str, _Request] = {}
         self._groups: dict[str, tuple[str, int]] = {}  # group -> (server, unfinished requests)
         self._updates: list[_Update] = []
-        self._replies: dict[int, dict[str, Any]] = {}
+        self._replies: dict[int, dict[str, Any]] = {}  # token of an _ask in progress -> answers so far
+        self._paused = False
         self._tokens = itertools.count()
         self._ids = itertools.count()
         self._closed = False
@@ -151,8 +160,8 @@ class RemoteBackend:
         host, _, port = str(s.address).rpartition(":")
         address = f"{host}:{int(port) + self.process}" if int(port) else str(s.address)
         self.endpoint = rpc.Endpoint(rpc.zmq.ROUTER, address, bind=True, on_message=self._on_message,
-                                     on_tick=self._on_tick, tick=0.25, name="trainer")
-        self.endpoint.sock.setsockopt(rpc.zmq.ROUTER_HANDOVER, 1)  # a restarted server may reuse its name
+                                     on_tick=self._on_tick, tick=0.25, name="trainer",
+                                     options=[(rpc.zmq.ROUTER_HANDOVER, 1)])  # a restarted server keeps its name
         self.address = self.endpoint.address
         self.transport = RemoteTransport(self)
         self._spawn(int(s.spawn), workdir)
@@ -225,8 +234,9 @@ class RemoteBackend:
         old = self._servers.get(name)
         if old is not None and old.state != "dead" and old.pid and old.pid != header["pid"]:
             self._lose(old, f"replaced by a new server process {header['pid']}")
-        server = self._servers[name] = _Server(name, pid=header["pid"], host=header["host"],
-                                               proc=old.proc if old else None, log=old.log if old else "")
+        same = old is not None and old.pid == header["pid"]  # a server this backend started, saying hello
+        server = self._servers[name] = _Server(name, pid=header["pid"], host=header["host"], heard=True,
+                                               proc=old.proc if same else None, log=old.log if old else "")
         self.endpoint.send(name.encode(), b"welcome", self._welcome)
         self.counters["weight_bytes_total"] += self._send_weights(name, self._full, self._full_version, True)
         if self._latest is not None:
@@ -240,6 +250,8 @@ class RemoteBackend:
         if server.state == "joining" and server.version >= self._current_version():
             server.state = "ready"
             self._orphaned_since = None
+            if self._paused:
+                self._send(server.name, "pause", token=-1)
             self._dispatch()
         if h.get("fingerprint") is not None:  # servers.verify: what arrived must be what was sent
             server.stats.update(fingerprint=h["fingerprint"], fingerprint_version=h["version"])
@@ -281,14 +293,16 @@ class RemoteBackend:
         self._lose(server, h["error"])
 
     def _on_ping(self, server: _Server, h: dict) -> None:
-        pass
+        server.stats.update(h.get("stats", {}))  # its generator's counters, 4 times a second
 
     def _on_stats(self, server: _Server, h: dict) -> None:
         server.stats.update(h["stats"])
-        self._replies.setdefault(h["token"], {})[server.name] = h
+        if h["token"] in self._replies:  # a late answer to a finished question is dropped
+            self._replies[h["token"]][server.name] = h
 
     def _on_paused(self, server: _Server, h: dict) -> None:
-        self._replies.setdefault(h["token"], {})[server.name] = h
+        if h["token"] in self._replies:
+            self._replies[h["token"]][server.name] = h
 
     def _on_tick(self) -> None:
         with self._cv:
@@ -299,14 +313,15 @@ class RemoteBackend:
                 code = s.proc.poll() if s.proc is not None else None
                 if code is not None:
                     self._lose(s, f"exited with code {code} (log: {s.log}{last_line(s.log)})")
-                elif now - s.last_heard > self.heartbeat:
+                elif now - s.last_heard > (self.heartbeat if s.heard else self.wait_seconds):
                     self._lose(s, f"silent for {now - s.last_heard:.0f} s (generator.servers.heartbeat_seconds = "
-                                  f"{self.heartbeat:g})")
+                                  f"{self.heartbeat:g})" if s.heard else f"no hello within {self.wait_seconds:g} s "
+                                  f"(generator.servers.wait_seconds; log: {s.log}{last_line(s.log)})")
                 else:
                     self._send(s.name, "ping")
             if self._orphaned_since is not None and now - self._orphaned_since > self.wait_seconds:
-                self._fail_all(f"no generation server left and none joined within {self.wait_seconds:g} s "
-                               f"(generator.servers.wait_seconds); lost: {self._lost_text()}")
+                self._fail_waiting(f"no generation server left and none joined within {self.wait_seconds:g} s "
+                                   f"(generator.servers.wait_seconds); lost: {self._lost_text()}")
             self._cv.notify_all()
 
     # ---- bookkeeping (under the lock) ----
@@ -342,19 +357,23 @@ class RemoteBackend:
         for r in orphans:
             r.server = None
             self._groups.pop(r.group, None)
-        self.counters["requests_reissued_total"] += len(orphans)
+            if r.aborted:  # its abort may not have reached the server: not worth sending again
+                self._finish(r)
+                r.future.set_result(r.aborted_result())
+        self.counters["requests_reissued_total"] += sum(not r.aborted for r in orphans)
         for u in self._updates:
             u.waiting.discard(server.name)
             u.receiving.discard(server.name)
         self._settle_updates()
-        if not self._ready():
-            self._orphaned_since = self._orphaned_since or time.monotonic()
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Sends every unassigned request to a server: its group's, or the least loaded one."""
+        """Sends every unassigned request to a server: its group's, or the least loaded one. With none ready, the
+        orphan clock runs while any request waits (servers.wait_seconds)."""
         ready = {s.name: s for s in self._ready()}
         if not ready:
+            if self._requests and self._orphaned_since is None:
+                self._orphaned_since = time.monotonic()
             return
         for req in self._requests.values():
             if req.server is not None:
@@ -386,6 +405,14 @@ class RemoteBackend:
             if not u.future.done():
                 u.future.set_result(time.perf_counter() - u.started)
 
+    def _fail_waiting(self, why: str) -> None:
+        """Fails the requests that wait for a server (new ones wait again: a server may still join)."""
+        self._orphaned_since = None
+        for r in [r for r in self._requests.values() if r.server is None]:
+            self._finish(r)
+            if not r.future.done():
+                r.future.set_exception(RuntimeError(why))
+
     def _fail_all(self, why: str) -> None:
         self._error = why
         self._orphaned_since = None
@@ -409,12 +436,13 @@ class RemoteBackend:
         """Sends `kind` to every ready server and waits (up to `timeout`) for their answers: name -> reply."""
         with self._cv:
             token = next(self._tokens)
+            self._replies[token] = {}
             names = {s.name for s in self._ready()}
             for n in names:
                 self._send(n, kind, token=token)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                got = self._replies.get(token, {})
+                got = self._replies[token]
                 if names <= set(got) | {s.name for s in self._servers.values() if s.state == "dead"}:
                     break
                 self._cv.wait(0.05)
@@ -456,7 +484,8 @@ class RemoteBackend:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id '{rid}' is already in flight")
-            req = self._requests[rid] = _Request(rid, prompt, sampling, first_sample, Future(), rid.split("/")[0])
+            # the group: '<prompt>#<seq>' of the controller's '<prompt>#<seq>/<sample>.<call>' (ids may hold '/')
+            req = self._requests[rid] = _Request(rid, prompt, sampling, first_sample, Future(), rid.rsplit("/", 1)[0])
             self._dispatch()
         return req.future
 
@@ -486,18 +515,24 @@ class RemoteBackend:
             req = self._requests.get(request_id)
             if req is None:
                 return False
+            req.aborted = True
             if req.server is not None:
                 self._send(req.server, "abort", rid=request_id)
             else:  # not sent anywhere yet
                 self._finish(req)
-                req.future.set_result([])
+                req.future.set_result(req.aborted_result())
             return True
 
     def pause(self) -> None:
-        self._ask("pause")
+        """Returns once every ready server's generator is between steps; servers that become ready meanwhile are
+        paused as they join."""
+        with self._cv:
+            self._paused = True
+        self._ask("pause", timeout=60.0)
 
     def resume(self) -> None:
         with self._cv:
+            self._paused = False
             for s in self._ready():
                 self._send(s.name, "resume")
 
@@ -509,11 +544,11 @@ class RemoteBackend:
             return {rid: out.get(rid, 0) for rid in self._requests}
 
     def stats(self) -> dict[str, float]:
-        """The servers' generator counters summed (lost servers' last counts kept: the totals never go back),
-        pages at peak as the largest, and the remote backend's own: servers ready, servers lost, requests sent
-        again, weight bytes streamed, the seconds from a push to every server having received it (transfer) and to
-        every server serving it (stream: the transfer, placement on the server's mesh, the generator's swap)."""
-        self._ask("stats", timeout=2.0)
+        """The servers' generator counters summed (as of their last ping, a quarter of a second ago at most; lost
+        servers' last counts kept: the totals never go back), pages at peak as the largest, and the remote backend's
+        own: servers ready, servers lost, requests sent again, weight bytes streamed, the seconds from a push to
+        every server having received it (transfer) and to every server serving it (stream: the transfer, placement
+        on the server's mesh, the generator's swap)."""
         with self._cv:
             out: dict[str, float] = dict(self._dead_stats)
             for s in self._ready():

@@ -43,12 +43,14 @@ class Endpoint:
     """One ZeroMQ socket served by its own thread: `send` from any thread; `on_message(frames)` and `on_tick()` run
     on the I/O thread (every `tick` seconds). Unbounded queues: senders bound what they send (weights: one copy)."""
 
+    BATCH = 32  # messages handled before the loop flushes what is queued to send and ticks again
+
     def __init__(self, kind: int, address: str, *, bind: bool, on_message: Callable[[list], None],
                  on_tick: Callable[[], None] = lambda: None, tick: float = 0.5, identity: bytes | None = None,
-                 name: str = "rpc"):
+                 options: Sequence[tuple[int, int]] = (), name: str = "rpc"):
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(kind)
-        for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+        for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), *options):
             self.sock.setsockopt(opt, value)
         if identity is not None:
             self.sock.setsockopt(zmq.IDENTITY, identity)
@@ -88,6 +90,7 @@ class Endpoint:
                 pass
 
     def close(self) -> None:
+        """Sends what is queued (for up to a second), then closes."""
         self._closed.set()
         with self._wake_lock:
             try:
@@ -96,6 +99,14 @@ class Endpoint:
                 pass
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                frames = self._out.get_nowait()
+            except queue.Empty:
+                return
+            self.sock.send_multipart(frames, copy=False)
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -108,25 +119,30 @@ class Endpoint:
                 if self._wake_in in events:
                     while self._wake_in.poll(0):
                         self._wake_in.recv()
-                while True:
-                    try:
-                        frames = self._out.get_nowait()
-                    except queue.Empty:
+                for _ in range(self.BATCH if self.sock in events else 0):  # bounded: sends and ticks go on
+                    if not self.sock.poll(0):
                         break
-                    self.sock.send_multipart(frames, copy=False)
-                if self.sock in events:
-                    while self.sock.poll(0):
-                        try:
-                            self._on_message(self.sock.recv_multipart(copy=False))
-                        except Exception:  # noqa: BLE001 — one bad message must not end the endpoint
-                            logging.exception("rpc: handling a message failed")
-                now = time.monotonic()
-                if now >= next_tick:
-                    next_tick = now + self._tick
-                    self._on_tick()
+                    try:
+                        self._on_message(self.sock.recv_multipart(copy=False))
+                    except Exception:  # noqa: BLE001 — one bad message must not end the endpoint
+                        logging.exception("rpc: handling a message failed")
+                try:
+                    self._flush()
+                    now = time.monotonic()
+                    if now >= next_tick:
+                        next_tick = now + self._tick
+                        self._on_tick()
+                except Exception:  # noqa: BLE001 — the endpoint lives on; its owner's heartbeat judges the peer
+                    logging.exception("rpc: a send or a tick failed")
         finally:
-            for s in (self.sock, self._wake_in, self._wake_out):
-                s.close(linger=0)
+            try:
+                self._flush()
+            except zmq.ZMQError:
+                pass
+            self.sock.close(linger=1000)
+            with self._wake_lock:
+                self._wake_in.close(linger=0)
+                self._wake_out.close(linger=0)
 
 
 # ---- what travels: sampling, completions, param trees ----

@@ -26,20 +26,27 @@ from typing import Any
 SERVER_HELP = __doc__
 
 
+FIRST_CONTACT_SECONDS = 600.0  # how long a server waits for its trainer's welcome (it may start first)
+
+
 class Server:
     """The server's state: the endpoint to the trainer, then (after the welcome) the mesh and model shapes, then
-    (after the first weights) the generator. Messages are handled on the endpoint's thread."""
+    (after the first weights) the generator. Messages are handled on the endpoint's thread; what takes long (placing
+    weights on the mesh, building the generator, pausing it) on a worker thread, so pings keep flowing."""
 
     def __init__(self, trainer: str, name: str):
+        from concurrent.futures import ThreadPoolExecutor
+
         from arealjax.generation import rpc
 
         self.name, self.trainer = name, trainer
         self.config = self.generator = self.sync = None
-        self.heartbeat = 60.0
+        self.heartbeat = FIRST_CONTACT_SECONDS
         self.last_heard = time.monotonic()
         self.done = threading.Event()
         self.exit_code = 0
         self._incoming: dict[str, Any] | None = None  # a weight update being received
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="arealjax-server-work")  # in order, one at a time
         self.endpoint = rpc.Endpoint(rpc.zmq.DEALER, trainer, bind=False, on_message=self.on_message,
                                      on_tick=self.on_tick, tick=0.25, identity=name.encode(), name="server")
         import jax
@@ -66,8 +73,25 @@ class Server:
             self.stop(f"no word from the trainer at {self.trainer} for {silent:.0f} s "
                       f"(servers.heartbeat_seconds = {self.heartbeat:g}): stopping", code=3)
             return
-        version = self.generator.version if self.generator is not None else -1
-        self.send("ping", version=version)
+        g = self.generator
+        self.send("ping", version=g.version if g else -1, stats=g.stats() if g else {})
+
+    def later(self, what: str, fn, *args) -> None:
+        """Runs fn(*args) on the worker thread; a failure is reported to the trainer and stops this server."""
+        def run():
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001
+                self.fail(what, e)
+
+        self._worker.submit(run)
+
+    def fail(self, what: str, e: BaseException) -> None:
+        from arealjax.runtime import error_text
+
+        logging.error("generation server: '%s' failed", what, exc_info=e)
+        self.send("fatal", error=f"server {self.name}: {what}: {error_text(e)}")
+        self.stop(f"'{what}' failed: {error_text(e)}", code=1)
 
     def on_message(self, frames: list) -> None:
         from arealjax.generation import rpc
@@ -81,11 +105,7 @@ class Server:
         try:
             handler(header, buffers)
         except Exception as e:  # noqa: BLE001 — the trainer learns why, then this server stops
-            from arealjax.runtime import error_text
-
-            logging.exception("generation server: '%s' failed", kind)
-            self.send("fatal", error=f"server {self.name}: {kind}: {error_text(e)}")
-            self.stop(f"'{kind}' failed: {error_text(e)}", code=1)
+            self.fail(kind, e)
 
     def on_ping(self, header, buffers) -> None:
         pass
@@ -145,7 +165,7 @@ class Server:
         if len(inc["arrays"]) == header["count"]:
             self._incoming = None
             self.send("received", version=header["version"])
-            self.apply(inc)
+            self.later("weights", self.apply, inc)
 
     def apply(self, inc: dict[str, Any]) -> None:
         """A complete update: the first builds the generator on it; later ones are swapped in between two decode
@@ -179,9 +199,15 @@ class Server:
         if full and self.lora is not None:
             tree = models.lora.split(tree)[0]  # a rejoin's full model: the base is already here
         started, nbytes = inc["started"], inc["bytes"]
-        self.sync.push(tree, version).add_done_callback(
-            lambda f: self.send("applied", version=version, seconds=time.perf_counter() - started, bytes=nbytes,
-                                fingerprint=received, full=full))
+
+        def applied(f):
+            if f.exception() is not None:
+                self.fail("weights", f.exception())
+            else:
+                self.send("applied", version=version, seconds=time.perf_counter() - started, bytes=nbytes,
+                          fingerprint=received, full=full)
+
+        self.sync.push(tree, version).add_done_callback(applied)
 
     def on_submit(self, header, buffers) -> None:
         from arealjax.generation import rpc
@@ -205,13 +231,15 @@ class Server:
             self.generator.abort(header["rid"])
 
     def on_pause(self, header, buffers) -> None:
-        if self.generator is not None:
-            self.generator.pause()
-        self.send("paused", token=header["token"])
+        def pause():
+            if self.generator is not None:
+                self.generator.pause()
+            self.send("paused", token=header["token"])
+
+        self.later("pause", pause)
 
     def on_resume(self, header, buffers) -> None:
-        if self.generator is not None:
-            self.generator.resume()
+        self.later("resume", lambda: self.generator is not None and self.generator.resume())  # after a pause
 
     def on_stats(self, header, buffers) -> None:
         g = self.generator
@@ -219,9 +247,10 @@ class Server:
                   version=g.version if g else -1)
 
     def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
         if self.generator is not None:
             self.generator.close()
-        self.endpoint.close()
+        self.endpoint.close()  # sends what is queued first (a 'fatal', say)
 
 
 def main(argv: list[str] | None = None) -> int:
