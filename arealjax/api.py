@@ -74,6 +74,16 @@ class Completion:
     temperature: float = 1.0  # logprobs are log softmax(logits / temperature) (1 for greedy): the trainer's too
 
 
+def checked_prompt(prompt: Sequence[int], max_len: int) -> list[int]:
+    """A request's prompt as ints, refused when empty or leaving no room for a token in `max_len`."""
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise ValueError("empty prompt")
+    if len(prompt) >= max_len:
+        raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_len={max_len}")
+    return prompt
+
+
 @runtime_checkable
 class RolloutBackend(Protocol):
     """Generates completions for the controller, the workflows and evaluation, and takes new weights mid-flight."""

@@ -134,21 +134,31 @@ def test_kill_minus_9_then_resume_at_eta_2_on_the_long_tail_task(tmp_path):
     resumed = start("--config.resume=True")
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out[-3000:]
+    steps = assert_resumed_exactly(run, 12, per_step=4, eta=2)
+    assert all(sum(r[f"staleness_tokens_{k}"] for k in range(3)) > 0 for r in steps)
+    # TensorBoard hides what the killed run logged after its checkpoint (metrics.jsonl is cut back the same way)
+    restored = int(re.search(r"resumed from checkpoint (\d+)", out).group(1))
+    assert [e.step for e in tensorboard_events(run / "tensorboard") if e.session_log.status == 1] == [restored + 1]
+
+
+def assert_resumed_exactly(run: Path, steps: int, per_step: int, eta: int) -> list[dict]:
+    """A run killed and resumed to `steps`: every step trained `per_step` prompts, none twice, none lost (the trained
+    and the pending ones are the first N of the stream), versions one per step, staleness ≤ η throughout and > 0
+    (really asynchronous). Returns the steps' metrics rows."""
+    import orbax.checkpoint as ocp
+
     ids = [i for step in trained(run) for i in step]
-    assert len(ids) == len(set(ids)) == 12 * 4  # none twice
+    assert len(ids) == len(set(ids)) == steps * per_step  # none twice
     manager = ocp.CheckpointManager(run / "checkpoints", options=ocp.CheckpointManagerOptions(read_only=True))
-    meta = manager.restore(12, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    meta = manager.restore(steps, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     pending = [p["id"] for p in meta["controllers"][0]["pending"]]  # one controller state per process
     seen = sorted(int(i.split("-")[1]) for i in ids + pending)
     assert seen == list(range(len(seen)))  # none lost: every prompt drawn is trained or still pending
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["step"] > 0]
-    assert [r["step"] for r in steps] == list(range(1, 13)) and [r["version"] for r in steps] == list(range(1, 13))
-    assert all(r["staleness_max"] <= 2 and sum(r[f"staleness_tokens_{k}"] for k in range(3)) > 0 for r in steps)
-    assert max(r["staleness_max"] for r in steps) > 0  # really asynchronous
-    # TensorBoard hides what the killed run logged after its checkpoint (metrics.jsonl is cut back the same way)
-    restored = int(re.search(r"resumed from checkpoint (\d+)", out).group(1))
-    assert [e.step for e in tensorboard_events(run / "tensorboard") if e.session_log.status == 1] == [restored + 1]
+    out = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in out] == list(range(1, steps + 1)) == [r["version"] for r in out]
+    assert all(r["staleness_max"] <= eta for r in out) and max(r["staleness_max"] for r in out) > 0
+    return out
 
 
 def tensorboard_events(directory: Path) -> list:

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from arealjax.api import Completion
+from arealjax.api import Completion, checked_prompt
 from arealjax.generation.engine import Engine, PageWrites, SamplingParams, SlotSampling, bucket
 from arealjax.generation.pages import PagePool, decode_index
 
@@ -137,11 +137,7 @@ class Generator:
         """Queues `sampling.n` samples of one prompt; the future resolves to their Completions, in sample order.
         Samples are numbered from `first_sample` (the index that, with the seed, picks their random draws): n
         requests of one sample each, numbered 0..n-1, draw exactly what one request of n samples draws."""
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("empty prompt")
-        if len(prompt) >= self.engine.max_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_len={self.engine.max_len}")
+        prompt = checked_prompt(prompt, self.engine.max_len)
         with self._cv:
             self._check_alive()
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"

@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from arealjax import models
-from arealjax.api import Completion, SamplingParams
+from arealjax.api import Completion, SamplingParams, checked_prompt
 from arealjax.distributed import fingerprint
 from arealjax.generation import rpc
 from arealjax.sharding import localize
@@ -474,11 +474,7 @@ class RemoteBackend:
 
     def submit(self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
                request_id: str | None = None, first_sample: int = 0) -> Future:
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("empty prompt")
-        if len(prompt) >= self._max_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_len={self._max_len}")
+        prompt = checked_prompt(prompt, self._max_len)
         with self._cv:
             self._check()
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
