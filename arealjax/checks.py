@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from arealjax import runtime
 from arealjax.components import BACKENDS
 from arealjax.data import TASKS
 from arealjax.generation.generator import MODES
@@ -71,6 +72,14 @@ def check_config(config: Any, processes: int = 1) -> None:
             need(_number(sv[key]) and sv[key] > 0, f"generator.servers.{key}", "seconds > 0")
         host, _, port = str(sv.address).rpartition(":")
         need(bool(host) and port.isdigit() and int(port) < 65536, "generator.servers.address", "'host:port'")
+        groups = str(sv.get("cpus", "")).split(";")
+        need(len(groups) in (1, sv.spawn), "generator.servers.cpus",
+             f"one set of cores for all servers or one per spawned server ({sv.spawn}), ';' between")
+        for group in groups:
+            try:
+                runtime.parse_cpus(group, "generator.servers.cpus")
+            except ValueError as e:
+                problems.append(f"{e}")
     need(g.mode in MODES, "generator.mode", f"one of {MODES}")
     need(g.attention in ATTENTION_KINDS, "generator.attention", f"one of {ATTENTION_KINDS}")
     need(g.prefill_attention in attn.KINDS, "generator.prefill_attention", f"one of {attn.KINDS}")

@@ -78,11 +78,49 @@ def install_signal_handlers() -> Stop:
     return stop
 
 
+def parse_cpus(text: str, key: str = "cpus") -> set[int]:
+    """'0-3,8' → {0, 1, 2, 3, 8}, cores of this machine; empty → every core this process may run on."""
+    text = str(text).strip()
+    if not text:
+        return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"{key}: {text!r} is not a list of CPU cores (expected e.g. '0', '0-3' or '0,2-3')") from None
+    n = os.cpu_count() or 1
+    if not cores or min(cores) < 0 or max(cores) >= n:
+        raise ValueError(f"{key}: {text!r} names cores this machine does not have (it has 0-{n - 1})")
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"{key}: pinning to CPU cores needs Linux (leave it empty here)")
+    return cores
+
+
+def pin(text: str, key: str = "cpus") -> set[int]:
+    """Runs this process on the cores `text` names (`parse_cpus`; empty: leaves it as it is): every thread it has,
+    and every thread and child process it starts later. Called before JAX starts, so that XLA's CPU thread pools are
+    sized to those cores: this is how a trainer and a generation server get a core each on one machine
+    (benchmarks/disaggregated.py)."""
+    cores = parse_cpus(text, key)
+    if str(text).strip():
+        for tid in sorted(map(int, os.listdir("/proc/self/task"))):  # threads already started (a library's) too
+            try:
+                os.sched_setaffinity(tid, cores)
+            except ProcessLookupError:  # the thread has ended
+                pass
+            except OSError as e:  # cores outside this container's or job's cpuset
+                raise ValueError(f"{key}: cannot run on cores {text!r} ({e.strerror})") from None
+    return cores
+
+
 def setup(config: Any, coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> None:
-    """Fakes `config.cpu_devices` host devices (harmless on GPU/TPU, where the accelerators are the devices) and
-    joins a multi-host run through `jax.distributed` (`initialize`; the run itself: arealjax/distributed.py) when
-    `config.distributed` is set (TPU pods, SLURM: from the environment) or a coordinator is given (GPU hosts,
-    localhost tests)."""
+    """Pins this process to `config.cpus` (`pin`), fakes `config.cpu_devices` host devices (harmless on GPU/TPU,
+    where the accelerators are the devices) and joins a multi-host run through `jax.distributed` (`initialize`; the
+    run itself: arealjax/distributed.py) when `config.distributed` is set (TPU pods, SLURM: from the environment) or
+    a coordinator is given (GPU hosts, localhost tests)."""
+    pin(config.get("cpus", ""))
     n = int(config.get("cpu_devices", 0) or 0)
     flags = os.environ.get("XLA_FLAGS", "")
     if n > 0 and "xla_force_host_platform_device_count" not in flags:

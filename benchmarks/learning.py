@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.staleness_ablation import training_curve  # noqa: E402
+from benchmarks.cells import training_curve  # noqa: E402
 
 # --smoke: main.py overrides for a seconds-long run of the same code path (a 1-layer model, two RL steps of 4 prompts
 # x 2 samples, a small evaluation); every benchmark that runs main.py uses them in its --smoke mode.

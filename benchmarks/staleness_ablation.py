@@ -3,13 +3,17 @@
   python benchmarks/staleness_ablation.py                      # the whole grid (~2 h on 2 CPU cores), resumable
   python benchmarks/staleness_ablation.py --report-only        # table + figure from the cells done so far
   python benchmarks/staleness_ablation.py --smoke              # 2 tiny cells (seconds): the script itself works
+  python benchmarks/staleness_ablation.py --layout=disaggregated --etas=0,2,4,8 --extra= --steps=80
+      # trainer and one generation server on a core each (benchmarks/cells.py), until η = 0 plateaus
 
 Cells: η ∈ --etas × objective ∈ {standard, decoupled} × --seeds, plus --extra cells (default: η = 4 decoupled with
 `keep` swaps, and with one PPO minibatch instead of the config's four); η = 0 runs once per seed, since with
 π_prox = μ the two objectives are the same loss there. Each cell is `main.py` in its own process (config --config,
 every cell the same steps, batch and group size, so the same sample budget), one SFT warm start per seed cached in
---work and shared by that seed's cells. A finished cell leaves cell.json in its directory and is skipped on the next
-invocation; an unfinished one is run again from the start. Cells run seed by seed, so a partial grid already
+--work and shared by that seed's cells, in the --layout of benchmarks/cells.py (colocated: one process, all cores;
+disaggregated: the trainer and a generation server on half of the cores each). A finished cell leaves cell.json in
+its directory and is skipped on the next invocation (benchmarks/disaggregated.py shares them, given the same --work
+and --steps); an unfinished one is run again from the start. Cells run seed by seed, so a partial grid already
 compares every η.
 
 Per cell, from the run's metrics.jsonl: held-out accuracy every --eval-every steps (pass@1 at the sampling
@@ -17,7 +21,8 @@ temperature and greedy) against *training* wall-clock (the run's wall-clock minu
 flight go on during an evaluation in every cell alike), seconds per step and effective trained tokens per second
 over steps (--warmup, --steps], the token-weighted staleness histogram, and the share of trained tokens the
 behaviour-weight mask dropped. Written to --results: staleness_ablation.md (table), staleness_ablation.png (figure)
-and staleness_ablation.json (every cell, for notebooks/staleness_ablation.ipynb).
+and staleness_ablation.json (every cell, for notebooks/staleness_ablation.ipynb); with the disaggregated layout,
+staleness_ablation_disaggregated.{md,png,json}.
 
 --smoke runs two cells from scratch (η = 0, and η = 1 standard PPO with keep swaps as an --extra cell; --etas /
 --extra still apply), 2 RL steps each at tiny sizes (benchmarks/learning.py `SMOKE`), and writes the table, figure
@@ -30,10 +35,8 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -41,76 +44,20 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import cells  # noqa: E402
 
-def cells(args) -> list[dict]:
+
+def grid(args) -> list[dict]:
     """The grid in run order: seed-major, η ascending, standard before decoupled, then the extra cells."""
     out = []
     for seed in args.seeds:
         for eta in args.etas:
             for objective in (("decoupled",) if eta == 0 else ("standard", "decoupled")):
-                out.append(dict(eta=eta, objective=objective, mode="recompute", overrides="", seed=seed))
+                out.append(cells.cell(args.layout, eta, objective, "recompute", seed))
         for extra in args.extra:
             eta, objective, mode, *overrides = extra.split(":")
-            out.append(dict(eta=int(eta), objective=objective, mode=mode, overrides=":".join(overrides), seed=seed))
-    for c in out:
-        tag = c["overrides"].replace("+", "_").replace("=", "-").replace("trainer.", "")
-        c["name"] = f"eta{c['eta']}_{c['objective']}_{c['mode']}{'_' + tag if tag else ''}_seed{c['seed']}"
+            out.append(cells.cell(args.layout, int(eta), objective, mode, seed, ":".join(overrides)))
     return out
-
-
-def run_cell(cell: dict, args) -> None:
-    workdir = Path(args.work) / cell["name"]
-    shutil.rmtree(workdir, ignore_errors=True)  # an unfinished cell starts over (metrics.jsonl appends)
-    cmd = [sys.executable, "main.py", f"--config={args.config}", f"--workdir={workdir}",
-           f"--config.seed={cell['seed']}", f"--config.rl.max_staleness={cell['eta']}",
-           f"--config.trainer.ppo.objective={cell['objective']}", f"--config.generator.mode={cell['mode']}",
-           f"--config.rl.steps={args.steps}", f"--config.rl.eval_every={args.eval_every}",
-           f"--config.eval.num_problems={args.eval_problems}", "--config.checkpoint.every_steps=100000",
-           f"--config.sft.cache_dir={Path(args.work) / 'sft_seed{}'.format(cell['seed'])}", *args.overrides,
-           *[f"--config.{o}" for o in cell["overrides"].split("+") if o]]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # main.py sets the device count from config
-    print(f"[{time.strftime('%H:%M:%S')}] {cell['name']}", flush=True)
-    with open(Path(args.work) / f"{cell['name']}.log", "w") as log:
-        res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if res.returncode:
-        sys.exit(f"{cell['name']} failed (exit {res.returncode}); see {Path(args.work) / (cell['name'] + '.log')}")
-    (workdir / "cell.json").write_text(json.dumps(summarize(cell, workdir, args), indent=1))
-
-
-def training_curve(rows: list[dict]) -> tuple[dict[int, float], list[list[float]]]:
-    """A run's metrics.jsonl rows → (training wall-clock at each step, [[step, training wall-clock, held-out
-    accuracy, greedy accuracy] at each evaluation]). Training wall-clock is the run's wall_seconds minus the
-    evaluations before it (wall_seconds is taken before the step's evaluation; later steps include it)."""
-    eval_done, train_wall, curve = 0.0, {0: 0.0}, []
-    for r in rows:
-        if r["step"] > 0 and "wall_seconds" in r:  # not the evaluation row of a run that ended early
-            train_wall[r["step"]] = r["wall_seconds"] - eval_done
-        if "eval_accuracy" in r:
-            curve.append([r["step"], train_wall[r["step"]], r["eval_accuracy"], r.get("eval_greedy_accuracy")])
-            if r["step"] > 0:
-                eval_done += r.get("eval_seconds", 0.0)  # runs before issue 19 did not time evaluations
-    return train_wall, curve
-
-
-def summarize(cell: dict, workdir: Path, args) -> dict:
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    train_wall, curve = training_curve(rows)
-    steps = {r["step"]: r for r in rows if r["step"] > 0}
-    window = [steps[s] for s in range(args.warmup + 1, args.steps + 1)]
-    wall = train_wall[args.steps] - train_wall[args.warmup]
-    trained = sum(r["trained_tokens"] for r in window)
-    hist = np.zeros(cell["eta"] + 1)
-    for r in steps.values():
-        hist += [r.get(f"staleness_tokens_{k}", 0) for k in range(cell["eta"] + 1)]
-    tokens = np.array([r["tokens"] for r in steps.values()], float)
-    summary = json.loads((workdir / "summary.json").read_text())
-    return {**cell, "steps": args.steps, "seconds_per_step": wall / len(window), "trained_tokens_per_s": trained / wall,
-            "staleness_histogram": (hist / max(hist.sum(), 1)).tolist(),
-            "staleness_mean": float(np.dot(np.arange(cell["eta"] + 1), hist) / max(hist.sum(), 1)),
-            "masked_fraction": float(np.dot([r["masked_fraction"] for r in steps.values()], tokens) / tokens.sum()),
-            "clip_fraction": float(np.mean([r["clip_fraction"] for r in steps.values()])),
-            "curve": curve, "accuracy_start": summary["eval_accuracy_start"],
-            "accuracy_end": summary["eval_accuracy_end"], "greedy_end": summary["eval_greedy_accuracy_end"]}
 
 
 def label(c: dict) -> str:
@@ -126,15 +73,15 @@ def report(results: list[dict], args) -> str:
         groups.setdefault((r["eta"], (r["mode"], r["overrides"]), r["objective"]), []).append(r)
 
     def stat(rs, key, fmt="{:.2f}"):
-        xs = np.array([r[key] for r in rs], float)
-        return (fmt + " ± " + fmt).format(xs.mean(), xs.std(ddof=1)) if len(xs) > 1 else fmt.format(xs.mean())
+        return cells.mean_sd((r[key] for r in rs), fmt)
 
     plain = ("recompute", "")
     base = groups.get((0, plain, "decoupled"))
     lines = [f"`python benchmarks/staleness_ablation.py {' '.join(args.argv)}`".replace(" `", "`"),
              "", f"{args.config}, {args.steps} RL steps per cell, held-out accuracy on {args.eval_problems} problems "
              f"(pass@1 at T = 1; mean ± sd over seeds, n = seeds per cell), s/step and trained tok/s over steps "
-             f"{args.warmup + 1}–{args.steps} of training wall-clock, {os.cpu_count()} CPU cores.", "",
+             f"{args.warmup + 1}–{args.steps} of training wall-clock, {os.cpu_count()} CPU cores, {args.layout} layout "
+             f"(benchmarks/cells.py).", "",
              "| η (variant) | standard PPO: final accuracy | decoupled PPO: final accuracy | decoupled: greedy | "
              "start | s / step (std / dec) | speedup vs η = 0 (dec) | trained tok/s (dec) | staleness mean (dec) | "
              "trained tokens by staleness 0, 1, … (dec) | behaviour-mask share (dec) | n |",
@@ -215,6 +162,7 @@ def figure(results: list[dict], out: Path) -> None:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/longtail.py")
+    p.add_argument("--layout", default="colocated", choices=sorted(cells.LAYOUTS))
     p.add_argument("--etas", default=None, help="η values, comma-separated (default: 0,1,2,4,8; --smoke: 0)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--extra", default=None,
@@ -250,20 +198,21 @@ def main():
     if args.steps <= args.warmup or args.eval_every <= 0 or args.steps % args.eval_every:
         p.error("--steps must exceed --warmup and be a multiple of --eval-every")
     Path(args.work).mkdir(parents=True, exist_ok=True)
-    grid = cells(args)
-    for cell in grid:
-        if not args.report_only and not (Path(args.work) / cell["name"] / "cell.json").is_file():
-            run_cell(cell, args)
-    results = [json.loads(f.read_text()) for c in grid if (f := Path(args.work) / c["name"] / "cell.json").is_file()]
+    todo = grid(args)
+    if not args.report_only:
+        for c in todo:
+            cells.run(c, args)
+    results = [json.loads(f.read_text()) for c in todo if (f := Path(args.work) / c["name"] / "cell.json").is_file()]
     if not results:
         sys.exit(f"no finished cells in {args.work}")
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     table = report(results, args)
-    (out / "staleness_ablation.md").write_text(
-        f"# Staleness ablation\n\n{table}\n\n![staleness ablation](staleness_ablation.png)\n")
-    (out / "staleness_ablation.json").write_text(json.dumps(results, indent=1))
-    figure(results, out / "staleness_ablation.png")
+    name = "staleness_ablation" + ("_disaggregated" if args.layout == "disaggregated" else "")
+    (out / f"{name}.md").write_text(
+        f"# Staleness ablation ({args.layout})\n\n{table}\n\n![staleness ablation]({name}.png)\n")
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    figure(results, out / f"{name}.png")
     print(table)
 
 

@@ -50,7 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.staleness_ablation import training_curve  # noqa: E402
+from benchmarks.cells import training_curve  # noqa: E402
 
 TASKS = {  # the task's config and what the comparison runs of it
     "default": dict(config="configs/default.py", steps=60, eval_every=10, targets=(0.70, 0.80)),

@@ -18,6 +18,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.seed = 0
     # Fake host devices when running on CPU (set before JAX starts; ignored by GPU/TPU backends).
     config.cpu_devices = 4
+    # The CPU cores this process runs on ("0", "0-3,8"; empty = all it may use): XLA sizes its thread pools to them.
+    config.cpus = ""
     # Multi-host (docs/pods.md): True on pods and SLURM, where jax.distributed.initialize() reads
     # the cluster; GPU hosts pass --coordinator/--num_processes/--process_id to main.py instead. A process silent
     # for heartbeat_seconds is taken for dead and every other process stops.
@@ -157,6 +159,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.generator.servers.wait_seconds = 300.0  # for them to start, or for one to rejoin when none is left
     config.generator.servers.heartbeat_seconds = 10.0  # a server silent this long is dropped; the reverse: it stops
     config.generator.servers.verify = False  # servers report a fingerprint of the weights they got, every update
+    # The cores of each spawned server: one set for all ("1") or one per server, ";" between ("1;2-3"); empty = all.
+    config.generator.servers.cpus = ""
     config.generator.slots = 128
     config.generator.max_len = 64  # prompt + output tokens per sequence
     config.generator.mode = "recompute"  # on a weight swap: re-prefill in-flight slots (AReaL) | "keep" stale KV

@@ -112,6 +112,12 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
     (["--config.generator.mode=swap"], r"generator\.mode = 'swap': expected one of"),
     (["--config.generator.backend=remote", "--config.generator.servers.address=nowhere"],
      r"generator\.servers\.address = 'nowhere': expected 'host:port'"),
+    (["--config.generator.backend=remote", "--config.generator.servers.spawn=2",
+      "--config.generator.servers.cpus=0;1;1"],
+     r"generator\.servers\.cpus = '0;1;1': expected one set of cores for all servers or one per spawned server "
+     r"\(2\)"),
+    (["--config.generator.backend=remote", "--config.generator.servers.cpus=one"],
+     r"generator\.servers\.cpus: 'one' is not a list of CPU cores \(expected e\.g\. '0', '0-3' or '0,2-3'\)"),
     (["--config.generator.backend=vllm"], r"generator\.backend = 'vllm': expected one of \('local', 'remote'\)"),
     (["--config.sft.steps=10"], r"sft\.steps = 10: expected more than sft\.optim\.warmup_steps = 20"),
     (["--config.trainer.max_tokens=32"], r"trainer\.max_tokens = 32: expected ≥ generator\.max_len = 64"),
@@ -127,6 +133,11 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
 ], ids=lambda x: x[-1].split("=")[0][9:] if isinstance(x, list) else None)
 def test_bad_config_is_refused_at_start(tmp_path, flags, pattern):
     assert_clean_failure(main_py(tmp_path, *flags), pattern, within=30)
+
+
+def test_cores_the_machine_lacks_are_refused_before_jax_starts(tmp_path):
+    assert_clean_failure(main_py(tmp_path, f"--config.cpus=0-{os.cpu_count()}"),
+                         r"cpus: '0-\d+' names cores this machine does not have", within=30, summary=False)
 
 
 def test_every_problem_is_listed_at_once(tmp_path):

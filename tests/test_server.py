@@ -73,8 +73,10 @@ def wait_until(condition, timeout: float, what: str) -> None:
 def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_they_are_sent(tmp_path):
     """Temperature ≠ 1 with top-k and top-p, and greedy: the same tokens, logprobs and versions from two servers as
     from the in-process generator; a group's samples on one server, groups spread over both; after each update
-    every server serves the trainer's version, and the weights it got have the trainer's fingerprint."""
-    tokenizer, model, made = backends(small_config(), tmp_path)
+    every server serves the trainer's version, and the weights it got have the trainer's fingerprint. Each server
+    runs on the cores generator.servers.cpus gives it."""
+    last = os.cpu_count() - 1
+    tokenizer, model, made = backends(small_config(cpus=f"0;{last}"), tmp_path)
     (local, _), (remote, transport) = made["local"], made["remote"]
     try:
         for sampling in (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=20, seed=3),
@@ -102,12 +104,23 @@ def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_th
             assert {s["fingerprint"] for s in servers.values()} == {transport.fingerprint(params)}
         (after,) = remote.submit(reqs[0][1], SamplingParams(max_new_tokens=4)).result(timeout=60)
         assert list(after.versions) == [2] * 4
+        assert {n: s["cpus"] for n, s in remote.servers().items()} == {"server-0": [0], "server-1": [last]}
         stats = remote.stats()
         assert stats["servers_ready"] == 2 and stats["decode_steps_total"] > 0
         assert stats["weight_bytes_total"] >= 2 * 3 * transport.bytes  # the first weights and two updates, ×2
     finally:
         remote.close()
         local.close()
+
+
+def test_pin_puts_every_thread_on_its_cores_and_xla_sizes_its_pools_to_them():
+    """runtime.pin before JAX starts: every thread of the process (XLA's pools included) runs on the pinned core."""
+    code = ("from arealjax import runtime; runtime.pin('0'); import os, jax, jax.numpy as jnp; "
+            "(jnp.ones((256, 256)) @ jnp.ones((256, 256))).block_until_ready(); "
+            "print(sorted({tuple(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[(0,)]", out.stdout
 
 
 def test_under_lora_and_bf16_only_the_adapters_travel_cast_and_servers_serve_the_merged_model(tmp_path):

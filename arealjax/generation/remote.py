@@ -77,6 +77,7 @@ class _Server:
     name: str
     pid: int = 0
     host: str = ""
+    cpus: list[int] = dataclasses.field(default_factory=list)  # the cores it runs on
     proc: subprocess.Popen | None = None
     log: str = ""
     state: str = "joining"  # joining → ready → dead
@@ -178,11 +179,13 @@ class RemoteBackend:
         logs.mkdir(parents=True, exist_ok=True)
         host = "127.0.0.1" if self.address.startswith(("0.0.0.0", "*")) else self.address.rsplit(":", 1)[0]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        cpus = str(self.config.generator.servers.get("cpus", "")).split(";")
         for i in range(count):
             name = f"server-{i}"
             log = logs / (f"{name}.log" if jax.process_count() == 1 else f"p{self.process}-{name}.log")
             cmd = [sys.executable, "-m", "arealjax.generation.server", f"--trainer={host}:{self.endpoint.port}",
-                   f"--devices={int(self.config.mesh.generator.devices) or 1}", f"--name={name}"]
+                   f"--devices={int(self.config.mesh.generator.devices) or 1}", f"--name={name}",
+                   f"--cpus={cpus[i % len(cpus)]}"]
             with open(log, "w") as f:
                 # in their own session: a Ctrl-C meant for the trainer reaches them as its 'stop', and a trainer
                 # that dies without one leaves them to notice its silence (servers.heartbeat_seconds)
@@ -236,7 +239,8 @@ class RemoteBackend:
             self._lose(old, f"replaced by a new server process {header['pid']}")
         same = old is not None and old.pid == header["pid"]  # a server this backend started, saying hello
         server = self._servers[name] = _Server(name, pid=header["pid"], host=header["host"], heard=True,
-                                               proc=old.proc if same else None, log=old.log if old else "")
+                                               proc=old.proc if same else None, log=old.log if old else "",
+                                               cpus=header.get("cpus", []))
         self.endpoint.send(name.encode(), b"welcome", self._welcome)
         self.counters["weight_bytes_total"] += self._send_weights(name, self._full, self._full_version, True)
         if self._latest is not None:
@@ -459,9 +463,10 @@ class RemoteBackend:
         return self._max_len
 
     def servers(self) -> dict[str, dict[str, Any]]:
-        """name -> {state, version, pid, host, why, fingerprint (with servers.verify)} of every server seen."""
+        """name -> {state, version, pid, host, cpus, why, fingerprint (with servers.verify)} of every server seen."""
         with self._cv:
-            return {s.name: {"state": s.state, "version": s.version, "pid": s.pid, "host": s.host, "why": s.why,
+            return {s.name: {"state": s.state, "version": s.version, "pid": s.pid, "host": s.host, "cpus": s.cpus,
+                             "why": s.why,
                              "fingerprint": s.stats.get("fingerprint"),
                              "fingerprint_version": s.stats.get("fingerprint_version")}
                     for s in self._servers.values()}

@@ -1,6 +1,6 @@
 """A generation server: the interruptible generator in its own process, on its own devices, serving a trainer.
 
-    python -m arealjax.generation.server --trainer=HOST:PORT [--devices=N] [--name=NAME]
+    python -m arealjax.generation.server --trainer=HOST:PORT [--devices=N] [--name=NAME] [--cpus=CORES]
 
 It connects to the trainer's address (`generator.servers.address`), says hello, and gets everything else from the
 trainer: the config, the model's architecture and its current weights (a server started late, or again after a
@@ -9,7 +9,8 @@ crash, joins with the weights the trainer serves now). Then it serves the traine
 abort, pause/resume and stats. It stops when the trainer says so or goes silent for `servers.heartbeat_seconds`.
 
 Its mesh is `mesh.generator` of the trainer's config over this process's devices (on CPU, `--devices` fakes that
-many). The trainer's process never compiles a generator program.
+many; `--cpus` pins it to those cores, as `generator.servers.cpus` does for the servers a trainer spawns). The
+trainer's process never compiles a generator program.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class Server:
         import jax
 
         self.send("hello", name=name, pid=os.getpid(), host=socket.gethostname(),
-                  devices=[str(d) for d in jax.local_devices()])
+                  devices=[str(d) for d in jax.local_devices()],
+                  cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
 
     def send(self, kind: str, *buffers: Any, **header: Any) -> None:
         from arealjax.generation import rpc
@@ -258,7 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainer", required=True, help="HOST:PORT the trainer listens on (generator.servers.address)")
     p.add_argument("--devices", type=int, default=0, help="CPU only: fake this many host devices (0: leave as is)")
     p.add_argument("--name", default="", help="this server's name in the trainer's logs (default: host-pid)")
+    p.add_argument("--cpus", default="", help="run on these CPU cores ('1', '2-3'; default: all it may use)")
     args = p.parse_args(argv)
+    from arealjax import runtime
+
+    try:
+        runtime.pin(args.cpus, "--cpus")  # before JAX starts: XLA sizes its CPU thread pools to these cores
+    except ValueError as e:
+        p.error(str(e))
     if args.devices > 0 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.devices}").strip()

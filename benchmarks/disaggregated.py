@@ -1,0 +1,243 @@
+"""Synchronous colocated vs asynchronous disaggregated RL at equal compute, on the long-tail task (the paper's Fig. 1
+and Fig. 5c on this machine).
+
+  python benchmarks/disaggregated.py                  # 3 seeds × 10 cells, resumable (cells: benchmarks/cells.py)
+  python benchmarks/disaggregated.py --seeds=0 --etas=0,4 --modes=recompute   # the headline pair only
+  python benchmarks/disaggregated.py --report-only    # table, figure and JSON from the cells done so far
+  python benchmarks/disaggregated.py --smoke          # tiny cells (a minute): the script itself works
+
+Per seed, the same model, SFT warm start, batch, group size and number of RL steps (so the same sample budget) in:
+  - synchronous colocated: η = 0 in one process, generation then training on all cores (the comparison the paper
+    makes against verl);
+  - asynchronous disaggregated: the trainer pinned to half of the cores and one generation server to the other
+    half (`config.cpus`, `generator.servers.cpus`), at each η of --etas with each swap mode of --modes (keep only
+    at η > 0: at η = 0 no rollout is in flight at a swap).
+Per configuration (mean over seeds): s/step, trained and generated tokens/s over steps (--warmup, --steps] of
+training wall-clock (evaluations left out), the generator's idle share (its own clock), the trainer's idle share
+(waiting for a batch), the weight push share (trainer blocked) and transfer share (on the wire, overlapping), the
+token-weighted staleness histogram, and held-out accuracy (pass@1 at T = 1 on --eval-problems) by training
+wall-clock and at the end, which is the same sample count in every cell. `speedup_eta4` is trained tokens/s of
+disaggregated η = 4 (recompute) over synchronous colocated, the ratio of the seed means.
+
+The capacity planner (arealjax/plan.py) is checked against the same runs: calibrated on each seed's disaggregated
+η = 0 run (the trainer's and generator's costs on their own cores), it predicts s/step of that seed's other
+disaggregated runs; measured and predicted side by side in the table and the JSON.
+
+Written to --results: disaggregated.md (table), disaggregated.png (throughput vs η; accuracy vs wall-clock) and
+disaggregated.json (every cell, the configurations, the planner check, speedup_eta4, the commits measured).
+--smoke runs the baseline and disaggregated η = 1 for 2 tiny steps (benchmarks/learning.py `SMOKE`), into
+--work/smoke, never into --results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import cells  # noqa: E402
+
+BASE = ("colocated", 0, "recompute")
+
+
+def grid(args) -> list[dict]:
+    """The headline pair (the baseline, disaggregated η = 4) for every seed first, then the rest seed by seed."""
+    configs = [BASE] + [("disaggregated", eta, mode) for mode in args.modes for eta in args.etas
+                        if mode == "recompute" or eta > 0]
+    head = [k for k in configs if k in (BASE, ("disaggregated", 4, "recompute"))]
+    rest = sorted((k for k in configs if k not in head), key=lambda k: (k[2] != "recompute", k[1]))
+    order = [(seed, k) for seed in args.seeds for k in head] + [(seed, k) for seed in args.seeds for k in rest]
+    return [cells.cell(layout, eta, "decoupled", mode, seed) for seed, (layout, eta, mode) in order]
+
+
+def label(key: tuple) -> str:
+    layout, eta, mode = key
+    return ("synchronous colocated" if key == BASE else
+            f"disaggregated η = {eta}{' (keep)' if mode == 'keep' else ''}" if layout == "disaggregated" else
+            f"colocated η = {eta}{' (keep)' if mode == 'keep' else ''}")
+
+
+def planner_check(results: list[dict], args) -> list[dict]:
+    """Per seed: plan.validate calibrated on the disaggregated η = 0 run, predicting the seed's disaggregated runs."""
+    from arealjax import plan
+
+    out = []
+    for seed in sorted({r["seed"] for r in results}):
+        mine = [r for r in results if r["seed"] == seed and r["layout"] == "disaggregated"]
+        base = [r for r in mine if r["eta"] == 0]
+        if not base or len(mine) < 2:
+            continue
+        workdir = lambda r: str(Path(args.work) / r["name"])  # noqa: E731
+        for r, v in zip(mine, plan.validate([workdir(base[0])], [workdir(r) for r in mine], warmup=args.warmup)):
+            out.append({"seed": seed, "eta": r["eta"], "mode": r["mode"],
+                        "measured_seconds_per_step": v["measured"]["seconds_per_step"],
+                        "predicted_seconds_per_step": v["predicted"]["seconds_per_step"], "error": v["error"]})
+    return out
+
+
+def configurations(results: list[dict], planner: list[dict]) -> list[dict]:
+    """One row per (layout, η, mode): means over seeds, accuracy mean and sd."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["layout"], r["eta"], r["mode"]), []).append(r)
+    base = groups.get(BASE, [])
+    base_tps = np.mean([r["trained_tokens_per_s"] for r in base]) if base else float("nan")
+    rows = []
+    for key in sorted(groups, key=lambda k: (k != BASE, k[2] != "recompute", k[1])):
+        rs = groups[key]
+        m = lambda k, rs=rs: float(np.mean([r[k] for r in rs]))  # noqa: E731
+        pred = [p for p in planner if (p["eta"], p["mode"]) == key[1:] and key[0] == "disaggregated"]
+        rows.append({"label": label(key), "layout": key[0], "eta": key[1], "mode": key[2], "n": len(rs),
+                     **{k: m(k) for k in ("seconds_per_step", "trained_tokens_per_s", "generated_tokens_per_s",
+                                          "generator_idle_share", "trainer_idle_share", "weight_push_share",
+                                          "weight_transfer_share", "trainer_step_seconds", "staleness_mean",
+                                          "accuracy_start", "accuracy_end", "greedy_end")},
+                     "accuracy_end_sd": float(np.std([r["accuracy_end"] for r in rs], ddof=1)) if len(rs) > 1 else 0.0,
+                     "speedup": m("trained_tokens_per_s") / base_tps,
+                     "staleness_histogram": np.mean([r["staleness_histogram"] for r in rs], 0).tolist(),
+                     "predicted_seconds_per_step": float(np.mean([p["predicted_seconds_per_step"] for p in pred]))
+                     if pred else None})
+    return rows
+
+
+def report(results: list[dict], rows: list[dict], args) -> str:
+    commits = ", ".join(sorted({r.get("commit", "?") for r in results}))
+    lines = [f"`python benchmarks/disaggregated.py {' '.join(args.argv)}`".replace(" `", "`"), "",
+             f"{args.config}, {args.steps} RL steps per cell (the same sample budget), {os.cpu_count()} CPU cores; "
+             f"rates over steps {args.warmup + 1}–{args.steps} of training wall-clock; held-out pass@1 (T = 1) on "
+             f"{args.eval_problems} problems after the last step, mean ± sd over seeds (n); measured at {commits}. "
+             "Speedup: trained tokens/s over synchronous colocated. Planner: arealjax/plan.py calibrated on the "
+             "seed's disaggregated η = 0 run.", "",
+             "| configuration | s / step | speedup | trained tok/s | generated tok/s | generator idle | trainer idle "
+             "| weight push / transfer | staleness mean | trained tokens by staleness 0, 1, … | accuracy start → end "
+             "| planner s / step | n |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w in rows:
+        hist = " / ".join(f"{100 * x:.0f}%" for x in w["staleness_histogram"])
+        acc = cells.mean_sd([r["accuracy_end"] for r in results if (r["layout"], r["eta"], r["mode"])
+                             == (w["layout"], w["eta"], w["mode"])])
+        pred = f"{w['predicted_seconds_per_step']:.2f}" if w["predicted_seconds_per_step"] is not None else "—"
+        lines.append(f"| {w['label']} | {w['seconds_per_step']:.2f} | {w['speedup']:.2f}× "
+                     f"| {w['trained_tokens_per_s']:,.0f} | {w['generated_tokens_per_s']:,.0f} "
+                     f"| {100 * w['generator_idle_share']:.0f}% | {100 * w['trainer_idle_share']:.0f}% "
+                     f"| {100 * w['weight_push_share']:.1f}% / {100 * w['weight_transfer_share']:.1f}% "
+                     f"| {w['staleness_mean']:.2f} | {hist} | {w['accuracy_start']:.2f} → {acc} | {pred} | {w['n']} |")
+    return "\n".join(lines)
+
+
+def figure(results: list[dict], rows: list[dict], out: Path) -> None:
+    """(a) trained and generated tokens/s vs η, disaggregated per mode, the synchronous colocated baseline as a
+    line (the paper's Fig. 5c); (b) held-out accuracy vs training wall-clock per configuration (mean over seeds;
+    the paper's Fig. 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    base = [w for w in rows if (w["layout"], w["eta"], w["mode"]) == BASE]
+    for mode, marker in (("recompute", "o"), ("keep", "s")):
+        ws = sorted((w for w in rows if w["layout"] == "disaggregated" and w["mode"] == mode), key=lambda w: w["eta"])
+        if ws:
+            axes[0].plot([w["eta"] for w in ws], [w["trained_tokens_per_s"] for w in ws], marker=marker,
+                         label=f"disaggregated, {mode}: trained")
+            axes[0].plot([w["eta"] for w in ws], [w["generated_tokens_per_s"] for w in ws], marker=marker, ls=":",
+                         label=f"disaggregated, {mode}: generated")
+    if base:
+        axes[0].axhline(base[0]["trained_tokens_per_s"], color="k", lw=1, label="synchronous colocated: trained")
+    axes[0].set_xlabel("η (max staleness)")
+    axes[0].set_xscale("symlog", linthresh=1)
+    etas = sorted({w["eta"] for w in rows})
+    axes[0].set_xticks(etas, [str(e) for e in etas])
+    axes[0].set_ylabel("tokens / s")
+    axes[0].set_title("throughput vs η at equal compute")
+    for i, w in enumerate(rows):
+        rs = [r for r in results if (r["layout"], r["eta"], r["mode"]) == (w["layout"], w["eta"], w["mode"])]
+        n = min(len(r["curve"]) for r in rs)
+        wall = np.mean([[p[1] for p in r["curve"][:n]] for r in rs], 0)
+        acc = np.mean([[p[2] for p in r["curve"][:n]] for r in rs], 0)
+        axes[1].plot(wall, acc, "-" if w["mode"] == "recompute" else ":", marker="o", ms=3,
+                     color="k" if w is (base[0] if base else None) else plt.cm.viridis(i / max(len(rows) - 1, 1)),
+                     label=w["label"])
+    axes[1].set_xlabel("training wall-clock (s)")
+    axes[1].set_ylabel("held-out accuracy (pass@1)")
+    axes[1].set_title("accuracy vs wall-clock (mean over seeds)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/longtail.py")
+    p.add_argument("--etas", default=None, help="disaggregated η values, comma-separated (default 0,1,2,4,8)")
+    p.add_argument("--modes", default="recompute,keep", help="weight-swap modes of the disaggregated cells")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the rates (compilation)")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-problems", type=int, default=256)
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "arealjax_disaggregated"),
+                   help="run directories (resumable; staleness_ablation.py --layout=disaggregated shares cells)")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny cells (a minute), results into --work/smoke")
+    args, args.overrides = p.parse_known_args()
+    args.argv = [a for a in sys.argv[1:] if a != "--report-only"]  # the command that ran the grid
+    args.etas = args.etas or ("1" if args.smoke else "0,1,2,4,8")
+    if args.smoke:
+        from benchmarks.learning import smoke_flags
+
+        args.seeds, args.steps, args.warmup, args.eval_every, args.eval_problems = "0", 2, 1, 2, 4
+        args.modes = "recompute"
+        args.work = args.results = str(Path(args.work) / "smoke")
+        args.overrides = [*smoke_flags("rl.steps", "rl.eval_every", "eval.num_problems"), *args.overrides]
+        if not args.report_only:
+            shutil.rmtree(args.work, ignore_errors=True)  # finished cells would not run again
+    args.etas = [int(x) for x in args.etas.split(",")]
+    args.seeds = [int(x) for x in args.seeds.split(",")]
+    args.modes = [m for m in args.modes.split(",") if m]
+    if args.steps <= args.warmup or args.eval_every <= 0 or args.steps % args.eval_every:
+        p.error("--steps must exceed --warmup and be a multiple of --eval-every")
+    if bad := [m for m in args.modes if m not in ("recompute", "keep")]:
+        p.error(f"--modes: {bad}; expected recompute and/or keep")
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    todo = grid(args)
+    if not args.report_only:
+        for c in todo:
+            cells.run(c, args)
+    results = [json.loads(f.read_text()) for c in todo if (f := Path(args.work) / c["name"] / "cell.json").is_file()]
+    if not results:
+        sys.exit(f"no finished cells in {args.work}")
+    planner = planner_check(results, args)
+    rows = configurations(results, planner)
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    table = report(results, rows, args)
+    speedup = {f"speedup_eta{w['eta']}{'_keep' if w['mode'] == 'keep' else ''}": w["speedup"]
+               for w in rows if w["layout"] == "disaggregated"}
+    (out / "disaggregated.md").write_text(f"# Synchronous colocated vs asynchronous disaggregated\n\n{table}\n\n"
+                                          "![disaggregated](disaggregated.png)\n")
+    (out / "disaggregated.json").write_text(json.dumps(
+        {"command": f"python benchmarks/disaggregated.py {' '.join(args.argv)}".strip(),
+         "commits": sorted({r.get("commit", "?") for r in results}), "cpu_count": os.cpu_count(),
+         "speedup_eta4": speedup.get("speedup_eta4"), **speedup, "configurations": rows, "planner": planner,
+         "cells": results}, indent=1))
+    figure(results, rows, out / "disaggregated.png")
+    print(table)
+    print(f"\nspeedup_eta4 = {speedup.get('speedup_eta4')}")
+
+
+if __name__ == "__main__":
+    main()
