@@ -63,6 +63,7 @@ def check_config(config: Any, processes: int = 1) -> None:
          "rewards.max_failure_rate", "a share in (0, 1]")
     need(_number(config.checkpoint.every_seconds) and config.checkpoint.every_seconds >= 0,
          "checkpoint.every_seconds", "seconds ≥ 0")
+    cpus = [("cpus", config.get("cpus", ""))]
     need(g.get("backend", "local") in BACKENDS, "generator.backend", f"one of {BACKENDS}")
     if g.get("backend", "local") == "remote":
         sv = g.servers
@@ -74,12 +75,14 @@ def check_config(config: Any, processes: int = 1) -> None:
         need(bool(host) and port.isdigit() and int(port) < 65536, "generator.servers.address", "'host:port'")
         groups = str(sv.get("cpus", "")).split(";")
         need(len(groups) in (1, sv.spawn), "generator.servers.cpus",
-             f"one set of cores for all servers or one per spawned server ({sv.spawn}), ';' between")
-        for group in groups:
-            try:
-                runtime.parse_cpus(group, "generator.servers.cpus")
-            except ValueError as e:
-                problems.append(f"{e}")
+             f"one set of cores for all spawned servers or one per spawned server (servers.spawn = {sv.spawn}), "
+             "';' between")
+        cpus.extend(("generator.servers.cpus", group) for group in groups)
+    for key, text in cpus:
+        try:
+            runtime.parse_cpus(text, key)
+        except ValueError as e:
+            problems.append(str(e))
     need(g.mode in MODES, "generator.mode", f"one of {MODES}")
     need(g.attention in ATTENTION_KINDS, "generator.attention", f"one of {ATTENTION_KINDS}")
     need(g.prefill_attention in attn.KINDS, "generator.prefill_attention", f"one of {attn.KINDS}")

@@ -339,10 +339,17 @@ def run_workload(config: dict, facts: dict, steps: int = 40, warmup: int = 5) ->
 
 
 def measured(workdir: str | Path, warmup: int = 5) -> dict:
-    """What a run measured over its RL steps after `warmup` (as benchmarks/async_vs_sync.py times them)."""
+    """What a run measured over its RL steps after `warmup` (≥ 1), in training wall-clock: the held-out evaluations
+    within them left out (as benchmarks/async_vs_sync.py and benchmarks/cells.py time them)."""
     _, rows = read_run(workdir)
+    if not 1 <= warmup < len(rows):
+        raise ValueError(f"{workdir}: warmup = {warmup}; expected 1 ≤ warmup < its {len(rows)} RL steps")
     window = rows[warmup:]
-    span = window[-1]["wall_seconds"] - rows[warmup - 1]["wall_seconds"]
+    first, last = rows[warmup - 1]["step"], window[-1]["step"]
+    evals = sum(r.get("eval_seconds", 0.0) for r in (json.loads(x) for x in (Path(workdir) / "metrics.jsonl")
+                                                      .read_text().splitlines() if x.strip())
+                if "eval_accuracy" in r and first <= r["step"] < last)  # wall_seconds is taken before them
+    span = window[-1]["wall_seconds"] - rows[warmup - 1]["wall_seconds"] - evals
     busy = sum(r["generator_busy_seconds"] for r in window)
     idle = sum(r["generator_idle_seconds"] for r in window)
     return {"seconds_per_step": span / len(window), "generator_idle_share": idle / (busy + idle),

@@ -1,5 +1,6 @@
-"""Process start-up that must happen before JAX initialises its backends (fake CPU devices, joining a multi-host
-run), and the run's stop signal. This module imports nothing of arealjax: everything else may import it.
+"""Process start-up that must happen before JAX initialises its backends (pinning to CPU cores, fake CPU devices,
+joining a multi-host run), and the run's stop signal. This module imports nothing of arealjax: everything else may
+import it.
 
 Ctrl-C (SIGINT) and a scheduler's SIGTERM do not raise inside the run: a handler records the signal in a `Stop`
 that the RL loop, the trainer's wait for a batch, evaluation and the warm start check between steps. An exception
@@ -78,21 +79,46 @@ def install_signal_handlers() -> Stop:
     return stop
 
 
+# The cores this process could run on when it started, before any `pin` (a process spawned by a pinned one, a
+# generation server, gets its parent's in START_CPUS_ENV): what an empty core list means, and what `pin` may choose
+# from.
+START_CPUS_ENV = "AREALJAX_START_CPUS"
+START_CPUS = frozenset(
+    {c for part in os.environ[START_CPUS_ENV].split(",") for c in range(int(part.split("-")[0]),
+                                                                       int(part.split("-")[-1]) + 1)}
+    if os.environ.get(START_CPUS_ENV) else
+    os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
+
+
+def cpu_list(cores) -> str:
+    """{0, 1, 2, 5} → '0-2,5' (the form `parse_cpus` reads)."""
+    spans: list[list[int]] = []
+    for c in sorted(cores):
+        if spans and c == spans[-1][1] + 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in spans)
+
+
 def parse_cpus(text: str, key: str = "cpus") -> set[int]:
-    """'0-3,8' → {0, 1, 2, 3, 8}, cores of this machine; empty → every core this process may run on."""
+    """'0-3,8' → {0, 1, 2, 3, 8}, each a core this process may run on (`START_CPUS`); empty → all of those."""
     text = str(text).strip()
     if not text:
-        return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        return set(START_CPUS)
     cores: set[int] = set()
     try:
         for part in text.split(","):
             lo, _, hi = part.strip().partition("-")
-            cores.update(range(int(lo), int(hi or lo) + 1))
+            lo, hi = int(lo), int(hi or lo)
+            if hi < lo:
+                raise ValueError
+            cores.update(range(lo, hi + 1))
     except ValueError:
         raise ValueError(f"{key}: {text!r} is not a list of CPU cores (expected e.g. '0', '0-3' or '0,2-3')") from None
-    n = os.cpu_count() or 1
-    if not cores or min(cores) < 0 or max(cores) >= n:
-        raise ValueError(f"{key}: {text!r} names cores this machine does not have (it has 0-{n - 1})")
+    if not cores <= START_CPUS:
+        raise ValueError(f"{key}: {text!r} names cores this process may not run on (it may use "
+                         f"{cpu_list(START_CPUS)})")
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError(f"{key}: pinning to CPU cores needs Linux (leave it empty here)")
     return cores
@@ -100,19 +126,23 @@ def parse_cpus(text: str, key: str = "cpus") -> set[int]:
 
 def pin(text: str, key: str = "cpus") -> set[int]:
     """Runs this process on the cores `text` names (`parse_cpus`; empty: leaves it as it is): every thread it has,
-    and every thread and child process it starts later. Called before JAX starts, so that XLA's CPU thread pools are
-    sized to those cores: this is how a trainer and a generation server get a core each on one machine
-    (benchmarks/disaggregated.py)."""
+    and every thread and child process it starts later; returns the cores it now runs on. Called before JAX starts,
+    so that XLA's CPU thread pools are sized to those cores: this is how a trainer and a generation server get half
+    of one machine's cores each (benchmarks/disaggregated.py)."""
     cores = parse_cpus(text, key)
-    if str(text).strip():
-        for tid in sorted(map(int, os.listdir("/proc/self/task"))):  # threads already started (a library's) too
+    if not str(text).strip():
+        return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    done: set[int] = set()
+    while todo := set(map(int, os.listdir("/proc/self/task"))) - done:  # again: a thread may have started another
+        for tid in todo:
             try:
                 os.sched_setaffinity(tid, cores)
             except ProcessLookupError:  # the thread has ended
                 pass
             except OSError as e:  # cores outside this container's or job's cpuset
                 raise ValueError(f"{key}: cannot run on cores {text!r} ({e.strerror})") from None
-    return cores
+        done |= todo
+    return set(os.sched_getaffinity(0))
 
 
 def setup(config: Any, coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> None:

@@ -5,18 +5,21 @@ objective, weight-swap mode, seed and *layout*:
   - colocated: one process, the generator and the trainer on their fake CPU devices over all cores (the default);
   - disaggregated: the trainer pinned to the first half of the cores, one generation server (its own process,
     spawned by the trainer) pinned to the other half, one device each (`LAYOUTS`).
-A finished cell leaves cell.json in its directory and is skipped on the next invocation (grids are resumable); an
-unfinished one is run again from the start. Cells of one seed share one SFT warm start, cached in the work
-directory, so every layout and η starts from the same model.
+A finished cell leaves cell.json in its directory and is skipped on the next invocation (grids are resumable; a
+cell is reused only under the same `settings`); an unfinished one is run again from the start. Cells of one seed
+share one SFT warm start, cached in the work directory, so every layout and η starts from the same model.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -25,16 +28,22 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def disaggregated_flags(cores: int | None = None) -> list[str]:
-    """main.py flags of the disaggregated layout on a machine with `cores` cores: the trainer on the first half, one
-    spawned generation server on the rest, one (fake) device each."""
-    n = cores or os.cpu_count() or 2
-    if n < 2:
+def cores() -> list[int]:
+    """The cores this process may run on (a `taskset` around a benchmark is respected)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def disaggregated_flags() -> list[str]:
+    """main.py flags of the disaggregated layout: the trainer on the first half of `cores()`, one spawned generation
+    server on the rest, one (fake) device each."""
+    from arealjax.runtime import cpu_list
+
+    mine = cores()
+    if len(mine) < 2:
         raise SystemExit("the disaggregated layout needs ≥ 2 CPU cores (one for the trainer, one for the server)")
-    half = n // 2
-    span = lambda lo, hi: str(lo) if lo == hi else f"{lo}-{hi}"  # noqa: E731
+    half = len(mine) // 2
     return ["--config.generator.backend=remote", "--config.generator.servers.spawn=1",
-            f"--config.cpus={span(0, half - 1)}", f"--config.generator.servers.cpus={span(half, n - 1)}",
+            f"--config.cpus={cpu_list(mine[:half])}", f"--config.generator.servers.cpus={cpu_list(mine[half:])}",
             "--config.cpu_devices=1", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=1"]
 
 
@@ -56,31 +65,138 @@ def cell(layout: str, eta: int, objective: str, mode: str, seed: int, overrides:
     return dict(layout=layout, eta=eta, objective=objective, mode=mode, overrides=overrides, seed=seed, name=name)
 
 
+def busy_seconds() -> float:
+    """CPU seconds this machine's cores have been busy (not idle, not waiting for I/O) since boot (/proc/stat)."""
+    user, nice, system, idle, iowait, irq, softirq, steal = map(float, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class CoreWatch(threading.Thread):
+    """The cores a run keeps busy: machine-wide busy CPU seconds over wall seconds between the moments its
+    metrics.jsonl gains the rows of steps `first` and `last` (steps with no evaluation between them; nothing else
+    may run on the machine meanwhile)."""
+
+    def __init__(self, metrics: Path, first: int, last: int):
+        super().__init__(daemon=True)
+        self.metrics, self.steps, self.seen, self.done = metrics, (first, last), {}, threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        size = -1
+        while not self.done.wait(0.05) and len(self.seen) < 2:
+            if not self.metrics.is_file() or self.metrics.stat().st_size == size:
+                continue
+            now, busy, size = time.monotonic(), busy_seconds(), self.metrics.stat().st_size
+            for line in self.metrics.read_text().splitlines():
+                row = json.loads(line) if line.strip() else {}
+                if row.get("step") in self.steps and "step_seconds" in row:
+                    self.seen.setdefault(row["step"], (now, busy))
+
+    def cores_busy(self) -> float | None:
+        self.done.set()
+        self.join()
+        if len(self.seen) < 2:
+            return None
+        (t0, b0), (t1, b1) = self.seen[self.steps[0]], self.seen[self.steps[1]]
+        return (b1 - b0) / (t1 - t0)
+
+
+def settings(args) -> dict:
+    """What a cell's numbers depend on besides its own fields: a finished cell is reused only under the same."""
+    return {"config": args.config, "steps": args.steps, "warmup": args.warmup, "eval_every": args.eval_every,
+            "eval_problems": args.eval_problems, "overrides": list(args.overrides)}
+
+
+def load(c: dict, args) -> dict | None:
+    """A finished cell's summary, computed again from its metrics (so a report follows this code), with the commit
+    it ran at; None if it has not finished. Exits if it was run with other settings."""
+    workdir = Path(args.work) / c["name"]
+    done = workdir / "cell.json"
+    if not done.is_file():
+        return None
+    old = json.loads(done.read_text())
+    if old.get("settings", settings(args)) != settings(args):
+        sys.exit(f"{done}: run with {old['settings']}, not {settings(args)}; give another --work or delete it")
+    return {**summarize(c, workdir, args), "commit": old.get("commit", "?"), "cores_busy": old.get("cores_busy")}
+
+
 def run(c: dict, args) -> dict:
     """Runs cell `c` (args: config, work, steps, eval_every, eval_problems, warmup, overrides) unless it is done;
     returns its summary."""
+    if (out := load(c, args)) is not None:
+        return out
     workdir = Path(args.work) / c["name"]
-    done = workdir / "cell.json"
-    if done.is_file():
-        return json.loads(done.read_text())
     shutil.rmtree(workdir, ignore_errors=True)  # an unfinished cell starts over (metrics.jsonl appends)
     cmd = [sys.executable, "main.py", f"--config={args.config}", f"--workdir={workdir}",
            f"--config.seed={c['seed']}", f"--config.rl.max_staleness={c['eta']}",
            f"--config.trainer.ppo.objective={c['objective']}", f"--config.generator.mode={c['mode']}",
            f"--config.rl.steps={args.steps}", f"--config.rl.eval_every={args.eval_every}",
            f"--config.eval.num_problems={args.eval_problems}", "--config.checkpoint.every_steps=100000",
-           f"--config.sft.cache_dir={Path(args.work) / 'sft_seed{}'.format(c['seed'])}", *args.overrides,
-           *LAYOUTS[c.get("layout", "colocated")](), *[f"--config.{o}" for o in c["overrides"].split("+") if o]]
+           f"--config.sft.cache_dir={Path(args.work) / 'sft_seed{}'.format(c['seed'])}",
+           *LAYOUTS[c["layout"]](), *args.overrides, *[f"--config.{o}" for o in c["overrides"].split("+") if o]]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # main.py sets the device count from config
     print(f"[{time.strftime('%H:%M:%S')}] {c['name']}", flush=True)
     log = Path(args.work) / f"{c['name']}.log"
+    measured_at = commit()
+    # steps after the last evaluation before the end, up to the step before the last (whose row waits for its own)
+    watch = CoreWatch(workdir / "metrics.jsonl", max(args.steps - args.eval_every, args.warmup), args.steps - 1)
     with open(log, "w") as f:
         res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    cores = watch.cores_busy()
     if res.returncode:
         sys.exit(f"{c['name']} failed (exit {res.returncode}); see {log}")
-    out = summarize(c, workdir, args)
-    done.write_text(json.dumps(out, indent=1))
+    steps = json.loads((workdir / "summary.json").read_text()).get("steps", args.steps)
+    if steps != args.steps:
+        sys.exit(f"{c['name']} ended after {steps} of {args.steps} steps (see {workdir / 'summary.json'}); cells "
+                 "compare equal sample budgets")
+    out = {**summarize(c, workdir, args), "commit": measured_at, "cores_busy": cores}
+    (workdir / "cell.json").write_text(json.dumps({**out, "settings": settings(args)}, indent=1))
     return out
+
+
+def add_arguments(p, work: str, steps: int = 30) -> None:
+    """The options every grid script takes."""
+    p.add_argument("--config", default="configs/longtail.py")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the rates (compilation)")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-problems", type=int, default=256)
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / work), help="run directories (resumable)")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--report-only", action="store_true", help="table, figure and JSON from the cells done so far")
+    p.add_argument("--smoke", action="store_true", help="tiny cells (a minute), results into --work/smoke")
+
+
+def parse(p) -> argparse.Namespace:
+    """Parses a grid script's options (unknown ones are main.py flags for every cell); with --smoke: one seed, 2
+    tiny steps (benchmarks/learning.py `SMOKE`) in --work/smoke, started afresh."""
+    args, args.overrides = p.parse_known_args()
+    args.argv = [a for a in sys.argv[1:] if a != "--report-only"]  # the command that ran the grid
+    if args.smoke:
+        from benchmarks.learning import smoke_flags
+
+        args.seeds, args.steps, args.warmup, args.eval_every, args.eval_problems = "0", 2, 1, 2, 4
+        args.work = args.results = str(Path(args.work) / "smoke")
+        args.overrides = [*smoke_flags("rl.steps", "rl.eval_every", "eval.num_problems"), *args.overrides]
+        if not args.report_only:
+            shutil.rmtree(args.work, ignore_errors=True)  # finished cells would not run again
+    args.seeds = [int(x) for x in args.seeds.split(",")]
+    if args.steps <= args.warmup or args.warmup < 1 or args.eval_every <= 0 or args.steps % args.eval_every:
+        p.error("--steps must exceed --warmup ≥ 1 and be a multiple of --eval-every")
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def run_all(todo: list[dict], args) -> list[dict]:
+    """Runs the grid's unfinished cells (not with --report-only); the finished cells' summaries, in grid order."""
+    if not args.report_only:
+        for c in todo:
+            run(c, args)
+    results = [r for c in todo if (r := load(c, args)) is not None]
+    if not results:
+        sys.exit(f"no finished cells in {args.work}")
+    return results
 
 
 def training_curve(rows: list[dict]) -> tuple[dict[int, float], list[list[float]]]:
@@ -116,8 +232,7 @@ def summarize(c: dict, workdir: Path, args) -> dict:
         hist += [r.get(f"staleness_tokens_{k}", 0) for k in range(c["eta"] + 1)]
     tokens = np.array([r["tokens"] for r in steps.values()], float)
     summary = json.loads((workdir / "summary.json").read_text())
-    return {**c, "commit": commit(), "steps": args.steps, "warmup": args.warmup,
-            "seconds_per_step": wall / len(window),
+    return {**c, "steps": args.steps, "warmup": args.warmup, "seconds_per_step": wall / len(window),
             "trained_tokens_per_s": total("trained_tokens") / wall,
             "generated_tokens_per_s": total("generated_tokens") / wall,
             "generator_idle_share": idle / max(busy + idle, 1e-9),

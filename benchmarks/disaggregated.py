@@ -13,11 +13,13 @@ Per seed, the same model, SFT warm start, batch, group size and number of RL ste
     half (`config.cpus`, `generator.servers.cpus`), at each η of --etas with each swap mode of --modes (keep only
     at η > 0: at η = 0 no rollout is in flight at a swap).
 Per configuration (mean over seeds): s/step, trained and generated tokens/s over steps (--warmup, --steps] of
-training wall-clock (evaluations left out), the generator's idle share (its own clock), the trainer's idle share
-(waiting for a batch), the weight push share (trainer blocked) and transfer share (on the wire, overlapping), the
-token-weighted staleness histogram, and held-out accuracy (pass@1 at T = 1 on --eval-problems) by training
-wall-clock and at the end, which is the same sample count in every cell. `speedup_eta4` is trained tokens/s of
-disaggregated η = 4 (recompute) over synchronous colocated, the ratio of the seed means.
+training wall-clock (evaluations left out), the cores kept busy (machine-wide busy CPU seconds per second
+between two late steps: benchmarks/cells.py `CoreWatch`), the generator's idle share (its own clock), the
+trainer's idle share (waiting for a batch), the weight push share (trainer blocked) and transfer share (on the
+wire, overlapping), the token-weighted staleness histogram, and held-out accuracy (pass@1 at T = 1 on
+--eval-problems) by training wall-clock and at the end, which is the same sample count in every cell.
+`speedup_eta4` is trained tokens/s of disaggregated η = 4 (recompute) over synchronous colocated, the ratio of the
+seed means.
 
 The capacity planner (arealjax/plan.py) is checked against the same runs: calibrated on each seed's disaggregated
 η = 0 run (the trainer's and generator's costs on their own cores), it predicts s/step of that seed's other
@@ -33,10 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -60,27 +59,33 @@ def grid(args) -> list[dict]:
 
 
 def label(key: tuple) -> str:
-    layout, eta, mode = key
-    return ("synchronous colocated" if key == BASE else
-            f"disaggregated η = {eta}{' (keep)' if mode == 'keep' else ''}" if layout == "disaggregated" else
-            f"colocated η = {eta}{' (keep)' if mode == 'keep' else ''}")
+    _, eta, mode = key
+    return "synchronous colocated" if key == BASE else f"disaggregated η = {eta}{' (keep)' if mode == 'keep' else ''}"
 
 
 def planner_check(results: list[dict], args) -> list[dict]:
-    """Per seed: plan.validate calibrated on the disaggregated η = 0 run, predicting the seed's disaggregated runs."""
+    """Per seed: plan.validate calibrated on the disaggregated η = 0 run, predicting the seed's other disaggregated
+    runs (out of sample); the measured s/step is the cells' (training wall-clock, as plan.measured)."""
     from arealjax import plan
 
     out = []
     for seed in sorted({r["seed"] for r in results}):
-        mine = [r for r in results if r["seed"] == seed and r["layout"] == "disaggregated"]
-        base = [r for r in mine if r["eta"] == 0]
-        if not base or len(mine) < 2:
+        runs = [r for r in results if r["seed"] == seed and r["layout"] == "disaggregated"]
+        base = [r for r in runs if r["eta"] == 0]
+        others = [r for r in runs if r["eta"] > 0]
+        if not base or not others:
             continue
-        workdir = lambda r: str(Path(args.work) / r["name"])  # noqa: E731
-        for r, v in zip(mine, plan.validate([workdir(base[0])], [workdir(r) for r in mine], warmup=args.warmup)):
+        workdir = lambda cell: str(Path(args.work) / cell["name"])  # noqa: E731
+        try:
+            checks = plan.validate([workdir(base[0])], [workdir(r) for r in others], warmup=args.warmup)
+        except ValueError as e:  # too few steps to calibrate on, say
+            print(f"planner check, seed {seed}: {e}", file=sys.stderr)
+            continue
+        for r, v in zip(others, checks):
             out.append({"seed": seed, "eta": r["eta"], "mode": r["mode"],
-                        "measured_seconds_per_step": v["measured"]["seconds_per_step"],
-                        "predicted_seconds_per_step": v["predicted"]["seconds_per_step"], "error": v["error"]})
+                        "measured_seconds_per_step": r["seconds_per_step"],
+                        "predicted_seconds_per_step": v["predicted"]["seconds_per_step"],
+                        "error": v["predicted"]["seconds_per_step"] / r["seconds_per_step"] - 1})
     return out
 
 
@@ -90,7 +95,7 @@ def configurations(results: list[dict], planner: list[dict]) -> list[dict]:
     for r in results:
         groups.setdefault((r["layout"], r["eta"], r["mode"]), []).append(r)
     base = groups.get(BASE, [])
-    base_tps = np.mean([r["trained_tokens_per_s"] for r in base]) if base else float("nan")
+    base_tps = np.mean([r["trained_tokens_per_s"] for r in base]) if base else None
     rows = []
     for key in sorted(groups, key=lambda k: (k != BASE, k[2] != "recompute", k[1])):
         rs = groups[key]
@@ -102,7 +107,9 @@ def configurations(results: list[dict], planner: list[dict]) -> list[dict]:
                                           "weight_transfer_share", "trainer_step_seconds", "staleness_mean",
                                           "accuracy_start", "accuracy_end", "greedy_end")},
                      "accuracy_end_sd": float(np.std([r["accuracy_end"] for r in rs], ddof=1)) if len(rs) > 1 else 0.0,
-                     "speedup": m("trained_tokens_per_s") / base_tps,
+                     "speedup": m("trained_tokens_per_s") / base_tps if base_tps else None,
+                     "cores_busy": float(np.mean(busy)) if (busy := [r["cores_busy"] for r in rs
+                                                                     if r.get("cores_busy") is not None]) else None,
                      "staleness_histogram": np.mean([r["staleness_histogram"] for r in rs], 0).tolist(),
                      "predicted_seconds_per_step": float(np.mean([p["predicted_seconds_per_step"] for p in pred]))
                      if pred else None})
@@ -110,23 +117,26 @@ def configurations(results: list[dict], planner: list[dict]) -> list[dict]:
 
 
 def report(results: list[dict], rows: list[dict], args) -> str:
-    commits = ", ".join(sorted({r.get("commit", "?") for r in results}))
+    commits = ", ".join(sorted({r["commit"] for r in results}))
     lines = [f"`python benchmarks/disaggregated.py {' '.join(args.argv)}`".replace(" `", "`"), "",
-             f"{args.config}, {args.steps} RL steps per cell (the same sample budget), {os.cpu_count()} CPU cores; "
+             f"{args.config}, {args.steps} RL steps per cell (the same sample budget), {len(cells.cores())} CPU cores; "
              f"rates over steps {args.warmup + 1}–{args.steps} of training wall-clock; held-out pass@1 (T = 1) on "
              f"{args.eval_problems} problems after the last step, mean ± sd over seeds (n); measured at {commits}. "
-             "Speedup: trained tokens/s over synchronous colocated. Planner: arealjax/plan.py calibrated on the "
-             "seed's disaggregated η = 0 run.", "",
-             "| configuration | s / step | speedup | trained tok/s | generated tok/s | generator idle | trainer idle "
-             "| weight push / transfer | staleness mean | trained tokens by staleness 0, 1, … | accuracy start → end "
-             "| planner s / step | n |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Speedup: trained tokens/s over synchronous colocated's. Synchronous colocated: the generator and the "
+             "trainer on 2 fake devices each over all cores; disaggregated: one device each, on half of the cores "
+             "each. Planner: arealjax/plan.py calibrated on the seed's disaggregated η = 0 run (so its row is the "
+             "calibration, the others out of sample).", "",
+             "| configuration | s / step | speedup | trained tok/s | generated tok/s | cores busy | generator idle "
+             "| trainer idle | weight push / transfer | staleness mean | trained tokens by staleness 0, 1, … "
+             "| accuracy start → end | planner s / step | n |", "|---" * 14 + "|"]
     for w in rows:
         hist = " / ".join(f"{100 * x:.0f}%" for x in w["staleness_histogram"])
-        acc = cells.mean_sd([r["accuracy_end"] for r in results if (r["layout"], r["eta"], r["mode"])
-                             == (w["layout"], w["eta"], w["mode"])])
+        acc = f"{w['accuracy_end']:.2f}" + (f" ± {w['accuracy_end_sd']:.2f}" if w["n"] > 1 else "")
         pred = f"{w['predicted_seconds_per_step']:.2f}" if w["predicted_seconds_per_step"] is not None else "—"
-        lines.append(f"| {w['label']} | {w['seconds_per_step']:.2f} | {w['speedup']:.2f}× "
+        speed = f"{w['speedup']:.2f}×" if w["speedup"] is not None else "—"
+        lines.append(f"| {w['label']} | {w['seconds_per_step']:.2f} | {speed} "
                      f"| {w['trained_tokens_per_s']:,.0f} | {w['generated_tokens_per_s']:,.0f} "
+                     f"| {'—' if w['cores_busy'] is None else format(w['cores_busy'], '.2f')} "
                      f"| {100 * w['generator_idle_share']:.0f}% | {100 * w['trainer_idle_share']:.0f}% "
                      f"| {100 * w['weight_push_share']:.1f}% / {100 * w['weight_transfer_share']:.1f}% "
                      f"| {w['staleness_mean']:.2f} | {hist} | {w['accuracy_start']:.2f} → {acc} | {pred} | {w['n']} |")
@@ -180,46 +190,15 @@ def figure(results: list[dict], rows: list[dict], out: Path) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/longtail.py")
+    cells.add_arguments(p, "arealjax_disaggregated")
     p.add_argument("--etas", default=None, help="disaggregated η values, comma-separated (default 0,1,2,4,8)")
     p.add_argument("--modes", default="recompute,keep", help="weight-swap modes of the disaggregated cells")
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the rates (compilation)")
-    p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--eval-problems", type=int, default=256)
-    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "arealjax_disaggregated"),
-                   help="run directories (resumable; staleness_ablation.py --layout=disaggregated shares cells)")
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--report-only", action="store_true")
-    p.add_argument("--smoke", action="store_true", help="tiny cells (a minute), results into --work/smoke")
-    args, args.overrides = p.parse_known_args()
-    args.argv = [a for a in sys.argv[1:] if a != "--report-only"]  # the command that ran the grid
-    args.etas = args.etas or ("1" if args.smoke else "0,1,2,4,8")
-    if args.smoke:
-        from benchmarks.learning import smoke_flags
-
-        args.seeds, args.steps, args.warmup, args.eval_every, args.eval_problems = "0", 2, 1, 2, 4
-        args.modes = "recompute"
-        args.work = args.results = str(Path(args.work) / "smoke")
-        args.overrides = [*smoke_flags("rl.steps", "rl.eval_every", "eval.num_problems"), *args.overrides]
-        if not args.report_only:
-            shutil.rmtree(args.work, ignore_errors=True)  # finished cells would not run again
-    args.etas = [int(x) for x in args.etas.split(",")]
-    args.seeds = [int(x) for x in args.seeds.split(",")]
-    args.modes = [m for m in args.modes.split(",") if m]
-    if args.steps <= args.warmup or args.eval_every <= 0 or args.steps % args.eval_every:
-        p.error("--steps must exceed --warmup and be a multiple of --eval-every")
+    args = cells.parse(p)
+    args.etas = [int(x) for x in (args.etas or ("1" if args.smoke else "0,1,2,4,8")).split(",")]
+    args.modes = ["recompute"] if args.smoke else [m for m in args.modes.split(",") if m]
     if bad := [m for m in args.modes if m not in ("recompute", "keep")]:
         p.error(f"--modes: {bad}; expected recompute and/or keep")
-    Path(args.work).mkdir(parents=True, exist_ok=True)
-    todo = grid(args)
-    if not args.report_only:
-        for c in todo:
-            cells.run(c, args)
-    results = [json.loads(f.read_text()) for c in todo if (f := Path(args.work) / c["name"] / "cell.json").is_file()]
-    if not results:
-        sys.exit(f"no finished cells in {args.work}")
+    results = cells.run_all(grid(args), args)
     planner = planner_check(results, args)
     rows = configurations(results, planner)
     out = Path(args.results)
@@ -229,11 +208,11 @@ def main():
                for w in rows if w["layout"] == "disaggregated"}
     (out / "disaggregated.md").write_text(f"# Synchronous colocated vs asynchronous disaggregated\n\n{table}\n\n"
                                           "![disaggregated](disaggregated.png)\n")
+    head = {"command": f"python benchmarks/disaggregated.py {' '.join(args.argv)}".strip(),
+            "commits": sorted({r["commit"] for r in results}), "cores": len(cells.cores()),
+            "speedup_eta4": speedup.get("speedup_eta4")}
     (out / "disaggregated.json").write_text(json.dumps(
-        {"command": f"python benchmarks/disaggregated.py {' '.join(args.argv)}".strip(),
-         "commits": sorted({r.get("commit", "?") for r in results}), "cpu_count": os.cpu_count(),
-         "speedup_eta4": speedup.get("speedup_eta4"), **speedup, "configurations": rows, "planner": planner,
-         "cells": results}, indent=1))
+        {**head, **speedup, "configurations": rows, "planner": planner, "cells": results}, indent=1))
     figure(results, rows, out / "disaggregated.png")
     print(table)
     print(f"\nspeedup_eta4 = {speedup.get('speedup_eta4')}")

@@ -4,7 +4,7 @@
   python benchmarks/staleness_ablation.py --report-only        # table + figure from the cells done so far
   python benchmarks/staleness_ablation.py --smoke              # 2 tiny cells (seconds): the script itself works
   python benchmarks/staleness_ablation.py --layout=disaggregated --etas=0,2,4,8 --extra= --steps=80
-      # trainer and one generation server on a core each (benchmarks/cells.py), until η = 0 plateaus
+      # trainer and one generation server on half of the cores each (benchmarks/cells.py)
 
 Cells: η ∈ --etas × objective ∈ {standard, decoupled} × --seeds, plus --extra cells (default: η = 4 decoupled with
 `keep` swaps, and with one PPO minibatch instead of the config's four); η = 0 runs once per seed, since with
@@ -13,8 +13,8 @@ every cell the same steps, batch and group size, so the same sample budget), one
 --work and shared by that seed's cells, in the --layout of benchmarks/cells.py (colocated: one process, all cores;
 disaggregated: the trainer and a generation server on half of the cores each). A finished cell leaves cell.json in
 its directory and is skipped on the next invocation (benchmarks/disaggregated.py shares them, given the same --work
-and --steps); an unfinished one is run again from the start. Cells run seed by seed, so a partial grid already
-compares every η.
+and settings: config, steps, warmup, evaluation, extra flags); an unfinished one is run again from the start.
+Cells run seed by seed, so a partial grid already compares every η.
 
 Per cell, from the run's metrics.jsonl: held-out accuracy every --eval-every steps (pass@1 at the sampling
 temperature and greedy) against *training* wall-clock (the run's wall-clock minus its evaluations; rollouts in
@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -161,50 +159,19 @@ def figure(results: list[dict], out: Path) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/longtail.py")
+    cells.add_arguments(p, "arealjax_ablation")
     p.add_argument("--layout", default="colocated", choices=sorted(cells.LAYOUTS))
     p.add_argument("--etas", default=None, help="η values, comma-separated (default: 0,1,2,4,8; --smoke: 0)")
-    p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--extra", default=None,
                    help="more cells per seed, η:objective:mode[:key=value+key=value], comma-separated (default: "
                    "4:decoupled:keep,4:decoupled:recompute:trainer.ppo_n_minibatches=1; --smoke: 1:standard:keep)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3, help="first steps left out of s/step (compilation)")
-    p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--eval-problems", type=int, default=256)
-    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "arealjax_ablation"),
-                   help="run directories (resumable)")
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--report-only", action="store_true")
-    p.add_argument("--smoke", action="store_true", help="two tiny cells (seconds), results into --work/smoke")
-    args, args.overrides = p.parse_known_args()
-    args.argv = [a for a in sys.argv[1:] if a != "--report-only"]  # the command that ran the grid
-    if args.etas is None:
-        args.etas = "0" if args.smoke else "0,1,2,4,8"
+    args = cells.parse(p)
+    args.etas = [int(x) for x in (args.etas or ("0" if args.smoke else "0,1,2,4,8")).split(",")]
     if args.extra is None:
         args.extra = "1:standard:keep" if args.smoke else \
             "4:decoupled:keep,4:decoupled:recompute:trainer.ppo_n_minibatches=1"
-    if args.smoke:
-        from benchmarks.learning import smoke_flags
-
-        args.seeds, args.steps, args.warmup, args.eval_every, args.eval_problems = "0", 2, 1, 2, 4
-        args.work = args.results = str(Path(args.work) / "smoke")
-        args.overrides = [*smoke_flags("rl.steps", "rl.eval_every", "eval.num_problems"), *args.overrides]
-        if not args.report_only:
-            shutil.rmtree(args.work, ignore_errors=True)  # finished cells would not run again
-    args.etas = [int(x) for x in args.etas.split(",")]
-    args.seeds = [int(x) for x in args.seeds.split(",")]
     args.extra = [x for x in args.extra.split(",") if x]
-    if args.steps <= args.warmup or args.eval_every <= 0 or args.steps % args.eval_every:
-        p.error("--steps must exceed --warmup and be a multiple of --eval-every")
-    Path(args.work).mkdir(parents=True, exist_ok=True)
-    todo = grid(args)
-    if not args.report_only:
-        for c in todo:
-            cells.run(c, args)
-    results = [json.loads(f.read_text()) for c in todo if (f := Path(args.work) / c["name"] / "cell.json").is_file()]
-    if not results:
-        sys.exit(f"no finished cells in {args.work}")
+    results = cells.run_all(grid(args), args)
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     table = report(results, args)

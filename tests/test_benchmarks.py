@@ -2,7 +2,9 @@
 accuracy at a budget read the right evaluation. And nothing rots: every script in benchmarks/ prints its description
 with --help and runs end to end with --smoke (seconds), leaving its result but never touching benchmarks/results."""
 
+import argparse
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import cells
 from benchmarks.cells import training_curve
 from benchmarks.vs_tunix import accuracy_at, time_to
 
@@ -52,6 +55,20 @@ def test_training_curve_leaves_every_evaluation_out():
     wall, curve = training_curve(rows)
     assert wall == {0: 0.0, 1: 2.0, 2: 4.0, 3: 6.0, 4: 8.0, 5: 10.0}
     assert curve == [[0, 0.0, 0.5, 0.4], [2, 4.0, 0.6, 0.5], [4, 8.0, 0.7, 0.8]]
+
+
+def test_a_finished_cell_is_reused_only_under_its_settings_and_layouts_split_the_cores_given(tmp_path, monkeypatch):
+    args = argparse.Namespace(config="configs/longtail.py", steps=30, warmup=3, eval_every=10, eval_problems=256,
+                              overrides=[], work=str(tmp_path))
+    c = cells.cell("disaggregated", 4, "decoupled", "keep", 1)
+    assert c["name"] == "dis_eta4_decoupled_keep_seed1" and cells.load(c, args) is None  # not run yet
+    (tmp_path / c["name"]).mkdir()
+    (tmp_path / c["name"] / "cell.json").write_text(json.dumps({"settings": {**cells.settings(args), "steps": 20}}))
+    with pytest.raises(SystemExit, match=r"dis_eta4_decoupled_keep_seed1/cell\.json: run with .*'steps': 20"):
+        cells.load(c, args)
+    monkeypatch.setattr(cells, "cores", lambda: [4, 5, 6, 7, 8])  # under `taskset -c 4-8`
+    flags = cells.disaggregated_flags()
+    assert "--config.cpus=4-5" in flags and "--config.generator.servers.cpus=6-8" in flags
 
 
 def test_time_to_target_and_accuracy_at_budget():

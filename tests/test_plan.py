@@ -87,8 +87,8 @@ def test_paper_preset_plans_a_split_and_async_beats_sync():
 
 
 def test_calibration_recovers_the_costs_of_a_synchronous_run(tmp_path):
-    """A run's metrics built from known costs (with a little noise): the fit finds them, and a run at η > 0 is
-    refused as a calibration source."""
+    """A run's metrics built from known costs (with a little noise): the fit finds them, the measured s/step leaves
+    the held-out evaluation out, and a run at η > 0 is refused as a calibration source."""
     rng = np.random.default_rng(0)
     truth = dict(decode_s=0.004, decode_row_s=2e-4, prefill_token_s=3e-5, train_token_s=1e-4, train_step_s=0.3)
     rows = []
@@ -101,7 +101,9 @@ def test_calibration_recovers_the_costs_of_a_synchronous_run(tmp_path):
                      "generator_busy_seconds": (truth["decode_s"] * steps + truth["decode_row_s"] * gen +
                                                 truth["prefill_token_s"] * pre) * rng.normal(1, 0.001),
                      "generator_idle_seconds": 0.5, "weight_sync_seconds": 0.01, "filtered_groups": step,
-                     "wall_seconds": 2.0 * step, "staleness_max": 0})
+                     "wall_seconds": 2.0 * step + 3.0 * (step > 10), "staleness_max": 0})
+        if step == 10:  # a held-out evaluation of 3 s after step 10: not training time
+            rows.append({"step": step, "eval_accuracy": 0.5, "eval_seconds": 3.0})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = {"rl": {"max_staleness": 0, "batch_size": 4, "group_size": 4, "max_new_tokens": 64,
                      "max_concurrent": 64}, "generator": {"slots": 32, "mode": "recompute"}}

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from arealjax import components
+from arealjax import components, runtime
 from arealjax.api import SamplingParams
 from arealjax.sharding import normalize_rules, role_meshes
 from configs.default import get_config
@@ -113,14 +113,17 @@ def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_th
         local.close()
 
 
-def test_pin_puts_every_thread_on_its_cores_and_xla_sizes_its_pools_to_them():
-    """runtime.pin before JAX starts: every thread of the process (XLA's pools included) runs on the pinned core."""
+def test_pin_puts_every_thread_on_its_cores():
+    """runtime.pin before JAX starts: every thread of the process (XLA's pools included) runs on the pinned core;
+    a reversed span is refused by name."""
     code = ("from arealjax import runtime; runtime.pin('0'); import os, jax, jax.numpy as jnp; "
             "(jnp.ones((256, 256)) @ jnp.ones((256, 256))).block_until_ready(); "
             "print(sorted({tuple(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[(0,)]", out.stdout
+    with pytest.raises(ValueError, match=r"cpus: '0,1-0' is not a list of CPU cores"):
+        runtime.parse_cpus("0,1-0")
 
 
 def test_under_lora_and_bf16_only_the_adapters_travel_cast_and_servers_serve_the_merged_model(tmp_path):

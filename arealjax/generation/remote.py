@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from arealjax import models
+from arealjax import models, runtime
 from arealjax.api import Completion, SamplingParams, checked_prompt
 from arealjax.distributed import fingerprint
 from arealjax.generation import rpc
@@ -179,7 +179,9 @@ class RemoteBackend:
         logs.mkdir(parents=True, exist_ok=True)
         host = "127.0.0.1" if self.address.startswith(("0.0.0.0", "*")) else self.address.rsplit(":", 1)[0]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        cpus = str(self.config.generator.servers.get("cpus", "")).split(";")
+        env[runtime.START_CPUS_ENV] = runtime.cpu_list(runtime.START_CPUS)  # not only the cores this process is on
+        cpus = [group or env[runtime.START_CPUS_ENV] for group in str(self.config.generator.servers.get("cpus", ""))
+                .split(";")]
         for i in range(count):
             name = f"server-{i}"
             log = logs / (f"{name}.log" if jax.process_count() == 1 else f"p{self.process}-{name}.log")
