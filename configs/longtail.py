@@ -38,6 +38,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Two rows per micro-batch: a minibatch (a quarter of ~10k tokens) fills ~5 rows of 512, which micro-batches of
     # 8 rows padded to 72% real tokens and 2 rows to 97% (a step 1.3x faster; benchmarks/disaggregated.py).
     config.trainer.micro_rows = 2
+    # Three layers unrolled: on CPU the scanned layers' backward pass spends much of its time moving stacked
+    # residuals (benchmarks/disaggregated.py). Recipes for real models keep the scan (compile time).
+    config.trainer.scan_layers = False
     # Four PPO minibatches per step (the paper's setting): with one, π_θ = π_prox at the only update, so the decoupled
     # objective's clip never acts. benchmarks/staleness_ablation.py compares one and four.
     config.trainer.ppo_n_minibatches = 4

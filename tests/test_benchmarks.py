@@ -59,16 +59,32 @@ def test_training_curve_leaves_every_evaluation_out():
 
 def test_a_finished_cell_is_reused_only_under_its_settings_and_layouts_split_the_cores_given(tmp_path, monkeypatch):
     args = argparse.Namespace(config="configs/longtail.py", steps=30, warmup=3, eval_every=10, eval_problems=256,
-                              overrides=[], work=str(tmp_path))
+                              overrides=[], work=str(tmp_path), warm_up=True)
     c = cells.cell("disaggregated", 4, "decoupled", "keep", 1)
     assert c["name"] == "dis_eta4_decoupled_keep_seed1" and cells.load(c, args) is None  # not run yet
     (tmp_path / c["name"]).mkdir()
     (tmp_path / c["name"] / "cell.json").write_text(json.dumps({"settings": {**cells.settings(args), "steps": 20}}))
     with pytest.raises(SystemExit, match=r"dis_eta4_decoupled_keep_seed1/cell\.json: run with .*'steps': 20"):
         cells.load(c, args)
+    args.warm_up = False  # cells timed on a cold compilation cache are not those of a warm one
+    (tmp_path / c["name"] / "cell.json").write_text(json.dumps({"settings": {**cells.settings(args), "warm_up": True}}))
+    with pytest.raises(SystemExit, match=r"'warm_up': True"):
+        cells.load(c, args)
     monkeypatch.setattr(cells, "cores", lambda: [4, 5, 6, 7, 8])  # under `taskset -c 4-8`
     flags = cells.disaggregated_flags()
     assert "--config.cpus=4-5" in flags and "--config.generator.servers.cpus=6-8" in flags
+
+
+def test_warm_up_runs_each_kind_of_cell_once_at_its_largest_eta(monkeypatch):
+    """One unreported cell per (layout, swap mode), the kind's largest η at its first seed, under its own name."""
+    ran = []
+    monkeypatch.setattr(cells, "run", lambda c, args: ran.append(c["name"]))
+    todo = [cells.cell("colocated", 0, "decoupled", "recompute", s) for s in (0, 1)]
+    todo += [cells.cell("disaggregated", e, o, m, s) for s in (1, 2) for m in ("recompute", "keep") for e in (1, 4, 2)
+             for o in ("standard", "decoupled")]
+    cells.warm_up(todo, argparse.Namespace())
+    assert ran == ["warm_eta0_decoupled_recompute_seed0", "warm_dis_eta4_standard_recompute_seed1",
+                   "warm_dis_eta4_standard_keep_seed1"]
 
 
 def test_time_to_target_and_accuracy_at_budget():

@@ -377,6 +377,22 @@ def test_n_samples_share_the_prompts_full_pages():
         _version_reference(c, p, {0: MODEL_A.params}, 1.0)
 
 
+def test_page_writes_add_no_compiled_variant():
+    """Two admissions of the same padded shapes (one prompt padded to 32 tokens, 4 samples) whose page writes
+    differ in number (a 32-token prompt over pages of 4: 8 full pages; a 31-token one: 7 full pages plus a partly
+    filled one copied per sample, 11) run one compiled insert: the write list's length follows the padded shapes,
+    not the count (each count's program took a second or two to compile on CPU, ~80 of them in a 40-step run)."""
+    from arealjax.generation import engine as engine_module
+
+    eng = Engine(MODEL_A, slots=SLOTS, max_len=MAX_LEN, page_size=4)
+    sampling = SamplingParams(temperature=1.0, n=4, max_new_tokens=3, seed=5)
+    with Generator(eng, MODEL_A.params) as gen:
+        gen.submit(prompts(1, seed=22, lo=32, hi=33)[0], sampling).result(timeout=60)
+        compiled = engine_module._insert._cache_size()
+        gen.submit(prompts(1, seed=23, lo=31, hi=32)[0], sampling).result(timeout=60)
+        assert engine_module._insert._cache_size() == compiled
+
+
 @pytest.mark.parametrize("mode", ["recompute", "keep"])
 def test_random_traffic_with_swaps_aborts_and_preemption(mode):
     """Property test over random traffic: requests of random prompt/output lengths and sampling arrive over time

@@ -121,6 +121,30 @@ def test_sharded_step_equals_single_device(model):
     assert_trees_close(model.params, from_config(CFG, seed=0).params, 0)  # the caller's model is untouched
 
 
+def test_first_minibatch_takes_its_own_logprobs_as_prox(model):
+    """π_prox is the step-start params: the first minibatch is differentiated at them, so only the later
+    minibatches' micro-batches get a separate no-grad pass, and the step equals one with a pass for every minibatch
+    (tests/test_reference_step.py checks that step against an independent one)."""
+    cfg = TrainerConfig(max_tokens=T, micro_rows=2, ppo_n_minibatches=3, optim=OptimConfig(lr=1e-2))
+    trainer, every = Trainer(model, cfg), Trainer(model, cfg)
+    trajs = trajectories(seed=3, stale=0.8)
+    batches = trainer.pack(trajs)
+    calls = []
+    passes = trainer._logprobs
+    trainer._logprobs = lambda *a: calls.append(1) or passes(*a)
+    m1 = trainer.train_step(trajs)
+    assert len(calls) == sum(b.n_micro for b in batches[1:]) > 0
+    first = [[every._logprobs(every.params, every.frozen, every._put(b.micro(i))) for i in range(b.n_micro)]
+             for b in batches[:1]]
+    accumulate = every._accumulate  # the first minibatch's π_prox from a separate pass, as the later ones'
+    every._accumulate = lambda n, micro, prox, ref, sums: accumulate(n, micro, first.pop() if first else prox,
+                                                                     ref, sums)
+    m2 = every.train_step(trajs)
+    for key in ("loss", "grad_norm", "clip_fraction", "masked_fraction", "approx_kl"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-7), key
+    assert_trees_close(trainer.params, every.params, 1e-6)
+
+
 def test_non_finite_step_is_skipped(model):
     trainer = Trainer(model, TrainerConfig(max_tokens=T, optim=OptimConfig(lr=1e-2)))
     bad = trajectories()

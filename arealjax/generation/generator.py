@@ -286,7 +286,8 @@ class Generator:
                         if page not in written:
                             written.add(page)
                             writes.append((page, row, j))
-                self._state = self.engine.refill(self._params, self._state, tokens, lengths, self._writes(writes))
+                self._state = self.engine.refill(self._params, self._state, tokens, lengths,
+                                                 self._writes(writes, self._blocks(tokens)))
                 self.counters.refill_tokens += int(sum(map(len, prefixes)))
             jax.block_until_ready(self._state.pages)
         self.counters.swap_apply_seconds += time.perf_counter() - t0
@@ -383,15 +384,22 @@ class Generator:
             truncating = any(s.request.sampling.truncates for s in members)
             self._state, first = self.engine.insert(
                 prefix, self._state, np.array(rows + [0] * pad, np.int32),
-                np.array(slots + [self.engine.slots] * pad, np.int32), sampling, self._writes(writes),
+                np.array(slots + [self.engine.slots] * pad, np.int32), sampling,
+                self._writes(writes, self._blocks(tokens) + n),
                 np.array(last + [-1] * pad, np.int32), np.array(remaining + [0] * pad, np.int32), truncating)
             self.counters.prefill_tokens += int(sum(map(len, prefixes)))
             fresh = [(r, slot, seq) for r, (slot, seq) in enumerate(zip(slots, members)) if not seq.tokens]
             self._record(np.asarray(first), fresh)
 
-    def _writes(self, writes: list[tuple[int, int, int]]) -> PageWrites:
-        """(page, row, block) triples padded to a power of two with dropped entries."""
-        n = bucket(max(len(writes), 1), 8, max(8, self.engine.num_pages))
+    def _blocks(self, tokens: np.ndarray) -> int:
+        """Page-sized blocks of a padded [B, T] prefill: the most pages its KV can fill."""
+        return tokens.shape[0] * -(-tokens.shape[1] // self._pages.page_size)
+
+    def _writes(self, writes: list[tuple[int, int, int]], most: int) -> PageWrites:
+        """(page, row, block) triples padded with dropped entries to a power of two ≥ `most`, the largest count
+        the call's padded shapes allow: the length follows those shapes only, so it adds no compiled variant
+        (padding it to the count of the moment gave a refill and an insert program per count)."""
+        n = bucket(max(most, 1), 8, max(8, most))
         out = np.zeros((3, n), np.int32)
         out[0] = self.engine.num_pages
         if writes:

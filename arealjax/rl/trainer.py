@@ -348,10 +348,11 @@ class Trainer:
         batches, totals = self._agree(self.pack(trajectories))
         micro = [[self._put(b.micro(i)) for i in range(b.n_micro)] for b in batches]
         decoupled = cfg.loss == "ppo" and cfg.ppo.objective == "decoupled"
-        # π_prox: params at the start of the step. With one minibatch they are the params being differentiated,
-        # so the loss takes a stop-gradient copy of its own logprobs instead of a separate pass.
-        prox = ([[self._logprobs(self.params, self.frozen, m) for m in ms] for ms in micro]
-                if decoupled and len(batches) > 1 else [[None] * len(ms) for ms in micro])
+        # π_prox: params at the start of the step. The first minibatch is differentiated at exactly those params,
+        # so its loss takes a stop-gradient copy of its own logprobs instead of a separate pass (with one
+        # minibatch, every micro-batch does); the later ones need the pass, before the first update.
+        prox = [[self._logprobs(self.params, self.frozen, m) for m in ms] if decoupled and i else [None] * len(ms)
+                for i, ms in enumerate(micro)]
         ref = ([[self._logprobs(self.ref_params, self.frozen, m) for m in ms] for ms in micro]
                if cfg.loss == "ppo" and cfg.ppo.kl_coef else [[None] * len(ms) for ms in micro])
         sums: dict[str, Any] = {}
