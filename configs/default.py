@@ -127,7 +127,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.trainer.optim = dict(lr=5e-4, warmup_steps=5, grad_clip=1.0)
     config.trainer.max_skipped_in_a_row = 3  # steps skipped for a non-finite loss/gradient before the run stops
     # Memory and speed (the numbers stay within float tolerance): attention kernel ("auto": Pallas flash on GPU/TPU,
-    # XLA einsums on CPU; "flash": pure-JAX flash for long rows anywhere), per-layer remat (none | full |
+    # block-sparse einsums on CPU; "flash": pure-JAX flash for long rows anywhere), per-layer remat (none | full |
     # save_dots | offload), layers under lax.scan, logits computed logits_chunk tokens of a row at a time, and
     # the matmul dtype ("bfloat16" on fp32 master params).
     config.trainer.attention = "auto"

@@ -1,6 +1,7 @@
 """The model: HF parity, export round trip, packed rows, prefill + decode, checkpoint errors."""
 
 import contextlib
+import functools
 import json
 import shutil
 
@@ -283,12 +284,12 @@ def _packed_segments(rng, b, t):
     return seg
 
 
-@pytest.mark.parametrize("kind,t,block", [("flash", 40, 16), ("flash", 64, 64), ("pallas", 80, None),
-                                          ("pallas_tpu", 100, None)])
+@pytest.mark.parametrize("kind,t,block", [("flash", 40, 16), ("flash", 64, 64), ("sparse", 100, 16),
+                                          ("sparse", 64, 64), ("pallas", 80, None), ("pallas_tpu", 100, None)])
 def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
     """Every attention kind == the XLA reference on packed rows (random segments, padding tail, GQA 2:1): outputs
-    and gradients of q, k, v. flash at T not a multiple of its block pads; the Pallas GPU and TPU kernels run in
-    interpret mode here (T padded to their blocks)."""
+    and gradients of q, k, v. flash at T not a multiple of its block pads; sparse at T not a multiple of its block
+    has a short last block; the Pallas GPU and TPU kernels run in interpret mode here (T padded to their blocks)."""
     from arealjax.models import attention as attn
 
     rng = np.random.RandomState(t)
@@ -297,6 +298,7 @@ def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
     seg = jnp.asarray(_packed_segments(rng, b, t))
     ct = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
     fn = {"flash": lambda *a: attn.attend_flash(*a, block=block), "pallas": attn.attend_pallas,
+          "sparse": lambda *a: attn.attend_sparse(*a, block=block),
           "pallas_tpu": lambda *a: attn.attend_pallas(*a, platform="tpu")}[kind]
 
     def out_and_grads(f):
@@ -315,10 +317,27 @@ def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=5e-5, rtol=0)
 
 
-def test_flash_attention_inside_a_differentiated_layer_scan_keeps_no_scores():
+def test_sparse_attention_reads_keys_from_the_earliest_segment_start_only():
+    """Query block i of the sparse kind reads keys from the block of the first token of its earliest segment, over
+    the batch: three segments of 20 tokens skip the blocks before them; an id seen again later (not contiguous)
+    reaches back to its first occurrence; the min over rows wins."""
+    from arealjax.models import attention as attn
+
+    row = np.repeat([1, 2, 3], [20, 20, 24])
+    np.testing.assert_array_equal(attn.first_key_blocks(jnp.asarray(row[None]), 16), [0, 0, 1, 2])
+    again = row.copy()
+    again[50:55] = 1  # segment 1 again: its tokens attend to positions 0-19 too
+    np.testing.assert_array_equal(attn.first_key_blocks(jnp.asarray(again[None]), 16), [0, 0, 1, 0])
+    late = np.repeat([1, 2], [40, 24])
+    np.testing.assert_array_equal(attn.first_key_blocks(jnp.asarray(np.stack([row, late])), 16), [0, 0, 0, 2])
+
+
+@pytest.mark.parametrize("kind", ["flash", "sparse"])
+def test_attention_inside_a_differentiated_layer_scan_keeps_no_scores(kind):
     """Regression: inside the model's differentiated layer scan, JAX partially evaluated the scans of flash's
-    forward rule and saved every block pair's scores (O(T²): 100 GiB at 32k tokens). The gradient program must stay
-    far below the size of the full score matrix."""
+    forward rule and saved every block pair's scores (O(T²): 100 GiB at 32k tokens). Flash's gradient program must
+    stay far below the size of the full score matrix; the sparse kind's (its branches' scores are transient, like
+    the xla kind's) at most the xla kind's."""
     from arealjax.models import attention as attn
 
     t, h, hkv, d = 2048, 4, 2, 32
@@ -327,9 +346,16 @@ def test_flash_attention_inside_a_differentiated_layer_scan_keeps_no_scores():
     seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
     w = jax.ShapeDtypeStruct((2, d, d), jnp.float32)
 
-    def f(w, q, k, v, s):
-        body = lambda x, wi: (attn.attend_flash(x @ wi, k, v, s, block=128), None)  # noqa: E731
-        return jnp.sum(jax.lax.scan(body, q, w)[0])
+    def temp(fn):
+        def f(w, q, k, v, s):
+            body = lambda x, wi: (fn(x @ wi, k, v, s), None)  # noqa: E731
+            return jnp.sum(jax.lax.scan(body, q, w)[0])
 
-    temp = jax.jit(jax.grad(f)).lower(w, q, kv, kv, seg).compile().memory_analysis().temp_size_in_bytes
-    assert temp < 0.25 * t * t * h * 4, temp / 2**20
+        return jax.jit(jax.grad(f)).lower(w, q, kv, kv, seg).compile().memory_analysis().temp_size_in_bytes
+
+    if kind == "flash":
+        used = temp(functools.partial(attn.attend_flash, block=128))
+        assert used < 0.25 * t * t * h * 4, used / 2**20
+    else:
+        used, xla = temp(functools.partial(attn.attend_sparse, block=128)), temp(attn.attend_xla)
+        assert used <= xla, (used / 2**20, xla / 2**20)

@@ -4,14 +4,18 @@ All kinds take q [B, T, H, D], k / v [B, T, Hkv, D] (grouped-query: query head j
 repeat_kv) and segment ids [B, T]; a token attends to tokens at or before its index with the same segment id
 (0 marks padding). They agree to float tolerance (tests/test_models.py).
 
-  xla     block-causal einsums (each block of queries reads the keys up to its end, heads-major): fastest on CPU.
-          The scores of a layer live in full ([B, H, T, T/2] on average), so memory grows with T².
+  xla     block-causal einsums (each block of queries reads the keys up to its end, heads-major). The scores of a
+          layer live in full ([B, H, T, T/2] on average), so memory grows with T².
+  sparse  block-sparse by segment: each block of queries reads keys only from the block holding the first token
+          of its earliest segment (chosen at run time by lax.switch, which runs one branch), with a custom VJP
+          that recomputes the scores: on packed rows of short sequences most of the causal triangle is another
+          segment's, and this skips it. Fastest on CPU for training; memory as xla.
   flash   FlashAttention in pure JAX: online softmax over key blocks under lax.scan, fully masked blocks skipped,
           and a custom VJP that recomputes the scores block by block from the saved log-sum-exp. Memory
           O(T · block), compile time independent of T, any backend: what makes 32k-token rows fit.
   pallas  the Pallas flash-attention kernels with segment ids: Triton on GPU (`ops.gpu.attention.mha`), Mosaic on
           TPU (`ops.tpu.flash_attention`); interpret mode on CPU (tests only: slow).
-  auto    pallas on GPU and TPU, xla on CPU.
+  auto    pallas on GPU and TPU, sparse on CPU.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 Array = jax.Array
-KINDS = ("auto", "xla", "flash", "pallas")
+KINDS = ("auto", "xla", "sparse", "flash", "pallas")
 XLA_BLOCK = 128  # query block of the xla kind
+SPARSE_BLOCK = 64  # query and key block of the sparse kind (at least; a row has at most SPARSE_BLOCKS of them)
+SPARSE_BLOCKS = 16
 FLASH_BLOCK = 512  # query and key block of the flash kind
 
 
@@ -33,7 +39,7 @@ def pick(kind: str) -> str:
     if kind not in KINDS:
         raise ValueError(f"attention '{kind}' is unknown; expected one of {KINDS}")
     if kind == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "sparse"
     return kind
 
 
@@ -42,6 +48,8 @@ def attend(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "xla") 
     kind = pick(kind)
     if kind == "xla":
         return attend_xla(q, k, v, segment_ids)
+    if kind == "sparse":
+        return attend_sparse(q, k, v, segment_ids)
     if kind == "flash":
         return attend_flash(q, k, v, segment_ids)
     return attend_pallas(q, k, v, segment_ids)
@@ -72,6 +80,107 @@ def attend_xla(q: Array, k: Array, v: Array, segment_ids: Array, block: int = XL
         p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
         outs.append(jnp.einsum("bhgqk,bhkd->bhgqd", p, vh[:, :, :j]))
     return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def attend_sparse(q: Array, k: Array, v: Array, segment_ids: Array, block: int | None = None) -> Array:
+    """Causal attention within segments where query block i reads keys from key block `first[i]` on (the block of
+    the earliest first token of a segment it holds, over the batch) to its own end: exact for any segment ids. The
+    branch taken reads back a power of two of blocks (or all of them), so a row of n blocks compiles O(n log n)
+    branches; blocks are SPARSE_BLOCK tokens, or longer where a row would have more than SPARSE_BLOCKS."""
+    b, t, h, d = q.shape
+    hkv, g = k.shape[2], h // k.shape[2]
+    block = block or max(SPARSE_BLOCK, -(-t // SPARSE_BLOCKS))
+    qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    first = first_key_blocks(segment_ids, block)
+    choice = jnp.stack([jnp.searchsorted(jnp.asarray(back), i - first[i])  # the shortest lookback that reaches
+                        for i, back in enumerate(_lookbacks(t, block))])
+    o = _sparse(qh, kh, vh, segment_ids, choice.astype(jnp.int32), block)
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def first_key_blocks(segment_ids: Array, block: int) -> Array:
+    """[ceil(T / block)] int32: for each block of queries, the block of the first key any of them attends to, over
+    the batch. A token's earliest key is its segment's first occurrence in the row (found by a stable sort, so ids
+    need not be contiguous or ordered)."""
+    b, t = segment_ids.shape
+    order = jnp.argsort(segment_ids, axis=1, stable=True)  # same ids together, by position
+    ids = jnp.take_along_axis(segment_ids, order, axis=1)
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    run_start = jax.lax.cummax(jnp.where(starts, jnp.arange(t), 0), axis=1)  # sorted index of the run's head
+    first = jnp.take_along_axis(order, run_start, axis=1)  # its position: the id's first occurrence
+    first = jnp.zeros_like(first).at[jnp.arange(b)[:, None], order].set(first)  # back to token order
+    n = -(-t // block)
+    first = jnp.pad(first, ((0, 0), (0, n * block - t)), constant_values=t).reshape(b, n, block)
+    return (jnp.min(first, axis=(0, 2)) // block).astype(jnp.int32)
+
+
+def _lookbacks(t: int, block: int) -> list[list[int]]:
+    """Per query block i, the key blocks its branches read back (ascending): 0, 1, 2, 4, … below i, and i (all)."""
+    n = -(-t // block)
+    return [sorted({0, i} | {1 << j for j in range(i.bit_length()) if 1 << j < i}) for i in range(n)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _sparse(q: Array, k: Array, v: Array, seg: Array, choice: Array, block: int) -> Array:
+    return _sparse_fwd(q, k, v, seg, choice, block)[0]
+
+
+def _sparse_fwd(q, k, v, seg, choice, block):
+    t = q.shape[3]
+    scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)
+    outs, lses = [], []
+    for i, back in enumerate(_lookbacks(t, block)):
+        lo, hi = i * block, min((i + 1) * block, t)
+
+        def branch(k0, qi, lo=lo, hi=hi):
+            sc = jnp.einsum("bhgqd,bhkd->bhgqk", qi, k[:, :, k0:hi], preferred_element_type=jnp.float32) * scale
+            sc = jnp.where(_mask(seg, lo, k0, hi - lo, hi - k0)[:, None, None], sc, -jnp.inf)
+            m = jnp.max(sc, axis=-1)  # finite: every token reads itself
+            p = jnp.exp(sc - m[..., None])
+            den = jnp.sum(p, axis=-1)
+            o = jnp.einsum("bhgqk,bhkd->bhgqd", (p / den[..., None]).astype(v.dtype), v[:, :, k0:hi],
+                           preferred_element_type=jnp.float32)
+            return o.astype(q.dtype), m + jnp.log(den)
+
+        branches = [functools.partial(branch, (i - j) * block) for j in back]
+        o, lse = jax.lax.switch(choice[i], branches, q[:, :, :, lo:hi])
+        outs.append(o)
+        lses.append(lse)
+    o = jnp.concatenate(outs, axis=3)
+    return o, (q, k, v, seg, choice, o, jnp.concatenate(lses, axis=3))
+
+
+def _sparse_bwd(block, res, do):
+    q, k, v, seg, choice, o, lse = res
+    t = q.shape[3]
+    scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, Hkv, G, T]
+    dk, dv, dqs = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32), []
+    for i, back in enumerate(_lookbacks(t, block)):
+        lo, hi = i * block, min((i + 1) * block, t)
+
+        def branch(k0, dk, dv, lo=lo, hi=hi):
+            qi, doi, ks, vs = q[:, :, :, lo:hi], do[:, :, :, lo:hi], k[:, :, k0:hi], v[:, :, k0:hi]
+            sc = jnp.einsum("bhgqd,bhkd->bhgqk", qi, ks, preferred_element_type=jnp.float32) * scale
+            mask = _mask(seg, lo, k0, hi - lo, hi - k0)[:, None, None]
+            p = jnp.where(mask, jnp.exp(sc - lse[:, :, :, lo:hi, None]), 0.0)
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vs, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta[:, :, :, lo:hi, None])
+            dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(ks.dtype), ks, preferred_element_type=jnp.float32)
+            dv = dv.at[:, :, k0:hi].add(jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(doi.dtype), doi,
+                                                   preferred_element_type=jnp.float32))
+            dk = dk.at[:, :, k0:hi].add(jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(qi.dtype), qi,
+                                                   preferred_element_type=jnp.float32) * scale)
+            return (dq * scale).astype(q.dtype), dk, dv
+
+        branches = [functools.partial(branch, (i - j) * block) for j in back]
+        dq, dk, dv = jax.lax.switch(choice[i], branches, dk, dv)
+        dqs.append(dq)
+    return jnp.concatenate(dqs, axis=3), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_sparse.defvjp(_sparse_fwd, _sparse_bwd)
 
 
 def attend_flash(q: Array, k: Array, v: Array, segment_ids: Array, block: int = FLASH_BLOCK) -> Array:
