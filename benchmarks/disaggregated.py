@@ -22,8 +22,9 @@ wire, overlapping), the token-weighted staleness histogram, and held-out accurac
 seed means.
 
 The capacity planner (arealjax/plan.py) is checked against the same runs: calibrated on each seed's disaggregated
-η = 0 run (the trainer's and generator's costs on their own cores), it predicts s/step of that seed's other
-disaggregated runs; measured and predicted side by side in the table and the JSON.
+η = 0 and η = 1 (recompute) runs (the trainer's and generator's costs on their own cores, the price of a re-prefill,
+the trainer's step beside generation), it predicts s/step of that seed's other disaggregated runs; measured and
+predicted side by side in the table and the JSON.
 
 Written to --results: disaggregated.md (table), disaggregated.png (throughput vs η; accuracy vs wall-clock) and
 disaggregated.json (every cell, the configurations, the planner check, speedup_eta4, the commits measured).
@@ -64,20 +65,23 @@ def label(key: tuple) -> str:
 
 
 def planner_check(results: list[dict], args) -> list[dict]:
-    """Per seed: plan.validate calibrated on the disaggregated η = 0 run, predicting the seed's other disaggregated
-    runs (out of sample); the measured s/step is the cells' (training wall-clock, as plan.measured)."""
+    """Per seed: plan.validate calibrated on the disaggregated η = 0 run and, where the grid has it, the η = 1
+    `recompute` run (η = 0 never re-prefills, so alone it cannot price the re-prefill of a swap, and its trainer
+    never runs beside generation), predicting the seed's other disaggregated runs (out of sample); the measured
+    s/step is the cells' (training wall-clock, as plan.measured)."""
     from arealjax import plan
 
     out = []
     for seed in sorted({r["seed"] for r in results}):
         runs = [r for r in results if r["seed"] == seed and r["layout"] == "disaggregated"]
-        base = [r for r in runs if r["eta"] == 0]
-        others = [r for r in runs if r["eta"] > 0]
-        if not base or not others:
+        base = [r for r in runs if r["eta"] == 0 or (r["eta"] == 1 and r["mode"] == "recompute")]
+        others = [r for r in runs if r not in base]
+        if not any(r["eta"] == 0 for r in base) or not others:
             continue
         workdir = lambda cell: str(Path(args.work) / cell["name"])  # noqa: E731
         try:
-            checks = plan.validate([workdir(base[0])], [workdir(r) for r in others], warmup=args.warmup)
+            checks = plan.validate([workdir(r) for r in base], [workdir(r) for r in others],
+                                   facts_from=workdir(base[0]), warmup=args.warmup)
         except ValueError as e:  # too few steps to calibrate on, say
             print(f"planner check, seed {seed}: {e}", file=sys.stderr)
             continue
@@ -124,8 +128,8 @@ def report(results: list[dict], rows: list[dict], args) -> str:
              f"{args.eval_problems} problems after the last step, mean ± sd over seeds (n); measured at {commits}. "
              "Speedup: trained tokens/s over synchronous colocated's. Synchronous colocated: the generator and the "
              "trainer on 2 fake devices each over all cores; disaggregated: one device each, on half of the cores "
-             "each. Planner: arealjax/plan.py calibrated on the seed's disaggregated η = 0 run (so its row is the "
-             "calibration, the others out of sample).", "",
+             "each. Planner: arealjax/plan.py calibrated on the seed's disaggregated η = 0 and η = 1 (recompute) runs, "
+             "predicting the others out of sample.", "",
              "| configuration | s / step | speedup | trained tok/s | generated tok/s | cores busy | generator idle "
              "| trainer idle | weight push / transfer | staleness mean | trained tokens by staleness 0, 1, … "
              "| accuracy start → end | planner s / step | n |", "|---" * 14 + "|"]
