@@ -3,18 +3,22 @@
   python benchmarks/staleness_ablation.py                      # the whole grid (~2 h on 2 CPU cores), resumable
   python benchmarks/staleness_ablation.py --report-only        # table + figure from the cells done so far
   python benchmarks/staleness_ablation.py --smoke              # 2 tiny cells (seconds): the script itself works
-  python benchmarks/staleness_ablation.py --layout=disaggregated --etas=0,2,4,8 --extra= --steps=80
-      # trainer and one generation server on half of the cores each (benchmarks/cells.py)
+  python benchmarks/staleness_ablation.py --layout=disaggregated --etas=0,2,4,8 --steps=60 --eval-every=20 \
+      --extra=0:decoupled:recompute:trainer.ppo_n_minibatches=4,4:standard:recompute:trainer.ppo_n_minibatches=4,\
+4:decoupled:recompute:trainer.ppo_n_minibatches=4,8:standard:recompute:trainer.ppo_n_minibatches=4,\
+8:decoupled:recompute:trainer.ppo_n_minibatches=4
+      # trainer and one generation server on half of the cores each (benchmarks/cells.py), and the paper's four
+      # PPO minibatches per step beside the config's one (docs/figures.md: what the README reports)
 
 Cells: η ∈ --etas × objective ∈ {standard, decoupled} × --seeds, plus --extra cells (default: η = 4 decoupled with
-`keep` swaps, and with one PPO minibatch instead of the config's four); η = 0 runs once per seed, since with
-π_prox = μ the two objectives are the same loss there. Each cell is `main.py` in its own process (config --config,
-every cell the same steps, batch and group size, so the same sample budget), one SFT warm start per seed cached in
---work and shared by that seed's cells, in the --layout of benchmarks/cells.py (colocated: one process, all cores;
-disaggregated: the trainer and a generation server on half of the cores each). A finished cell leaves cell.json in
-its directory and is skipped on the next invocation (benchmarks/disaggregated.py shares them, given the same --work
-and settings: config, steps, warmup, evaluation, extra flags); an unfinished one is run again from the start.
-Cells run seed by seed, so a partial grid already compares every η.
+`keep` swaps, and with the paper's four PPO minibatches instead of the config's one); η = 0 runs once per seed,
+since with π_prox = μ the two objectives are the same loss there. Each cell is `main.py` in its own process (config
+--config, every cell the same steps, batch and group size, so the same sample budget), one SFT warm start per seed
+cached in --work and shared by that seed's cells, in the --layout of benchmarks/cells.py (colocated: one process,
+all cores; disaggregated: the trainer and a generation server on half of the cores each). A finished cell leaves
+cell.json in its directory and is skipped on the next invocation (benchmarks/disaggregated.py shares them, given the
+same --work and settings: config, steps, warmup, evaluation, extra flags); an unfinished one is run again from the
+start. Cells run seed by seed, so a partial grid already compares every η.
 
 Per cell, from the run's metrics.jsonl: held-out accuracy every --eval-every steps (pass@1 at the sampling
 temperature and greedy) against *training* wall-clock (the run's wall-clock minus its evaluations; rollouts in
@@ -164,12 +168,12 @@ def main():
     p.add_argument("--etas", default=None, help="η values, comma-separated (default: 0,1,2,4,8; --smoke: 0)")
     p.add_argument("--extra", default=None,
                    help="more cells per seed, η:objective:mode[:key=value+key=value], comma-separated (default: "
-                   "4:decoupled:keep,4:decoupled:recompute:trainer.ppo_n_minibatches=1; --smoke: 1:standard:keep)")
+                   "4:decoupled:keep,4:decoupled:recompute:trainer.ppo_n_minibatches=4; --smoke: 1:standard:keep)")
     args = cells.parse(p)
     args.etas = [int(x) for x in (args.etas or ("0" if args.smoke else "0,1,2,4,8")).split(",")]
     if args.extra is None:
         args.extra = "1:standard:keep" if args.smoke else \
-            "4:decoupled:keep,4:decoupled:recompute:trainer.ppo_n_minibatches=1"
+            "4:decoupled:keep,4:decoupled:recompute:trainer.ppo_n_minibatches=4"
     args.extra = [x for x in args.extra.split(",") if x]
     results = cells.run_all(grid(args), args)
     out = Path(args.results)
