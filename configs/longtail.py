@@ -35,8 +35,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.trainer.max_tokens = 512  # ≥ the longest trajectory (prompt + max_new_tokens)
     config.trainer.optim.lr = 1e-4  # a smaller step than the default job's 5e-4, for long traces
-    # Two rows per micro-batch: a minibatch (a quarter of ~10k tokens) fills ~5 rows of 512, which micro-batches of
-    # 8 rows padded to 72% real tokens and 2 rows to 97% (a step 1.3x faster; benchmarks/disaggregated.py).
+    # Two rows per micro-batch: micro-batches of 8 rows of 512 padded a step's ~10k tokens (a quarter of them with four
+    # PPO minibatches) to 72% real tokens, 2 rows to 97% (a step 1.3x faster; benchmarks/disaggregated.py).
     config.trainer.micro_rows = 2
     # Three layers unrolled: on CPU the scanned layers' backward pass spends much of its time moving stacked
     # residuals (benchmarks/disaggregated.py). Recipes for real models keep the scan (compile time).
