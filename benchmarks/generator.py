@@ -141,21 +141,24 @@ def run_tunix(sampler, prompts, lens, batch, max_prompt, repeats):
 def run_transformers(hf_model, prompts, lens, batch, repeats):
     import torch
 
+    device = hf_model.device  # inputs where the model is (a GPU's, or the CPU)
+
     def go():
         outs = []
         for i in range(0, len(prompts), batch):
             ps, ls = prompts[i: i + batch], lens[i: i + batch]
             width = max(map(len, ps))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=device)  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
             with torch.no_grad():
                 out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=max(ls), min_new_tokens=max(ls),
-                                        do_sample=False, eos_token_id=None, pad_token_id=0)
+                                        do_sample=False, eos_token_id=None, pad_token_id=0).cpu()
             outs += [out[j, width: width + n].tolist() for j, n in enumerate(ls)]
         return outs
 
     with torch.no_grad():  # warm-up (torch compiles nothing, but first calls allocate)
-        hf_model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        hf_model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=2, do_sample=False,
+                          pad_token_id=0)
     return best([timed(go) for _ in range(repeats)])
 
 
@@ -169,43 +172,50 @@ def best(runs):
     return min(runs, key=lambda r: r[0])
 
 
-def step_times(model, max_len, page_size, decode_steps, longest_lens=(64, 128, 256, 512), free_slots=(4, 64, 256),
-               repeats=20):
-    """(e): seconds per decode step (one call of `decode_steps`, divided) for given active rows and lengths."""
+def decode_step_seconds(model, slots: int, lengths: list[int], max_len: int, page_size: int, decode_steps: int,
+                        repeats: int = 20) -> float:
+    """Median seconds per decode step (one call of `decode_steps`, divided) of `len(lengths)` active rows, row i
+    decoding from position lengths[i], in an engine of `slots` slots (its default attention: 'auto')."""
     import jax
 
     from arealjax.generation import Engine, SamplingParams
     from arealjax.generation.engine import PageWrites, SlotSampling
     from arealjax.generation.pages import PagePool, decode_index
 
-    def measure(slots, lengths):
-        engine = Engine(model, slots=slots, max_len=max_len, page_size=page_size)
-        pool = PagePool(engine.num_pages, page_size)
-        state = engine.init_decode_state()
-        held = [pool.alloc(pool.pages_for(min(n + decode_steps, max_len))) for n in lengths]
-        prefix = engine.prefill(model.params, np.ones((1, 16), np.int32), np.array([16]))  # KV contents: any
-        a = len(lengths)
-        sampling = SlotSampling.of([SamplingParams(temperature=0, max_new_tokens=max_len)] * a, [0] * a, a)
-        state, _ = engine.insert(prefix, state, np.zeros(a, np.int32), np.arange(a, dtype=np.int32), sampling,
-                                 PageWrites(np.full(8, engine.num_pages, np.int32), *np.zeros((2, 8), np.int32)),
-                                 np.full(a, 5, np.int32), np.full(a, max_len, np.int32))
-        # every slot decodes from position `n` (its earlier KV is whatever the pages hold: the cost is the same)
-        state = state._replace(positions=jax.device_put(np.array(list(lengths) + [0] * (slots - a), np.int32)))
-        rows = np.arange(a, dtype=np.int32)
-        index = decode_index(held, [min(n + decode_steps - 1, max_len - 1) for n in lengths], a, engine.max_pages,
-                             engine.num_pages, page_size)
-        times = []
-        for _ in range(repeats + 2):
-            t0 = time.perf_counter()
-            state, result = engine.generate(model.params, state, rows, index, steps=decode_steps)
-            result.block_until_ready()
-            times.append(time.perf_counter() - t0)
-            state = state._replace(positions=jax.device_put(np.array(list(lengths) + [0] * (slots - a), np.int32)))
-        return float(np.median(times[2:])) / decode_steps
+    engine = Engine(model, slots=slots, max_len=max_len, page_size=page_size)
+    pool = PagePool(engine.num_pages, page_size)
+    state = engine.init_decode_state()
+    held = [pool.alloc(pool.pages_for(min(n + decode_steps, max_len))) for n in lengths]
+    prefix = engine.prefill(model.params, np.ones((1, 16), np.int32), np.array([16]))  # KV contents: any
+    a = len(lengths)
+    sampling = SlotSampling.of([SamplingParams(temperature=0, max_new_tokens=max_len)] * a, [0] * a, a)
+    state, _ = engine.insert(prefix, state, np.zeros(a, np.int32), np.arange(a, dtype=np.int32), sampling,
+                             PageWrites(np.full(8, engine.num_pages, np.int32), *np.zeros((2, 8), np.int32)),
+                             np.full(a, 5, np.int32), np.full(a, max_len, np.int32))
+    # every slot decodes from position `n` (its earlier KV is whatever the pages hold: the cost is the same)
+    positions = np.array(list(lengths) + [0] * (slots - a), np.int32)
+    state = state._replace(positions=jax.device_put(positions))
+    rows = np.arange(a, dtype=np.int32)
+    index = decode_index(held, [min(n + decode_steps - 1, max_len - 1) for n in lengths], a, engine.max_pages,
+                         engine.num_pages, page_size)
+    times = []
+    for _ in range(repeats + 2):  # the first two: compilation and warm-up
+        t0 = time.perf_counter()
+        state, result = engine.generate(model.params, state, rows, index, steps=decode_steps)
+        result.block_until_ready()
+        times.append(time.perf_counter() - t0)
+        state = state._replace(positions=jax.device_put(positions))
+    return float(np.median(times[2:])) / decode_steps
 
+
+def step_times(model, max_len, page_size, decode_steps, longest_lens=(64, 128, 256, 512), free_slots=(4, 64, 256),
+               repeats=20):
+    """(e): seconds per decode step for 16 active rows as the longest grows, and for 4 active rows in more slots."""
     base = min(48, min(longest_lens) - 1, max_len - decode_steps - 1)
-    longest = {n: measure(16, [base] * 15 + [n]) for n in longest_lens}
-    free = {s: measure(s, [min(100, max_len - decode_steps - 1)] * 4) for s in free_slots}
+    longest = {n: decode_step_seconds(model, 16, [base] * 15 + [n], max_len, page_size, decode_steps, repeats)
+               for n in longest_lens}
+    free = {s: decode_step_seconds(model, s, [min(100, max_len - decode_steps - 1)] * 4, max_len, page_size,
+                                   decode_steps, repeats) for s in free_slots}
     return longest, free
 
 

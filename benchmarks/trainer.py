@@ -39,12 +39,12 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
-def matmul_peak(repeats: int, sizes=(1024, 2048, 3072)) -> tuple[float, int]:
-    """(FLOP/s, size) of the fastest fp32 square matmul."""
+def matmul_peak(repeats: int, sizes=(1024, 2048, 3072), dtype=jnp.float32) -> tuple[float, int]:
+    """(FLOP/s, size) of the fastest square matmul in `dtype`."""
     best = (0.0, 0)
     for n in sizes:
-        a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-        b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+        a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+        b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
         f = jax.jit(jnp.matmul)
         t = best_of(lambda f=f, a=a, b=b: f(a, b).block_until_ready(), repeats)
         best = max(best, (2 * n**3 / t, n))

@@ -21,6 +21,7 @@ from benchmarks.vs_tunix import accuracy_at, time_to
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")  # a new script is tested as it lands
                  if "__main__" in p.read_text())  # (not the modules scripts share: cells.py)
+OWN_SMOKE_TEST = {"accelerator.py"}  # --smoke run by a test of its own, which reads its results too
 # What each --smoke leaves: text on stdout, and files under its temporary directory (TMPDIR). A script not listed
 # only has to exit 0 and print something.
 SMOKE_RESULTS = {
@@ -121,32 +122,117 @@ def results_digest() -> dict[str, str]:
             for p in sorted((ROOT / "benchmarks" / "results").glob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("mode", ["--help", pytest.param("--smoke", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("script", SCRIPTS)
+def run_script(script: str, args: list[str], tmp_path: Path, timeout: int) -> tuple[str, float]:
+    """Runs benchmarks/`script` in a subprocess on one fake CPU device (unless it asks for more itself), its scratch
+    files in tmp_path (tempfile.gettempdir()); (stdout, seconds) once it exits 0. The persistent compilation cache
+    of tests/conftest.py is shared by the smokes' main.py runs."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(TMPDIR=str(tmp_path), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert res.returncode == 0, f"{script} {args}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    return res.stdout, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("script,mode", [(s, "--help") for s in SCRIPTS] + [
+    pytest.param(s, "--smoke", marks=pytest.mark.slow) for s in SCRIPTS if s not in OWN_SMOKE_TEST])
 def test_benchmark_runs(script, mode, tmp_path):
     """`--help` prints the script's description; `--smoke` runs it end to end at tiny sizes in a subprocess, prints
     or writes its result (SMOKE_RESULTS) under a temporary directory, and leaves benchmarks/results as it was."""
-    # One fake device unless a script asks for more itself; its scratch files in tmp_path (tempfile.gettempdir());
-    # the persistent compilation cache of tests/conftest.py is shared by the smokes' main.py runs.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(TMPDIR=str(tmp_path), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     before = results_digest()
-    t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, f"benchmarks/{script}", mode], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=60 if mode == "--help" else 600)
-    wall = time.perf_counter() - t0
-    assert res.returncode == 0, f"{script} {mode}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    stdout, wall = run_script(script, [mode], tmp_path, 60 if mode == "--help" else 600)
     if mode == "--help":
-        assert "--smoke" in res.stdout, f"{script} has no --smoke"
-        after_usage = res.stdout.split("\n\n", 1)[-1]
+        assert "--smoke" in stdout, f"{script} has no --smoke"
+        after_usage = stdout.split("\n\n", 1)[-1]
         description = re.split(r"^(?:options|optional arguments):$", after_usage, flags=re.M)[0]
-        assert len(description.split()) > 10, f"{script} --help: no description of what it measures\n{res.stdout}"
+        assert len(description.split()) > 10, f"{script} --help: no description of what it measures\n{stdout}"
         return
     print(f"{script} --smoke: {wall:.1f} s")
-    assert res.stdout.strip(), f"{script} --smoke printed nothing"
+    assert stdout.strip(), f"{script} --smoke printed nothing"
     texts, files = SMOKE_RESULTS.get(script, ([], []))
     for text in texts:
-        assert text in res.stdout, f"{script} --smoke: {text!r} not in its output\n{res.stdout[-3000:]}"
+        assert text in stdout, f"{script} --smoke: {text!r} not in its output\n{stdout[-3000:]}"
     for f in files:
         assert (tmp_path / f).is_file() and (tmp_path / f).stat().st_size, f"{script} --smoke wrote no {f}"
     assert results_digest() == before, f"{script} --smoke changed benchmarks/results"
+
+
+@pytest.mark.slow
+def test_accelerator_smoke_measures_every_part(tmp_path):
+    """benchmarks/accelerator.py --smoke runs every part on CPU (the Pallas kernels in interpret mode) and writes one
+    results pair into --out: every part has its numbers, every kernel is within tolerance, 'auto' resolves to the
+    CPU kinds, and each goal is judged (HBM bandwidth unmeasured: a CPU has no peak in the table)."""
+    before = results_digest()
+    out = tmp_path / "out"
+    stdout, wall = run_script("accelerator.py", ["--smoke", f"--out={out}"], tmp_path, 600)
+    print(f"accelerator.py --smoke: {wall:.1f} s")
+    res = json.loads((out / "accelerator-cpu.json").read_text())
+    assert (out / "accelerator-cpu.md").read_text().startswith("# On an accelerator: cpu")
+    parts = res["parts"]
+    assert list(parts) == ["kernels", "generator", "trainer", "e2e"], parts
+    assert not {p: r["error"] for p, r in parts.items() if "error" in r}
+
+    kernels = parts["kernels"]
+    assert kernels["passed"] and kernels["interpret"]
+    assert (kernels["auto"]["training"], kernels["auto"]["decode"], kernels["auto"]["passed"]) == ("sparse", "ragged",
+                                                                                                    True)
+    assert sorted((c["kernel"], c["dtype"]) for c in kernels["checks"]) == [
+        ("attention.attend_pallas", "bfloat16"), ("attention.attend_pallas", "float32"),
+        ("paged.paged_pallas", "bfloat16"), ("paged.paged_pallas", "float32")]
+    for c in kernels["checks"]:
+        assert c["passed"] and set(c["max_abs_error"]) == ({"out", "dq", "dk", "dv"} if "attend" in c["kernel"]
+                                                            else {"out"}), c
+        assert all(0 <= e <= c["tolerance"] * max(1, c["max_abs_reference"][n]) for n, e in c["max_abs_error"].items())
+
+    gen = parts["generator"]["models"]["tiny"]
+    (row,) = gen["long_tail"]
+    assert row["arealjax_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0 and row["over_transformers"] > 0
+    assert "tunix_tokens_per_s" in row or "tunix" in gen["skipped"]
+    assert [s["rows"] for s in gen["decode_step"]] == [1, 4]
+    assert all(s["seconds"] > 0 and s["bytes"] > 0 and s["hbm_fraction"] is None for s in gen["decode_step"])
+    train = parts["trainer"]
+    assert train["peak_from"] == "measured bf16 matmul" and train["models"]["tiny"]["mfu"] > 0
+    assert train["models"]["tiny"]["attention"] == "sparse"
+    runs = parts["e2e"]["runs"]
+    assert sorted(runs) == ["eta0", "eta4"]
+    for r in runs.values():
+        assert r["seconds_per_step"] > 0 and r["trained_tokens_per_s"] > 0
+        assert 0 <= r["accuracy_start"] <= 1 and 0 <= r["accuracy_end"] <= 1
+    assert [g["status"] for g in res["goals"]][0] == "unmeasured"
+    assert all(g["status"] in ("met", "missed") for g in res["goals"][1:]), res["goals"]
+    assert results_digest() == before, "accelerator.py --smoke changed benchmarks/results"
+
+
+def test_kernel_checks_fail_a_wrong_mask_a_wrong_gradient_and_an_off_by_one_length():
+    """benchmarks/accelerator.py's comparison fails kernels that are subtly wrong — segment ids ignored; right values
+    with the q gradient 5% off; each row reading one token past its length — and passes a right one. (Pure-JAX
+    stand-ins here, for speed; the Pallas kernels pass it in the --smoke test above.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from arealjax.models import attention as attn
+    from benchmarks.accelerator import attention_check, paged_check, paged_ragged
+
+    dims = (2, 48, 2, 1, 8)
+    assert not attention_check(jnp.float32, dims, lambda q, k, v, seg: attn.attend_xla(q, k, v, seg * 0))["passed"]
+
+    @jax.custom_vjp
+    def skewed(q, k, v, seg):
+        return attn.attend_xla(q, k, v, seg)
+
+    def forward(q, k, v, seg):
+        return jax.vjp(lambda q, k, v: attn.attend_xla(q, k, v, seg), q, k, v)
+
+    def backward(vjp, g):
+        dq, dk, dv = vjp(g)
+        return 1.05 * dq, dk, dv, None
+
+    skewed.defvjp(forward, backward)
+    check = attention_check(jnp.float32, dims, skewed)
+    assert check["max_abs_error"]["out"] < 1e-6 and check["max_abs_error"]["dk"] < 1e-5 and not check["passed"]
+
+    pages = (4, 40, 2, 1, 8, 4)
+    assert paged_check(jnp.float32, pages, paged_ragged, "ragged")["passed"]
+    past = paged_check(jnp.float32, pages, lambda q, pool, pos, index: paged_ragged(q, pool, pos + 1, index), "ragged")
+    assert not past["passed"]

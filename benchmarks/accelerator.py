@@ -1,0 +1,606 @@
+"""Everything this project measures on an accelerator, in one command for a GPU or TPU host: the Pallas kernels
+against their pure-JAX references, the generator and the trainer on ~0.6B and ~1.7B random Qwen3 models against
+the device's peaks, and the long-tail RL job end to end; one results file pair.
+
+  pip install -r benchmarks/requirements.txt && python benchmarks/accelerator.py     # every part
+  python benchmarks/accelerator.py --wheels=.whl     # first pip-installs what is missing from the wheels in .whl
+  python benchmarks/accelerator.py --parts=kernels,trainer                            # some parts
+  python benchmarks/accelerator.py --smoke           # CPU, tiny sizes, Pallas in interpret mode (a minute)
+
+Parts (--parts, in this order):
+  kernels    the Pallas flash attention of training and prefill (models/attention.py: Triton on GPU, Mosaic on
+             TPU) against `attend_xla`: outputs and q/k/v gradients, fp32 and bf16, packed rows of ragged segments
+             with a padding tail, GQA; the Pallas paged decode attention (models/paged.py, GPU only) against
+             `ragged_attention`: rows of ragged lengths over scattered pages; and that attention 'auto' resolves to
+             the Pallas kernels on GPU / TPU (sparse and ragged on CPU). The reference runs in fp32 at the highest
+             matmul precision on the kernel's own (rounded) inputs; a check passes when every max abs error is
+             within TOLERANCE[dtype] × max(1, max |reference|).
+  generator  per model, bf16 weights and KV: useful tokens/s on the long-tail workload (benchmarks/generator.py)
+             at 64 and 256 slots, against transformers `generate` on the same device and Tunix's sampler (each
+             skipped with its reason where it cannot run there); seconds per decode step at 1-256 active rows of
+             512 tokens, and the HBM bandwidth it reaches: (parameter bytes + KV bytes read) / step time,
+             over the device's peak (PEAKS; unknown device: null).
+  trainer    per model: one packed PPO step (bf16 compute on fp32 master weights, scanned layers, full remat,
+             attention 'auto') on long-tail trajectories (benchmarks/trainer.py): tokens/s and model-FLOPs
+             utilisation against the device's dense bf16 peak (PEAKS; unknown device: the measured bf16 matmul peak).
+  e2e        `main.py --config=configs/longtail.py` at η = 0 and η = 4, trainer and generator colocated on one
+             device (benchmarks/cells.py): s/step, trained tokens/s, held-out accuracy start → end.
+Written after every part to --out (default benchmarks/results; --smoke: a temporary directory):
+accelerator-<device>.json and .md, <device> from jax's device_kind ('nvidia-h100-80gb-hbm3', 'cpu'), with the
+commit and each goal met / missed / unmeasured. A part that fails is recorded with its error and the others still
+run; the exit status is 1 when a kernel is out of tolerance, 'auto' resolves elsewhere, or a part failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PARTS = ("kernels", "generator", "trainer", "e2e")
+# (substring of jax's device_kind, HBM bytes/s, dense bf16 FLOP/s) from the vendors' datasheets; the first match wins.
+PEAKS = [("H100 PCIe", 2.0e12, 756e12), ("H100 NVL", 3.9e12, 835e12), ("H100", 3.35e12, 989e12),
+         ("H200", 4.8e12, 989e12), ("A100-SXM4-40GB", 1.555e12, 312e12), ("A100-PCIE-40GB", 1.555e12, 312e12),
+         ("A100", 2.0e12, 312e12), ("TPU v4", 1.2e12, 275e12), ("TPU v5 lite", 8.19e11, 197e12),
+         ("TPU v5", 2.765e12, 459e12), ("TPU v6 lite", 1.64e12, 918e12)]
+# fp32: the Triton kernels' dots may run in TF32 (a 10-bit mantissa); bf16: the kernels cast probabilities,
+# outputs and gradients to bf16 (an 8-bit mantissa). A wrong mask or gradient is off by far more.
+TOLERANCE = {"float32": 5e-3, "bfloat16": 5e-2}
+QWEN3 = {  # the Hugging Face configs' numbers
+    "qwen3-0.6b": dict(family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                       num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(family="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
+                       num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+}
+# attention: batch, tokens per row, heads, kv heads, head dim; paged: rows, longest row, heads, kv heads, head dim,
+# page size; long_tail: workload()'s prompt lengths, median output, σ, output cap; batches: active rows of the
+# decode-step timing, each decoding from `context` tokens; e2e: RL steps, steps left out of the rates, evaluation
+# period, held-out problems.
+SIZES = {
+    "full": dict(models=QWEN3, attention=(2, 1000, 16, 8, 128), paged=(8, 2048, 16, 8, 128, 16), requests=512,
+                 long_tail=((16, 64), 64, 1.0, 512), max_prompt=64, slots=(64, 256), decode_steps=8,
+                 batches=(1, 16, 64, 256), context=512, step_repeats=20, repeats=2,
+                 trainer=dict(trajectories=512, max_tokens=2048, micro_rows=8), matmul_sizes=(4096, 8192),
+                 e2e=dict(steps=30, warmup=3, eval_every=10, eval_problems=256)),
+    "smoke": dict(models={"tiny": dict(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
+                                       tie_word_embeddings=True)},
+                  attention=(2, 80, 2, 1, 16), paged=(4, 40, 2, 1, 16, 4), requests=4,
+                  long_tail=((4, 16), 6, 1.0, 16), max_prompt=16, slots=(4,), decode_steps=4, batches=(1, 4),
+                  context=16, step_repeats=2, repeats=1, trainer=dict(trajectories=8, max_tokens=128, micro_rows=2),
+                  matmul_sizes=(128, 256), e2e=dict(steps=2, warmup=1, eval_every=2, eval_problems=4)),
+}
+# One colocated device: the trainer's mesh of one, the generator sharing it (cpu_devices only matters on CPU).
+ONE_DEVICE = ["--config.cpu_devices=1", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0"]
+
+
+def peaks(device_kind: str) -> tuple[float | None, float | None]:
+    """(HBM bytes/s, dense bf16 FLOP/s) of a device by its jax device_kind; (None, None) if not in PEAKS."""
+    return next(((bw, flops) for key, bw, flops in PEAKS if key in device_kind), (None, None))
+
+
+def slug(device_kind: str) -> str:
+    """'NVIDIA H100 80GB HBM3' → 'nvidia-h100-80gb-hbm3': the results files' name."""
+    return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
+
+
+def requirements(path: Path) -> list[str]:
+    """The requirement lines of a requirements file, following `-r` includes."""
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line.startswith("-r"):
+            out += requirements(path.parent / line[2:].strip())
+        elif line:
+            out.append(line)
+    return out
+
+
+def install_wheels(wheels: str) -> dict:
+    """pip-installs, from the wheels in `wheels` alone (no index), what benchmarks/requirements.txt needs and this
+    Python lacks; if pip cannot resolve them together, each requirement on its own (the failures are recorded)."""
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels]
+    reqs = ROOT / "benchmarks" / "requirements.txt"
+    if subprocess.run([*pip, "-r", str(reqs)], capture_output=True, text=True).returncode == 0:
+        return {"from": wheels, "failed": {}}
+    failed = {}
+    for req in requirements(reqs):
+        res = subprocess.run([*pip, req], capture_output=True, text=True)
+        if res.returncode:
+            failed[req] = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
+    return {"from": wheels, "failed": failed}
+
+
+# ---- kernels ----
+
+def compare(kernel: Callable, reference: Callable, inputs: list, dtype, names: tuple[str, ...],
+            grads: bool = True) -> dict:
+    """Max abs differences of kernel(*inputs, floating ones cast to `dtype`) from reference(*the same values in
+    fp32, highest matmul precision): the output `names[0]` and, with `grads`, the gradients of Σ out · c (c random)
+    wrt each floating input (`names[1:]`); passed if each is within TOLERANCE × max(1, max |reference|)."""
+    import jax
+    import jax.numpy as jnp
+
+    floating = [jnp.issubdtype(x.dtype, jnp.floating) for x in inputs]
+    low = [x.astype(dtype) if f else x for x, f in zip(inputs, floating)]
+    high = [x.astype(jnp.float32) if f else x for x, f in zip(low, floating)]
+    c = jax.random.normal(jax.random.key(1), jax.eval_shape(reference, *high).shape, jnp.float32)
+
+    def run(fn, xs):
+        if not grads:
+            return [jax.jit(fn)(*xs)]
+
+        def loss(*diff):
+            it = iter(diff)
+            out = fn(*[next(it) if f else x for x, f in zip(xs, floating)])
+            return jnp.sum(out.astype(jnp.float32) * c), out
+
+        (_, out), g = jax.jit(jax.value_and_grad(loss, tuple(range(sum(floating))), has_aux=True))(
+            *[x for x, f in zip(xs, floating) if f])
+        return [out, *g]
+
+    got = run(kernel, low)
+    with jax.default_matmul_precision("highest"):
+        want = run(reference, high)
+    name = jnp.dtype(dtype).name
+    errors = {n: float(jnp.max(jnp.abs(g.astype(jnp.float32) - w))) for n, g, w in zip(names, got, want)}
+    scales = {n: float(jnp.max(jnp.abs(w))) for n, w in zip(names, want)}
+    passed = all(errors[n] <= TOLERANCE[name] * max(1.0, scales[n]) for n in errors)
+    return {"dtype": name, "max_abs_error": errors, "max_abs_reference": scales, "tolerance": TOLERANCE[name],
+            "passed": passed}
+
+
+def packed_segments(rng, b: int, t: int):
+    """[B, T] segment ids of packed rows: segments 1, 2, … of random lengths, then a padding tail of 0s."""
+    import numpy as np
+
+    seg = np.zeros((b, t), np.int32)
+    for r in range(b):
+        end, i, s = t - rng.randint(0, t // 8 + 1), 0, 1
+        while i < end:
+            n = min(rng.randint(1, t // 3 + 1), end - i)
+            seg[r, i:i + n], i, s = s, i + n, s + 1
+    return seg
+
+
+def attention_check(dtype, dims: tuple[int, ...], kernel: Callable | None = None) -> dict:
+    """`kernel` (default: the Pallas flash attention) against `attend_xla` on packed rows, values and gradients."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from arealjax.models import attention as attn
+
+    kernel = kernel or attn.attend_pallas
+    b, t, h, hkv, d = dims
+    rng = np.random.RandomState(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32) for n in (h, hkv, hkv))
+    seg = jnp.asarray(packed_segments(rng, b, t))
+    return {"kernel": f"attention.{getattr(kernel, '__name__', 'kernel')}", "shape": dict(b=b, t=t, h=h, hkv=hkv, d=d),
+            **compare(kernel, attn.attend_xla, [q, k, v, seg], dtype, ("out", "dq", "dk", "dv"))}
+
+
+def paged_pallas(q, pool, positions, index):
+    """The Pallas GPU paged attention over layer 0 of a heads-major pool."""
+    from arealjax.models.paged import pallas_attention
+
+    return pallas_attention(q, pool.k[0], pool.v[0], positions, index)
+
+
+def paged_ragged(q, pool, positions, index):
+    """The pure-JAX ragged paged attention over layer 0 of a pages-major pool (the reference)."""
+    from arealjax.models.paged import ragged_attention
+
+    return ragged_attention(q, pool.k, pool.v, 0, positions, index)
+
+
+def paged_check(dtype, dims: tuple[int, ...], kernel: Callable = paged_pallas, layout: str = "pallas") -> dict:
+    """`kernel` (q, pool laid out for `layout`, positions, index) against `paged_ragged`: rows of ragged lengths
+    (one of a single token, one at the longest) whose pages are scattered over the pool."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from arealjax.generation.pages import decode_index
+    from arealjax.models import ModelConfig, init_pages
+    from arealjax.models.paged import write_prefill
+
+    rows, longest, h, hkv, d, size = dims
+    cfg = ModelConfig.make(family="qwen3", vocab_size=1, hidden_size=h * d, intermediate_size=1, num_layers=1,
+                           num_heads=h, num_kv_heads=hkv, head_dim=d)
+    rng = np.random.RandomState(0)
+    lengths = np.concatenate([[1], rng.randint(2, longest, rows - 2), [longest]])
+    max_pages = -(-longest // size)
+    num_pages = rows * max_pages
+    perm = rng.permutation(num_pages)
+    held = [[int(x) for x in perm[i * max_pages: i * max_pages + -(-n // size)]] for i, n in enumerate(lengths)]
+    positions = jnp.asarray(lengths - 1, jnp.int32)
+    index = decode_index(held, list(lengths - 1), rows, max_pages, num_pages, size)
+    page, row = np.concatenate(held), np.repeat(np.arange(rows), [len(p) for p in held])
+    block = np.concatenate([np.arange(len(p)) for p in held])
+
+    def attend(fn, kind):
+        def f(q, k, v):  # k, v: [1 layer, rows, max_pages · size, Hkv, D]
+            pool = write_prefill(init_pages(cfg, num_pages, size, k.dtype, attention=kind), k, v, page, row, block,
+                                 kind)
+            return fn(q, pool, positions, index)
+        return f
+
+    q = jnp.asarray(rng.normal(size=(rows, h, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(1, rows, max_pages * size, hkv, d)), jnp.float32) for _ in range(2))
+    return {"kernel": f"paged.{getattr(kernel, '__name__', 'kernel')}", "lengths": [int(n) for n in lengths],
+            "shape": dict(rows=rows, h=h, hkv=hkv, d=d, page=size),
+            **compare(attend(kernel, layout), attend(paged_ragged, "ragged"), [q, k, v], dtype, ("out",),
+                      grads=False)}
+
+
+def kernels(size: dict, args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from arealjax.models import attention as attn
+    from arealjax.models.paged import pick_attention
+
+    backend = jax.default_backend()
+    expected = {"gpu": ("pallas", "pallas"), "tpu": ("pallas", "ragged")}.get(backend, ("sparse", "ragged"))
+    auto = {"training": attn.pick("auto"), "decode": pick_attention("auto"),
+            "expected": dict(training=expected[0], decode=expected[1])}
+    auto["passed"] = (auto["training"], auto["decode"]) == expected
+    checks = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for kernel, check, dims in (("attention.attend_pallas", attention_check, size["attention"]),
+                                    ("paged.paged_pallas", paged_check, size["paged"])):
+            name = jnp.dtype(dtype).name
+            if check is paged_check and backend == "tpu":
+                checks.append({"kernel": kernel, "dtype": name, "passed": True,
+                               "skipped": "a GPU kernel: on TPU 'auto' decodes with the ragged attention"})
+                continue
+            try:  # a kernel that does not compile here fails its check, not the others
+                checks.append(check(dtype, dims))
+            except Exception as e:
+                traceback.print_exc()
+                checks.append({"kernel": kernel, "dtype": name, "passed": False, "error": f"{type(e).__name__}: {e}"})
+            print(json.dumps(checks[-1]), flush=True)
+    return {"interpret": backend not in ("gpu", "tpu"), "auto": auto, "checks": checks,
+            "passed": auto["passed"] and all(c["passed"] for c in checks)}
+
+
+# ---- generator ----
+
+def baselines(model, tmp: str, max_prompt: int, max_len: int) -> tuple[dict, dict]:
+    """({name: run(prompts, lens, batch) -> (seconds, outputs)}, {name: why skipped}) for transformers `generate`
+    on this device and Tunix's sampler, both on `model`'s weights (exported to `tmp`)."""
+    import importlib.util
+
+    import jax
+
+    from arealjax.models import save_pretrained
+    from benchmarks.generator import run_transformers, run_tunix, tunix_sampler
+
+    platform, runs, skipped = jax.default_backend(), {}, {}
+    if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
+        skipped["transformers"] = "torch / transformers not installed"
+    elif platform == "tpu":
+        skipped["transformers"] = "transformers runs on torch devices: none on a TPU host"
+    if not importlib.util.find_spec("tunix"):
+        skipped["tunix"] = "google-tunix not installed"
+    if len(skipped) == 2:
+        return runs, skipped
+    save_pretrained(model, tmp)
+    if "transformers" not in skipped:
+        import torch
+        import transformers
+
+        if platform == "gpu" and not torch.cuda.is_available():
+            skipped["transformers"] = "this torch has no CUDA"
+        else:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).eval()
+            hf = hf.to("cuda" if platform == "gpu" else "cpu")
+            runs["transformers"] = lambda p, n, batch: run_transformers(hf, p, n, batch, 1)
+    if "tunix" not in skipped:
+        try:
+            sampler = tunix_sampler(tmp, max_len + 64)
+            runs["tunix"] = lambda p, n, batch: run_tunix(sampler, p, n, batch, max_prompt, 1)
+        except Exception as e:  # an installed Tunix whose API moved
+            skipped["tunix"] = f"its sampler did not load: {type(e).__name__}: {e}"
+    return runs, skipped
+
+
+def generator(size: dict, args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from arealjax.generation import Engine
+    from arealjax.models import ModelConfig, from_config
+    from benchmarks.generator import best, decode_step_seconds, run_arealjax, workload
+
+    hbm = peaks(jax.devices()[0].device_kind)[0]
+    cap, k, page = size["long_tail"][-1], size["decode_steps"], args.page_size
+    max_len = size["max_prompt"] + cap
+    assert size["context"] + k < max_len, "the decode-step timing's rows must fit max_len"
+    out = {"peak_hbm_bytes_per_s": hbm, "decode_steps": k, "page_size": page, "models": {}}
+    for name, shape in size["models"].items():
+        cfg = ModelConfig.make(**shape, max_position_embeddings=max_len)
+        model = from_config(cfg, dtype=jnp.bfloat16)
+        prompts, lens = workload(size["requests"], 0, *size["long_tail"], vocab=cfg.vocab_size)
+        useful = sum(lens)
+        with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+            runs, skipped = baselines(model, tmp, size["max_prompt"], max_len)
+            rows = []
+            for slots in size["slots"]:
+                engine = Engine(model, slots=slots, max_len=max_len, page_size=page)
+                run_arealjax(engine, model.params, prompts, lens, False, k)  # compiles every shape it meets
+                t, outs, _ = best([run_arealjax(engine, model.params, prompts, lens, False, k)
+                                   for _ in range(size["repeats"])])
+                row = {"slots": slots, "decode_attention": engine.attention, "arealjax_tokens_per_s": useful / t}
+                for other, run in runs.items():
+                    try:
+                        t_o, outs_o = run(prompts, lens, slots)
+                    except Exception as e:  # one system failing leaves the others' figures
+                        row[f"{other}_error"] = f"{type(e).__name__}: {e}"
+                        continue
+                    row.update({f"{other}_tokens_per_s": useful / t_o, f"over_{other}": t_o / t,
+                                f"{other}_same_tokens": sum(a == b for a, b in zip(outs, outs_o)) / len(outs)})
+                rows.append(row)
+                print(name, json.dumps(row), flush=True)
+            runs.clear()  # frees transformers' model before the step timings
+        param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+        if not cfg.tie_word_embeddings:  # the embedding table is gathered (one row per token), not read
+            param_bytes -= cfg.vocab_size * cfg.hidden_size * 2
+        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
+        steps = []
+        for b in size["batches"]:
+            s = decode_step_seconds(model, b, [size["context"]] * b, max_len, page, k, size["step_repeats"])
+            read = param_bytes + b * (size["context"] + (k + 1) / 2) * kv_per_token  # the call's mean length
+            steps.append({"rows": b, "seconds": s, "bytes": read, "bytes_per_s": read / s,
+                          "hbm_fraction": read / s / hbm if hbm else None})
+            print(name, json.dumps(steps[-1]), flush=True)
+        out["models"][name] = {"params_m": cfg.num_params() / 1e6, "requests": len(prompts), "useful_tokens": useful,
+                               "output_p50": int(sorted(lens)[len(lens) // 2]), "output_max": max(lens),
+                               "long_tail": rows, "skipped": skipped, "context": size["context"],
+                               "decode_step": steps}
+        del model
+        if (torch := sys.modules.get("torch")) and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # transformers' memory back to the device for the next model
+    return out
+
+
+# ---- trainer ----
+
+def trainer(size: dict, args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from arealjax.models import ModelConfig, from_config
+    from arealjax.models.attention import pick
+    from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+    from benchmarks.trainer import best_of, long_tail, matmul_peak, model_flops
+
+    table = peaks(jax.devices()[0].device_kind)[1]
+    measured, n = matmul_peak(size["repeats"], size["matmul_sizes"], jnp.bfloat16)
+    peak = table or measured
+    tr = size["trainer"]
+    trajs = long_tail(tr["trajectories"], tr["max_tokens"])
+    tokens = sum(len(t) for t in trajs)
+    out = {"peak_flops": peak, "peak_from": "table" if table else "measured bf16 matmul",
+           "matmul_bf16_flops": measured, "matmul_size": n, "trajectories": len(trajs), "tokens": tokens,
+           "max_tokens": tr["max_tokens"], "micro_rows": tr["micro_rows"], "models": {}}
+    for name, shape in size["models"].items():
+        cfg = ModelConfig.make(**shape)
+        train = Trainer(from_config(cfg), TrainerConfig(  # fp32 master weights
+            max_tokens=tr["max_tokens"], micro_rows=tr["micro_rows"], compute_dtype="bfloat16", scan_layers=True,
+            remat="full", attention="auto", optim=OptimConfig(lr=1e-6)))
+        metrics = {}
+
+        def step(train=train, metrics=metrics):
+            metrics.update(train.train_step(trajs))
+            jax.block_until_ready(train.params)
+
+        t = best_of(step, size["repeats"])
+        flops = model_flops(cfg, trajs)
+        out["models"][name] = {"params_m": cfg.num_params() / 1e6, "attention": pick("auto"), "seconds": t,
+                               "tokens_per_s": tokens / t, "model_tflops_per_s": flops / t / 1e12,
+                               "mfu": flops / t / peak, "micro_batches": int(metrics["micro_batches"]),
+                               "non_padding_fraction": float(metrics["non_padding_fraction"])}
+        print(name, json.dumps(out["models"][name]), flush=True)
+        del train, step  # the next model's trainer gets the memory
+    return out
+
+
+# ---- end to end ----
+
+def e2e(size: dict, args) -> dict:
+    from benchmarks import cells
+    from benchmarks.learning import smoke_flags
+
+    e = size["e2e"]
+    work = Path(args.work) / "e2e"
+    shutil.rmtree(work, ignore_errors=True)  # measured by this run, never a finished cell of an earlier one
+    work.mkdir(parents=True)
+    flags = [*(smoke_flags("rl.steps", "rl.eval_every", "eval.num_problems") if args.smoke else []), *ONE_DEVICE]
+    run_args = argparse.Namespace(config="configs/longtail.py", work=str(work), steps=e["steps"], warmup=e["warmup"],
+                                  eval_every=e["eval_every"], eval_problems=e["eval_problems"], overrides=flags,
+                                  warm_up=False)
+    keys = ("seconds_per_step", "trained_tokens_per_s", "generated_tokens_per_s", "accuracy_start", "accuracy_end",
+            "staleness_mean")
+    runs = {}
+    for eta in (0, 4):
+        summary = cells.run(cells.cell("colocated", eta, "decoupled", "recompute", 0), run_args)
+        runs[f"eta{eta}"] = {"eta": eta, **{key: summary[key] for key in keys}}
+        print(json.dumps(runs[f"eta{eta}"]), flush=True)
+    return {"config": "configs/longtail.py", "flags": flags, **{x: e[x] for x in ("steps", "warmup")}, "runs": runs,
+            "speedup_eta4": runs["eta0"]["seconds_per_step"] / runs["eta4"]["seconds_per_step"]}
+
+
+PART_FNS = {"kernels": kernels, "generator": generator, "trainer": trainer, "e2e": e2e}
+
+
+# ---- goals and report ----
+
+def goals(parts: dict) -> list[dict]:
+    """The issue's goals, each met / missed / unmeasured (its part not run, failed, or no peak known)."""
+    def ok(part):
+        return None if "error" in parts.get(part, {"error": "not run"}) else parts[part]
+
+    gen, train, kern, end = ok("generator"), ok("trainer"), ok("kernels"), ok("e2e")
+    hbm = ratio = mfu = learned = None
+    if gen:
+        last = list(gen["models"].values())[-1]["decode_step"][-1]  # the largest model at the most rows
+        hbm = last["hbm_fraction"]
+        ratios = [r["over_transformers"] for m in gen["models"].values() for r in m["long_tail"]
+                  if "over_transformers" in r]
+        ratio = min(ratios) if ratios else None
+    if train:
+        mfu = min(m["mfu"] for m in train["models"].values())
+    if end:
+        learned = float(all(r["accuracy_end"] > r["accuracy_start"] for r in end["runs"].values()))
+    rows = [("decode step, largest model at the most rows: share of peak HBM bandwidth", hbm, 0.6),
+            ("generator useful tokens/s ÷ transformers `generate`, every model and slot count (the least)", ratio, 3.0),
+            ("trainer MFU, bf16 packed PPO step, every model (the least)", mfu, 0.4),
+            ("every kernel within tolerance and 'auto' resolving to it", None if kern is None else
+             float(kern["passed"]), 1.0),
+            ("end to end: held-out accuracy rises at η = 0 and η = 4", learned, 1.0)]
+    return [{"goal": g, "value": v, "target": target,
+             "status": "unmeasured" if v is None else "met" if v >= target else "missed"} for g, v, target in rows]
+
+
+def fmt(x, spec: str = ".3g") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def report(res: dict) -> str:
+    """The results as Markdown tables."""
+    parts = res["parts"]
+    lines = [f"# On an accelerator: {res['device']}", "",
+             f"`{res['command']}` at `{res['commit']}`, {res['date']}; {res['devices']} {res['platform']} "
+             f"device(s){' (--smoke: tiny sizes, not figures)' if res['smoke'] else ''}.", "",
+             "| goal | value | target | status |", "|---|---|---|---|"]
+    lines += [f"| {g['goal']} | {fmt(g['value'])} | {g['target']} | **{g['status']}** |" for g in res["goals"]]
+    for name in PARTS:
+        if name not in parts:
+            continue
+        p = parts[name]
+        lines += ["", f"## {name} ({p['seconds']:.0f} s)", ""]
+        if "error" in p:
+            lines += [f"**Failed**: `{p['error']}`"]
+            continue
+        if name == "kernels":
+            a = p["auto"]
+            lines += [f"attention 'auto': training → {a['training']}, decode → {a['decode']} (expected "
+                      f"{a['expected']['training']}, {a['expected']['decode']}){'; interpret mode' * p['interpret']}",
+                      "", "| kernel | dtype | max abs error (÷ max abs reference) | tolerance | within |",
+                      "|---|---|---|---|---|"]
+            for c in p["checks"]:
+                errs = c.get("skipped") or c.get("error") or ", ".join(
+                    f"{n} {e:.2e} (÷ {c['max_abs_reference'][n]:.2g})" for n, e in c["max_abs_error"].items())
+                lines.append(f"| {c['kernel']} | {c['dtype']} | {errs} | {c.get('tolerance', '—')} | "
+                             f"{'yes' if c['passed'] else '**no**'} |")
+        if name == "generator":
+            for model, m in p["models"].items():
+                lines += [f"**{model}** ({m['params_m']:.0f}M params, bf16): {m['requests']} long-tail requests, "
+                          f"{m['useful_tokens']} useful tokens (output p50 {m['output_p50']}, max {m['output_max']})"
+                          + "".join(f"; {s} skipped: {why}" for s, why in m["skipped"].items()), "",
+                          "| slots | arealjax tok/s | transformers tok/s | Tunix tok/s | ÷ transformers | ÷ Tunix |",
+                          "|---|---|---|---|---|---|"]
+                lines += [f"| {r['slots']} | {r['arealjax_tokens_per_s']:,.0f} | "
+                          f"{fmt(r.get('transformers_tokens_per_s'), ',.0f')} | "
+                          f"{fmt(r.get('tunix_tokens_per_s'), ',.0f')} | {fmt(r.get('over_transformers'), '.2f')} | "
+                          f"{fmt(r.get('over_tunix'), '.2f')} |" for r in m["long_tail"]]
+                lines += [f"\n{key.removesuffix('_error')} at {r['slots']} slots failed: `{e}`"
+                          for r in m["long_tail"] for key, e in r.items() if key.endswith("_error")]
+                lines += ["", f"| active rows of {m['context']} tokens | decode step ms | MB read | GB/s | "
+                          "share of peak HBM |", "|---|---|---|---|---|"]
+                lines += [f"| {s['rows']} | {s['seconds'] * 1e3:.2f} | {s['bytes'] / 1e6:,.0f} | "
+                          f"{s['bytes_per_s'] / 1e9:,.1f} | {fmt(s['hbm_fraction'], '.1%')} |"
+                          for s in m["decode_step"]]
+                lines.append("")
+        if name == "trainer":
+            lines += [f"Peak {p['peak_flops'] / 1e12:.1f} TFLOP/s ({p['peak_from']}; measured bf16 matmul "
+                      f"{p['matmul_bf16_flops'] / 1e12:.1f}); {p['trajectories']} long-tail trajectories, "
+                      f"{p['tokens']} tokens, rows of {p['max_tokens']}, {p['micro_rows']} rows per micro-batch.", "",
+                      "| model | s / step | tokens/s | model TFLOP/s | MFU | real tokens |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {n} ({m['params_m']:.0f}M) | {m['seconds']:.3f} | {m['tokens_per_s']:,.0f} | "
+                      f"{m['model_tflops_per_s']:.2f} | {m['mfu']:.1%} | {m['non_padding_fraction']:.0%} |"
+                      for n, m in p["models"].items()]
+        if name == "e2e":
+            lines += [f"`{p['config']}` {' '.join(p['flags'])}, {p['steps']} steps (rates after step {p['warmup']}); "
+                      f"η = 4 speedup {p['speedup_eta4']:.2f}×", "",
+                      "| η | s / step | trained tok/s | generated tok/s | held-out accuracy |", "|---|---|---|---|---|"]
+            lines += [f"| {r['eta']} | {r['seconds_per_step']:.2f} | {r['trained_tokens_per_s']:,.0f} | "
+                      f"{r['generated_tokens_per_s']:,.0f} | {r['accuracy_start']:.2f} → {r['accuracy_end']:.2f} |"
+                      for r in p["runs"].values()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of: " + ", ".join(PARTS))
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, interpret-mode Pallas (a minute)")
+    ap.add_argument("--wheels", default="", help="a folder of wheels to install what is missing from, first")
+    ap.add_argument("--out", default="", help="where the results go (default: benchmarks/results; --smoke: a "
+                                              "temporary directory)")
+    ap.add_argument("--work", default="", help="scratch: HF exports, the e2e runs (default: a temporary directory)")
+    ap.add_argument("--page-size", type=int, default=16)
+    args = ap.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    if unknown := sorted(set(parts) - set(PARTS)):
+        ap.error(f"unknown parts {unknown}; expected some of {PARTS}")
+    scratch = Path(tempfile.gettempdir()) / "arealjax_accelerator" / ("smoke" if args.smoke else "")
+    args.work = args.work or str(scratch)
+    out = Path(args.out or (scratch if args.smoke else ROOT / "benchmarks" / "results"))
+    for d in (Path(args.work), out):
+        d.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    # JAX would take 75% of a GPU's memory at start; transformers' torch shares the device
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    wheels = install_wheels(args.wheels) if args.wheels else None
+
+    import jax
+
+    from benchmarks.cells import commit
+
+    device = jax.devices()[0]
+    size = SIZES["smoke" if args.smoke else "full"]
+    res = {"device": device.device_kind, "platform": device.platform, "devices": jax.device_count(),
+           "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M"), "smoke": args.smoke,
+           "command": " ".join(["python benchmarks/accelerator.py", *sys.argv[1:]]),
+           "peaks": dict(zip(("hbm_bytes_per_s", "bf16_flops"), peaks(device.device_kind))), "parts": {}}
+    if wheels:
+        res["wheels"] = wheels
+    path = out / f"accelerator-{slug(device.device_kind)}"
+    print(f"{device.device_kind} ({device.platform}), {jax.device_count()} device(s); results: {path}.json, .md",
+          flush=True)
+    for part in parts:
+        print(f"\n[{time.strftime('%H:%M:%S')}] {part}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            res["parts"][part] = PART_FNS[part](size, args)
+        except (Exception, SystemExit) as e:  # SystemExit: benchmarks/cells.py exits when a run fails
+            traceback.print_exc()
+            res["parts"][part] = {"error": f"{type(e).__name__}: {e}"}
+        res["parts"][part]["seconds"] = time.perf_counter() - t0
+        res["goals"] = goals(res["parts"])
+        path.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")  # after every part: a later crash
+        path.with_suffix(".md").write_text(report(res))  # keeps what is done
+    print("\n" + report(res), flush=True)
+    failed = [p for p, r in res["parts"].items() if "error" in r]
+    if res["parts"].get("kernels", {}).get("passed") is False:
+        failed.append("kernels (out of tolerance, or 'auto' resolving elsewhere)")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
