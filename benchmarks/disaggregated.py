@@ -74,14 +74,15 @@ def planner_check(results: list[dict], args) -> list[dict]:
     out = []
     for seed in sorted({r["seed"] for r in results}):
         runs = [r for r in results if r["seed"] == seed and r["layout"] == "disaggregated"]
+        eta0 = next((r for r in runs if r["eta"] == 0), None)
         base = [r for r in runs if r["eta"] == 0 or (r["eta"] == 1 and r["mode"] == "recompute")]
         others = [r for r in runs if r not in base]
-        if not any(r["eta"] == 0 for r in base) or not others:
+        if eta0 is None or not others:
             continue
         workdir = lambda cell: str(Path(args.work) / cell["name"])  # noqa: E731
         try:
             checks = plan.validate([workdir(r) for r in base], [workdir(r) for r in others],
-                                   facts_from=workdir(base[0]), warmup=args.warmup)
+                                   facts_from=workdir(eta0), warmup=args.warmup)
         except ValueError as e:  # too few steps to calibrate on, say
             print(f"planner check, seed {seed}: {e}", file=sys.stderr)
             continue
