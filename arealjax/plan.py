@@ -352,7 +352,7 @@ def measured(workdir: str | Path, warmup: int = 5) -> dict:
     span = window[-1]["wall_seconds"] - rows[warmup - 1]["wall_seconds"] - evals
     busy = sum(r["generator_busy_seconds"] for r in window)
     idle = sum(r["generator_idle_seconds"] for r in window)
-    return {"seconds_per_step": span / len(window), "generator_idle_share": idle / (busy + idle),
+    return {"seconds_per_step": span / len(window), "generator_idle_share": idle / max(busy + idle, 1e-9),
             "generated_tokens_per_s": sum(r["generated_tokens"] for r in window) / span}
 
 

@@ -62,7 +62,7 @@ def run(entry: str, args, out: Path) -> dict:
         "eta": eta, "run": entry, "steps_timed": len(window), "wall_seconds": wall,
         "seconds_per_step": wall / len(window),
         "weight_sync_share": sum(r["weight_sync_seconds"] for r in window) / wall,
-        "generator_idle_share": idle / (idle + busy),
+        "generator_idle_share": idle / max(idle + busy, 1e-9),
         "generated_tokens_per_s": float(np.mean([r["generated_tokens_per_s"] for r in window])),
         "trainer_step_seconds": float(np.mean([r["step_seconds"] for r in window])),
         "batch_wait_seconds": float(np.mean([r["batch_wait_seconds"] for r in window])),

@@ -245,6 +245,24 @@ def test_pause_and_resume():
         assert len(fut.result(timeout=60)[0].output_tokens) == 5
 
 
+def test_stats_count_the_idle_wait_in_progress():
+    """A generator waiting for work is idle now, not only once the wait ends: a step that reads the counters while
+    the loop waits (an asynchronous run whose rollouts were all admitted before) sees its idle time, not 0 busy and
+    0 idle seconds (the bug behind a ZeroDivisionError in benchmarks/async_vs_sync.py --smoke)."""
+    with Generator(engine(), MODEL_A.params) as gen:
+        gen.submit(prompts(1)[0], SamplingParams(temperature=0, max_new_tokens=3)).result(timeout=60)
+        time.sleep(0.05)  # the loop is in its wait now
+        first = gen.stats()
+        time.sleep(0.3)
+        second = gen.stats()
+        idle = second["generator_idle_seconds_total"] - first["generator_idle_seconds_total"]
+        assert 0.25 <= idle <= 1.0, idle
+        assert second["generator_busy_seconds_total"] == first["generator_busy_seconds_total"]
+        gen.submit(prompts(1)[0], SamplingParams(temperature=0, max_new_tokens=3)).result(timeout=60)
+        third = gen.stats()  # the wait that ended is counted once, not again on top of what was read during it
+        assert 0.25 <= third["generator_idle_seconds_total"] - first["generator_idle_seconds_total"] <= 1.0
+
+
 def test_decode_loop_error_fails_pending_futures():
     """A colocated trainer that donates (deletes) the param buffers the generator still uses: the next decode
     step raises inside the loop, and every pending future fails with that error instead of hanging."""

@@ -105,6 +105,7 @@ class Generator:
         self._requests: dict[str, _Request] = {}
         self._update: tuple[nnx.State, int, float, list[Future]] | None = None
         self._swap_started: float | None = None
+        self._idle_since: float | None = None  # when the loop began waiting for work, while it waits
         self._cv = threading.Condition()
         self._paused = self._idle_ack = self._closed = False
         self._error: BaseException | None = None
@@ -127,10 +128,12 @@ class Generator:
     def stats(self) -> dict[str, float]:
         """The loop's metrics (api.RolloutBackend.stats): `_total` keys are cumulative counters."""
         c = self.counters
+        with self._cv:  # the wait in progress counts as idle now: a reader mid-wait must not see 0 idle, 0 busy
+            idle = c.idle_seconds + (time.perf_counter() - self._idle_since if self._idle_since is not None else 0.0)
         return {"decode_steps_total": c.steps, "prefill_tokens_total": c.prefill_tokens,
                 "refill_tokens_total": c.refill_tokens, "interrupts_total": c.interrupts,
                 "preemptions_total": c.preemptions, "generator_busy_seconds_total": c.busy_seconds,
-                "generator_idle_seconds_total": c.idle_seconds, "kv_pages_peak": c.peak_pages}
+                "generator_idle_seconds_total": idle, "kv_pages_peak": c.peak_pages}
 
     def submit(self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
                request_id: str | None = None, first_sample: int = 0) -> Future:
@@ -232,12 +235,13 @@ class Generator:
         """One round: apply a weight update, drop aborted slots, fill free slots, decode `decode_steps` tokens.
         Returns False when the generator is closed."""
         with self._cv:
-            t0 = time.perf_counter()
+            self._idle_since = time.perf_counter()
             while not self._closed and (self._paused or not (self._update or self._queue or self._active())):
                 self._idle_ack = True
                 self._cv.notify_all()
                 self._cv.wait()
-            self.counters.idle_seconds += time.perf_counter() - t0
+            self.counters.idle_seconds += time.perf_counter() - self._idle_since
+            self._idle_since = None
             if self._closed:
                 return False
             update, self._update = self._update, None
