@@ -174,15 +174,17 @@ def add_arguments(p, work: str, steps: int = 30) -> None:
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--report-only", action="store_true", help="table, figure and JSON from the cells done so far")
     p.add_argument("--smoke", action="store_true", help="tiny cells (a minute), results into --work/smoke")
-    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                    help="run each kind of cell (layout × swap mode) once unreported first, filling the compilation "
-                        "cache (see benchmarks/cells.py)")
+                        "cache (see benchmarks/cells.py; default: yes, but not with --smoke)")
 
 
 def parse(p) -> argparse.Namespace:
     """Parses a grid script's options (unknown ones are main.py flags for every cell); with --smoke: one seed, 2
-    tiny steps (benchmarks/learning.py `SMOKE`) in --work/smoke, started afresh."""
+    tiny steps (benchmarks/learning.py `SMOKE`) in --work/smoke, started afresh, without warm-up cells (unless
+    asked: tiny cells compile in seconds)."""
     args, args.overrides = p.parse_known_args()
+    args.warm_up = not args.smoke if args.warm_up is None else args.warm_up
     args.argv = [a for a in sys.argv[1:] if a != "--report-only"]  # the command that ran the grid
     if args.smoke:
         from benchmarks.learning import smoke_flags
