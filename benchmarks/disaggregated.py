@@ -3,6 +3,7 @@ and Fig. 5c on this machine).
 
   python benchmarks/disaggregated.py                  # 3 seeds × 10 cells, resumable (cells: benchmarks/cells.py)
   python benchmarks/disaggregated.py --seeds=0 --etas=0,4 --modes=recompute   # the headline pair only
+  python benchmarks/disaggregated.py --objectives=decoupled,standard   # standard-PPO cells beside decoupled's
   python benchmarks/disaggregated.py --report-only    # table, figure and JSON from the cells done so far
   python benchmarks/disaggregated.py --smoke          # tiny cells (a minute): the script itself works
 
@@ -11,20 +12,21 @@ Per seed, the same model, SFT warm start, batch, group size and number of RL ste
     makes against verl);
   - asynchronous disaggregated: the trainer pinned to half of the cores and one generation server to the other
     half (`config.cpus`, `generator.servers.cpus`), at each η of --etas with each swap mode of --modes (keep only
-    at η > 0: at η = 0 no rollout is in flight at a swap).
+    at η > 0: at η = 0 no rollout is in flight at a swap) and each PPO objective of --objectives (standard only at
+    η > 0: at η = 0 the behaviour policy is the proximal one and the two objectives are one).
 Per configuration (mean over seeds): s/step, trained and generated tokens/s over steps (--warmup, --steps] of
 training wall-clock (evaluations left out), the cores kept busy (machine-wide busy CPU seconds per second
 between two late steps: benchmarks/cells.py `CoreWatch`), the generator's idle share (its own clock), the
 trainer's idle share (waiting for a batch), the weight push share (trainer blocked) and transfer share (on the
 wire, overlapping), the token-weighted staleness histogram, and held-out accuracy (pass@1 at T = 1 on
 --eval-problems) by training wall-clock and at the end, which is the same sample count in every cell.
-`speedup_eta4` is trained tokens/s of disaggregated η = 4 (recompute) over synchronous colocated, the ratio of the
-seed means.
+`speedup_eta4` is trained tokens/s of disaggregated η = 4 (recompute, decoupled PPO) over synchronous colocated, the
+ratio of the seed means (`speedup_eta4_standard` with standard PPO, `_keep` with kept KV).
 
 The capacity planner (arealjax/plan.py) is checked against the same runs: calibrated on each seed's disaggregated
-η = 0 and η = 1 (recompute) runs (the trainer's and generator's costs on their own cores, the price of a re-prefill,
-the trainer's step beside generation), it predicts s/step of that seed's other disaggregated runs; measured and
-predicted side by side in the table and the JSON.
+η = 0 and η = 1 (recompute, decoupled) runs (the trainer's and generator's costs on their own cores, the price of a
+re-prefill, the trainer's step beside generation), it predicts s/step of that seed's other disaggregated runs;
+measured and predicted side by side in the table and the JSON.
 
 Written to --results: disaggregated.md (table), disaggregated.png (throughput vs η; accuracy vs wall-clock) and
 disaggregated.json (every cell, the configurations, the planner check, speedup_eta4, the commits measured).
@@ -46,36 +48,50 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import cells  # noqa: E402
 
-BASE = ("colocated", 0, "recompute")
+BASE = ("colocated", 0, "recompute", "decoupled")  # a configuration: layout, η, swap mode, PPO objective
+
+
+def order(key: tuple) -> tuple:
+    """Configurations in table order: the baseline, then decoupled recompute, keep, then standard PPO, by η."""
+    return key != BASE, key[3] != "decoupled", key[2] != "recompute", key[1]
 
 
 def grid(args) -> list[dict]:
     """The headline pair (the baseline, disaggregated η = 4) for every seed first, then the rest seed by seed."""
-    configs = [BASE] + [("disaggregated", eta, mode) for mode in args.modes for eta in args.etas
-                        if mode == "recompute" or eta > 0]
-    head = [k for k in configs if k in (BASE, ("disaggregated", 4, "recompute"))]
-    rest = sorted((k for k in configs if k not in head), key=lambda k: (k[2] != "recompute", k[1]))
-    order = [(seed, k) for seed in args.seeds for k in head] + [(seed, k) for seed in args.seeds for k in rest]
-    return [cells.cell(layout, eta, "decoupled", mode, seed) for seed, (layout, eta, mode) in order]
+    configs = [BASE] + [("disaggregated", eta, mode, objective) for objective in args.objectives
+                        for mode in args.modes for eta in args.etas
+                        if (mode == "recompute" and objective == "decoupled") or eta > 0]
+    head = [k for k in configs if k in (BASE, ("disaggregated", 4, "recompute", "decoupled"))]
+    rest = sorted((k for k in configs if k not in head), key=order)
+    seq = [(seed, k) for seed in args.seeds for k in head] + [(seed, k) for seed in args.seeds for k in rest]
+    return [cells.cell(layout, eta, objective, mode, seed) for seed, (layout, eta, mode, objective) in seq]
+
+
+def key_of(r: dict) -> tuple:
+    return r["layout"], r["eta"], r["mode"], r["objective"]
 
 
 def label(key: tuple) -> str:
-    _, eta, mode = key
-    return "synchronous colocated" if key == BASE else f"disaggregated η = {eta}{' (keep)' if mode == 'keep' else ''}"
+    _, eta, mode, objective = key
+    if key == BASE:
+        return "synchronous colocated"
+    return (f"disaggregated η = {eta}{' (keep)' if mode == 'keep' else ''}"
+            f"{', standard PPO' if objective == 'standard' else ''}")
 
 
 def planner_check(results: list[dict], args) -> list[dict]:
     """Per seed: plan.validate calibrated on the disaggregated η = 0 run and, where the grid has it, the η = 1
-    `recompute` run (η = 0 never re-prefills, so alone it cannot price the re-prefill of a swap, and its trainer
-    never runs beside generation), predicting the seed's other disaggregated runs (out of sample); the measured
-    s/step is the cells' (training wall-clock, as plan.measured)."""
+    `recompute` decoupled-PPO run (η = 0 never re-prefills, so alone it cannot price the re-prefill of a swap, and
+    its trainer never runs beside generation), predicting the seed's other disaggregated runs (out of sample); the
+    measured s/step is the cells' (training wall-clock, as plan.measured)."""
     from arealjax import plan
 
     out = []
     for seed in sorted({r["seed"] for r in results}):
         runs = [r for r in results if r["seed"] == seed and r["layout"] == "disaggregated"]
         eta0 = next((r for r in runs if r["eta"] == 0), None)
-        base = [r for r in runs if r["eta"] == 0 or (r["eta"] == 1 and r["mode"] == "recompute")]
+        base = [r for r in runs if r["eta"] == 0 or (r["eta"] == 1 and r["mode"] == "recompute"
+                                                     and r["objective"] == "decoupled")]
         others = [r for r in runs if r not in base]
         if eta0 is None or not others:
             continue
@@ -87,7 +103,7 @@ def planner_check(results: list[dict], args) -> list[dict]:
             print(f"planner check, seed {seed}: {e}", file=sys.stderr)
             continue
         for r, v in zip(others, checks):
-            out.append({"seed": seed, "eta": r["eta"], "mode": r["mode"],
+            out.append({"seed": seed, "eta": r["eta"], "mode": r["mode"], "objective": r["objective"],
                         "measured_seconds_per_step": r["seconds_per_step"],
                         "predicted_seconds_per_step": v["predicted"]["seconds_per_step"],
                         "error": v["predicted"]["seconds_per_step"] / r["seconds_per_step"] - 1})
@@ -95,18 +111,19 @@ def planner_check(results: list[dict], args) -> list[dict]:
 
 
 def configurations(results: list[dict], planner: list[dict]) -> list[dict]:
-    """One row per (layout, η, mode): means over seeds, accuracy mean and sd."""
+    """One row per configuration (layout, η, mode, objective): means over seeds, accuracy mean and sd."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["layout"], r["eta"], r["mode"]), []).append(r)
+        groups.setdefault(key_of(r), []).append(r)
     base = groups.get(BASE, [])
     base_tps = np.mean([r["trained_tokens_per_s"] for r in base]) if base else None
     rows = []
-    for key in sorted(groups, key=lambda k: (k != BASE, k[2] != "recompute", k[1])):
+    for key in sorted(groups, key=order):
         rs = groups[key]
         m = lambda k, rs=rs: float(np.mean([r[k] for r in rs]))  # noqa: E731
-        pred = [p for p in planner if (p["eta"], p["mode"]) == key[1:] and key[0] == "disaggregated"]
-        rows.append({"label": label(key), "layout": key[0], "eta": key[1], "mode": key[2], "n": len(rs),
+        pred = [p for p in planner if ("disaggregated", p["eta"], p["mode"], p["objective"]) == key]
+        rows.append({"label": label(key), "layout": key[0], "eta": key[1], "mode": key[2], "objective": key[3],
+                     "n": len(rs),
                      **{k: m(k) for k in ("seconds_per_step", "trained_tokens_per_s", "generated_tokens_per_s",
                                           "generator_idle_share", "trainer_idle_share", "weight_push_share",
                                           "weight_transfer_share", "trainer_step_seconds", "staleness_mean",
@@ -158,14 +175,17 @@ def figure(results: list[dict], rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    base = [w for w in rows if (w["layout"], w["eta"], w["mode"]) == BASE]
-    for mode, marker in (("recompute", "o"), ("keep", "s")):
-        ws = sorted((w for w in rows if w["layout"] == "disaggregated" and w["mode"] == mode), key=lambda w: w["eta"])
+    base = [w for w in rows if key_of(w) == BASE]
+    for (mode, objective), marker in zip([(m, o) for o in ("decoupled", "standard") for m in ("recompute", "keep")],
+                                         "osD^"):
+        ws = sorted((w for w in rows if w["layout"] == "disaggregated" and (w["mode"], w["objective"]) ==
+                     (mode, objective)), key=lambda w: w["eta"])
         if ws:
+            name = f"disaggregated, {mode}{', standard PPO' if objective == 'standard' else ''}"
             axes[0].plot([w["eta"] for w in ws], [w["trained_tokens_per_s"] for w in ws], marker=marker,
-                         label=f"disaggregated, {mode}: trained")
+                         label=f"{name}: trained")
             axes[0].plot([w["eta"] for w in ws], [w["generated_tokens_per_s"] for w in ws], marker=marker, ls=":",
-                         label=f"disaggregated, {mode}: generated")
+                         label=f"{name}: generated")
     if base:
         axes[0].axhline(base[0]["trained_tokens_per_s"], color="k", lw=1, label="synchronous colocated: trained")
     axes[0].set_xlabel("η (max staleness)")
@@ -175,11 +195,12 @@ def figure(results: list[dict], rows: list[dict], out: Path) -> None:
     axes[0].set_ylabel("tokens / s")
     axes[0].set_title("throughput vs η at equal compute")
     for i, w in enumerate(rows):
-        rs = [r for r in results if (r["layout"], r["eta"], r["mode"]) == (w["layout"], w["eta"], w["mode"])]
+        rs = [r for r in results if key_of(r) == key_of(w)]
         n = min(len(r["curve"]) for r in rs)
         wall = np.mean([[p[1] for p in r["curve"][:n]] for r in rs], 0)
         acc = np.mean([[p[2] for p in r["curve"][:n]] for r in rs], 0)
-        axes[1].plot(wall, acc, "-" if w["mode"] == "recompute" else ":", marker="o", ms=3,
+        axes[1].plot(wall, acc, "-" if w["mode"] == "recompute" else ":", marker="o" if w["objective"] ==
+                     "decoupled" else "D", ms=3,
                      color="k" if w is (base[0] if base else None) else plt.cm.viridis(i / max(len(rows) - 1, 1)),
                      label=w["label"])
     axes[1].set_xlabel("training wall-clock (s)")
@@ -198,18 +219,24 @@ def main():
     cells.add_arguments(p, "arealjax_disaggregated")
     p.add_argument("--etas", default=None, help="disaggregated η values, comma-separated (default 0,1,2,4,8)")
     p.add_argument("--modes", default="recompute,keep", help="weight-swap modes of the disaggregated cells")
+    p.add_argument("--objectives", default="decoupled", help="PPO objectives of the disaggregated cells "
+                   "(decoupled, standard)")
     args = cells.parse(p)
     args.etas = [int(x) for x in (args.etas or ("1" if args.smoke else "0,1,2,4,8")).split(",")]
     args.modes = ["recompute"] if args.smoke else [m for m in args.modes.split(",") if m]
     if bad := [m for m in args.modes if m not in ("recompute", "keep")]:
         p.error(f"--modes: {bad}; expected recompute and/or keep")
+    args.objectives = [o for o in args.objectives.split(",") if o]
+    if bad := [o for o in args.objectives if o not in ("decoupled", "standard")] or not args.objectives:
+        p.error(f"--objectives: {bad}; expected decoupled and/or standard")
     results = cells.run_all(grid(args), args)
     planner = planner_check(results, args)
     rows = configurations(results, planner)
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     table = report(results, rows, args)
-    speedup = {f"speedup_eta{w['eta']}{'_keep' if w['mode'] == 'keep' else ''}": w["speedup"]
+    speedup = {f"speedup_eta{w['eta']}{'_keep' if w['mode'] == 'keep' else ''}"
+               f"{'_standard' if w['objective'] == 'standard' else ''}": w["speedup"]
                for w in rows if w["layout"] == "disaggregated"}
     (out / "disaggregated.md").write_text(f"# Synchronous colocated vs asynchronous disaggregated\n\n{table}\n\n"
                                           "![disaggregated](disaggregated.png)\n")

@@ -88,6 +88,36 @@ def test_warm_up_runs_each_kind_of_cell_once_at_its_largest_eta(monkeypatch):
                    "warm_dis_eta4_standard_keep_seed1"]
 
 
+def test_disaggregated_grid_puts_standard_ppo_beside_decoupled_and_compares_both_to_the_baseline():
+    """benchmarks/disaggregated.py --objectives: standard-PPO cells at each η > 0 (at η = 0 the objectives are one),
+    their own rows, speedups and planner predictions, never mixed with decoupled's."""
+    from benchmarks import disaggregated as dis
+
+    args = argparse.Namespace(objectives=["decoupled", "standard"], modes=["recompute", "keep"], etas=[0, 4],
+                              seeds=[0])
+    assert [c["name"] for c in dis.grid(args)] == [
+        "eta0_decoupled_recompute_seed0", "dis_eta4_decoupled_recompute_seed0", "dis_eta0_decoupled_recompute_seed0",
+        "dis_eta4_decoupled_keep_seed0", "dis_eta4_standard_recompute_seed0", "dis_eta4_standard_keep_seed0"]
+
+    def result(c, tps):
+        return {**c, "commit": "x", "cores_busy": None, "trained_tokens_per_s": tps, "staleness_histogram": [1.0],
+                **dict.fromkeys(["seconds_per_step", "generated_tokens_per_s", "generator_idle_share",
+                                 "trainer_idle_share", "weight_push_share", "weight_transfer_share",
+                                 "trainer_step_seconds", "staleness_mean", "accuracy_start", "accuracy_end",
+                                 "greedy_end"], 1.0)}
+
+    results = [result(c, tps) for c, tps in zip(dis.grid(args), [100, 150, 110, 160, 180, 190])]
+    planner = [{"seed": 0, "eta": 4, "mode": "recompute", "objective": o, "predicted_seconds_per_step": x}
+               for o, x in (("decoupled", 2.0), ("standard", 3.0))]
+    rows = {w["label"]: w for w in dis.configurations(results, planner)}
+    assert list(rows) == ["synchronous colocated", "disaggregated η = 0", "disaggregated η = 4",
+                          "disaggregated η = 4 (keep)", "disaggregated η = 4, standard PPO",
+                          "disaggregated η = 4 (keep), standard PPO"]
+    assert rows["disaggregated η = 4"]["speedup"] == 1.5 and rows["disaggregated η = 4, standard PPO"]["speedup"] == 1.8
+    assert rows["disaggregated η = 4"]["predicted_seconds_per_step"] == 2.0
+    assert rows["disaggregated η = 4, standard PPO"]["predicted_seconds_per_step"] == 3.0
+
+
 def test_time_to_target_and_accuracy_at_budget():
     curve = [[0, 0.0, 0.5], [10, 30.0, 0.7], [20, 60.0, 0.85], [30, 90.0, 0.79]]
     assert time_to(curve, 0.8) == 60.0
