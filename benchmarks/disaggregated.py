@@ -146,8 +146,8 @@ def report(results: list[dict], rows: list[dict], args) -> str:
              f"{args.eval_problems} problems after the last step, mean ± sd over seeds (n); measured at {commits}. "
              "Speedup: trained tokens/s over synchronous colocated's. Synchronous colocated: the generator and the "
              "trainer on 2 fake devices each over all cores; disaggregated: one device each, on half of the cores "
-             "each. Planner: arealjax/plan.py calibrated on the seed's disaggregated η = 0 and η = 1 (recompute) runs, "
-             "predicting the others out of sample.", "",
+             "each. Planner: arealjax/plan.py calibrated on the seed's disaggregated η = 0 and η = 1 (recompute, "
+             "decoupled PPO) runs, predicting the others out of sample (it does not model the objective).", "",
              "| configuration | s / step | speedup | trained tok/s | generated tok/s | cores busy | generator idle "
              "| trainer idle | weight push / transfer | staleness mean | trained tokens by staleness 0, 1, … "
              "| accuracy start → end | planner s / step | n |", "|---" * 14 + "|"]
