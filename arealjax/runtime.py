@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -145,6 +146,20 @@ def pin(text: str, key: str = "cpus") -> set[int]:
     return set(os.sched_getaffinity(0))
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment (default: this process's) for a child that fakes its own CPU device count (main.py, a
+    generation server): the same, less the device-count flag in XLA_FLAGS, which would win over the child's config.
+    Every other XLA flag passes through."""
+    out = dict(os.environ if env is None else env)
+    flags = [f for f in out.pop("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    if flags:
+        out["XLA_FLAGS"] = " ".join(flags)
+    return out
+
+
 def setup(config: Any, coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> None:
     """Pins this process to `config.cpus` (`pin`), fakes `config.cpu_devices` host devices (harmless on GPU/TPU,
     where the accelerators are the devices) and joins a multi-host run through `jax.distributed` (`initialize`; the
@@ -153,8 +168,8 @@ def setup(config: Any, coordinator: str = "", num_processes: int = 0, process_id
     pin(config.get("cpus", ""))
     n = int(config.get("cpu_devices", 0) or 0)
     flags = os.environ.get("XLA_FLAGS", "")
-    if n > 0 and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    if n > 0 and DEVICE_COUNT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={n}".strip()
     if config.get("distributed", False) or coordinator:
         initialize(coordinator, num_processes, process_id, int(config.get("heartbeat_seconds", 60)))
 

@@ -33,6 +33,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from arealjax.runtime import child_env  # noqa: E402
+
 
 def run(entry: str, args, out: Path) -> dict:
     eta, _, overrides = entry.partition(":")
@@ -43,7 +45,7 @@ def run(entry: str, args, out: Path) -> dict:
            f"--config.rl.max_staleness={eta}", f"--config.rl.steps={args.steps}", "--config.rl.eval_every=0",
            f"--config.sft.cache_dir={out / 'sft'}", f"--config.eval.num_problems={args.eval_problems}", *args.extra,
            *[f"--config.{o}" for o in overrides.split("+") if o]]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # main.py sets the device count from config
+    env = child_env()  # main.py sets the device count from config
     print("$", " ".join(cmd[1:]), flush=True)
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if res.returncode:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from arealjax.runtime import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -139,7 +141,7 @@ def run(c: dict, args) -> dict:
            f"--config.eval.num_problems={args.eval_problems}", "--config.checkpoint.every_steps=100000",
            f"--config.sft.cache_dir={Path(args.work) / 'sft_seed{}'.format(c['seed'])}",
            *LAYOUTS[c["layout"]](), *args.overrides, *[f"--config.{o}" for o in c["overrides"].split("+") if o]]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # main.py sets the device count from config
+    env = child_env()  # main.py sets the device count from config
     if "JAX_COMPILATION_CACHE_DIR" not in env:  # spawned generation servers inherit it
         env.update(JAX_COMPILATION_CACHE_DIR=str(Path(args.work) / "jax_cache"),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")

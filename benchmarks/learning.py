@@ -39,6 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from arealjax.runtime import child_env  # noqa: E402
 from benchmarks.cells import training_curve  # noqa: E402
 
 # --smoke: main.py overrides for a seconds-long run of the same code path (a 1-layer model, two RL steps of 4 prompts
@@ -90,7 +91,7 @@ def run_cell(cell: dict, workdir: Path, args) -> None:
            f"--config.seed={cell['seed']}", f"--config.rl.max_staleness={cell['eta']}",
            f"--config.sft.cache_dir={workdir.parent / '{}_sft_seed{}'.format(cell['job'], cell['seed'])}",
            *(SMOKE if args.smoke else []), *args.overrides]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # main.py sets the device count from config
+    env = child_env()  # main.py sets the device count from config
     print(f"[{time.strftime('%H:%M:%S')}] {cell['tag']} {cell['name']}", flush=True)
     log = workdir.parent / f"{cell['name']}.log"
     with open(log, "w") as f:

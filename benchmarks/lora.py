@@ -39,6 +39,7 @@ from arealjax.generation import Engine, Generator, SamplingParams  # noqa: E402
 from arealjax.models.lora import add_lora  # noqa: E402
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig  # noqa: E402
 from arealjax.rl.trajectory import Trajectory  # noqa: E402
+from arealjax.runtime import child_env  # noqa: E402
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes  # noqa: E402
 from arealjax.weights import WeightSync  # noqa: E402
 from benchmarks.trainer import best_of  # noqa: E402
@@ -140,7 +141,7 @@ def accuracy(rank: int, lr: float, overrides: list[str] = ()) -> None:
     work = Path(tempfile.mkdtemp(prefix="arealjax-lora-"))
     runs = {"full": [], f"LoRA r={rank}, lr {lr:g}": [f"--config.lora.rank={rank}", f"--config.lora.alpha={2 * rank}",
                                                       f"--config.trainer.optim.lr={lr}"]}
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     table = {}
     for name, extra in runs.items():
         workdir = work / name.split(",")[0].replace(" ", "_").replace("=", "")

@@ -50,6 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from arealjax.runtime import child_env  # noqa: E402
 from benchmarks.cells import training_curve  # noqa: E402
 
 TASKS = {  # the task's config and what the comparison runs of it
@@ -60,7 +61,7 @@ TASKS = {  # the task's config and what the comparison runs of it
 
 def clean_env() -> dict[str, str]:
     """main.py sets its device count from the config; Tunix runs on the one default CPU device."""
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return child_env()
 
 
 def run_arealjax(task: str, eta: int, args, work: Path) -> dict:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from arealjax import components, models  # noqa: E402
+from arealjax.runtime import child_env  # noqa: E402
 from arealjax.sharding import normalize_rules  # noqa: E402
 from configs.default import get_config  # noqa: E402
 
@@ -100,7 +101,7 @@ def case(shape: str, dtype: str, servers: int, reps: int, work: Path) -> dict:
 def share(work: Path, smoke: bool) -> dict:
     """The default job on two servers: the weight sync's share of each step (steps after the first two)."""
     run = work / "job"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     res = subprocess.run([sys.executable, "main.py", *JOB, *(SMOKE_JOB if smoke else []), f"--workdir={run}"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if res.returncode:

@@ -5,7 +5,6 @@ with --help and runs end to end with --smoke (seconds), leaving its result but n
 import argparse
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from arealjax.runtime import child_env
 from benchmarks import cells
 from benchmarks.cells import training_curve
 from benchmarks.vs_tunix import accuracy_at, time_to
@@ -156,7 +156,7 @@ def run_script(script: str, args: list[str], tmp_path: Path, timeout: int) -> tu
     """Runs benchmarks/`script` in a subprocess on one fake CPU device (unless it asks for more itself), its scratch
     files in tmp_path (tempfile.gettempdir()); (stdout, seconds) once it exits 0. The persistent compilation cache
     of tests/conftest.py is shared by the smokes' main.py runs."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env.update(TMPDIR=str(tmp_path), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, env=env, capture_output=True,

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from arealjax.runtime import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config=configs/default.py", "--config.sft.steps=0", "--config.rl.steps=16", "--config.rl.max_staleness=0",
         "--config.rl.eval_every=0", "--config.eval.num_problems=4", "--config.advantage.filter_uniform=False",
@@ -27,7 +29,7 @@ TINY = ["--config=configs/default.py", "--config.sft.steps=0", "--config.rl.step
 
 
 def main_py(workdir: Path, *extra: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.Popen([sys.executable, "main.py", *TINY, f"--workdir={workdir}", *extra], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -113,7 +115,7 @@ def test_kill_minus_9_then_resume_at_eta_2_on_the_long_tail_task(tmp_path):
     and every trained token's staleness stays ≤ η across the restart."""
     import orbax.checkpoint as ocp
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     run = tmp_path / "run"
 
     def start(*extra):
@@ -198,7 +200,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
 
     from arealjax.checkpoint import Checkpointer
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-c", SAVE_THEN_DIE, str(tmp_path / "ckpt")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
@@ -254,7 +256,7 @@ def test_kill_minus_9_during_dataset_sft_then_rerun_continues_exactly(tmp_path, 
             f"--config.data.path={root / 'tfds' / 'code' / '1.0.0'}",
             f"--config.sft.data.path={root / 'tfds' / 'sft' / '1.0.0'}", "--config.rl.steps=0",
             "--config.sft.steps=24", "--config.checkpoint.every_steps=4"]  # 20 steps after checkpoint 4: time to kill
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
 
     def start(workdir):
         return subprocess.Popen([sys.executable, "main.py", *args, f"--workdir={workdir}"], cwd=ROOT, env=env,

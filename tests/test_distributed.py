@@ -4,7 +4,6 @@ generator. Against a single-process run of the same global batch; through kill -
 dies or fails must end the other with a message, within a bounded time."""
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -17,6 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from arealjax.metrics import reduce_metrics, reduce_processes
+from arealjax.runtime import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT = 5
@@ -31,7 +31,7 @@ SMALL = ["--config=configs/default.py", "--config.sft.steps=60", "--config.sft.b
 
 
 def env(**extra: str) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # main.py sets its own device count
+    out = child_env()  # main.py sets its own device count
     return {**out, "JAX_PLATFORMS": "cpu", **extra}
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from arealjax.runtime import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config=configs/default.py", "--config.sft.steps=0", "--config.rl.steps=3", "--config.rl.eval_every=0",
         "--config.eval.num_problems=4", "--config.advantage.filter_uniform=False", "--config.model.num_layers=1",
@@ -37,7 +39,7 @@ class Run:
 
 def start(workdir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     """main.py in its own session, with SIGINT ignored as CI runners and `cmd &` start it."""
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **(env or {})}
+    env = {**child_env(), **(env or {})}
     return subprocess.Popen([sys.executable, "main.py", *TINY, f"--workdir={workdir}", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))

@@ -2,18 +2,19 @@
 exported model through --config.model_path."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from arealjax.runtime import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_main(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # main.py sets its own device count
+    env = child_env()  # main.py sets its own device count
     return subprocess.run([sys.executable, "main.py", "--config=configs/default.py", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -72,7 +73,7 @@ def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_r
     if recipe == "code+lora":
         paths += ["--config.lora.rank=4", "--config.lora.export=adapters", "--config.lora.generator=on_the_fly"]
     workdir = tmp_path_factory.mktemp(name)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     run = subprocess.run([sys.executable, "main.py", f"--config=configs/{name}.py:tiny", f"--workdir={workdir}",
                           *paths], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -310,7 +310,7 @@ def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
         interpret = pltpu.force_tpu_interpret_mode()
     with interpret:
         (ref, ref_g), (out, g) = out_and_grads(attn.attend_xla), out_and_grads(fn)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=5e-5)  # a sum of 5k products: its order
         np.testing.assert_allclose(np.asarray(jax.jit(fn)(q, k, v, seg)), np.asarray(attn.attend_xla(q, k, v, seg)),
                                    atol=2e-5, rtol=0)
     for a, r in zip(g, ref_g):

@@ -126,6 +126,16 @@ def test_pin_puts_every_thread_on_its_cores():
         runtime.parse_cpus("0,1-0")
 
 
+def test_a_child_process_gets_every_xla_flag_but_the_device_count():
+    """runtime.child_env: a spawned server or main.py fakes its own device count (the parent's flag would win over
+    its config) and keeps every other XLA flag the user set."""
+    env = {"XLA_FLAGS": "--xla_dump_to=/d --xla_force_host_platform_device_count=8 --xla_cpu_use_thunk_runtime=true",
+           "HOME": "/h"}
+    assert runtime.child_env(env) == {"XLA_FLAGS": "--xla_dump_to=/d --xla_cpu_use_thunk_runtime=true", "HOME": "/h"}
+    assert runtime.child_env({"XLA_FLAGS": " --xla_force_host_platform_device_count=2"}) == {}
+    assert env["XLA_FLAGS"].count("device_count") == 1  # the given environment is left alone
+
+
 def test_under_lora_and_bf16_only_the_adapters_travel_cast_and_servers_serve_the_merged_model(tmp_path):
     """LoRA (merged serving) with a bf16 generator: an update moves the adapters only, as bf16; each server gets
     exactly those bytes, merges them onto the base it got at join, and generates what the in-process generator
@@ -207,7 +217,7 @@ def test_a_late_server_joins_with_the_current_weights_and_servers_stop_when_the_
         for version in (1, 2):
             params = jax.tree.map(lambda x, v=version: x * (1 + 0.01 * v), model.params)
             transport.push(params, version).result(timeout=60)
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env = runtime.child_env()
         late = subprocess.Popen([sys.executable, "-m", "arealjax.generation.server", f"--trainer={remote.address}",
                                  "--devices=2", "--name=late"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.STDOUT)
@@ -245,7 +255,7 @@ def test_a_synchronous_run_on_two_servers_trains_what_the_in_process_run_trains(
 
     from tests.test_checkpoint import TINY
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = runtime.child_env()
     common = [*TINY, "--config.rl.steps=4", "--config.advantage.filter_uniform=True"]
     for name, extra in (("local", []), ("remote", ["--config.generator.backend=remote",
                                                    "--config.generator.servers.spawn=2"])):
@@ -285,7 +295,7 @@ def test_a_run_on_two_servers_survives_a_server_kill_then_kill_9_of_everything_a
 
     from tests.test_checkpoint import assert_resumed_exactly, trained
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = runtime.child_env()
     run = tmp_path / "run"
 
     def start(*extra):

@@ -178,7 +178,7 @@ class RemoteBackend:
         logs = Path(workdir) / "servers" if workdir else Path(os.environ.get("TMPDIR", "/tmp"))
         logs.mkdir(parents=True, exist_ok=True)
         host = "127.0.0.1" if self.address.startswith(("0.0.0.0", "*")) else self.address.rsplit(":", 1)[0]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env = runtime.child_env()
         env[runtime.START_CPUS_ENV] = runtime.cpu_list(runtime.START_CPUS)  # not only the cores this process is on
         cpus = [group or env[runtime.START_CPUS_ENV] for group in str(self.config.generator.servers.get("cpus", ""))
                 .split(";")]
