@@ -160,16 +160,21 @@ def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return out
 
 
+def fake_cpu_devices(n: int) -> None:
+    """Before JAX starts: fake `n` host CPU devices (n ≤ 0: leave XLA's count), unless XLA_FLAGS already sets a count,
+    which wins (the user's or a test's)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 0 and DEVICE_COUNT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={n}".strip()
+
+
 def setup(config: Any, coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> None:
     """Pins this process to `config.cpus` (`pin`), fakes `config.cpu_devices` host devices (harmless on GPU/TPU,
     where the accelerators are the devices) and joins a multi-host run through `jax.distributed` (`initialize`; the
     run itself: arealjax/distributed.py) when `config.distributed` is set (TPU pods, SLURM: from the environment) or
     a coordinator is given (GPU hosts, localhost tests)."""
     pin(config.get("cpus", ""))
-    n = int(config.get("cpu_devices", 0) or 0)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if n > 0 and DEVICE_COUNT_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={n}".strip()
+    fake_cpu_devices(int(config.get("cpu_devices", 0) or 0))
     if config.get("distributed", False) or coordinator:
         initialize(coordinator, num_processes, process_id, int(config.get("heartbeat_seconds", 60)))
 

@@ -59,11 +59,6 @@ TASKS = {  # the task's config and what the comparison runs of it
 }
 
 
-def clean_env() -> dict[str, str]:
-    """main.py sets its device count from the config; Tunix runs on the one default CPU device."""
-    return child_env()
-
-
 def run_arealjax(task: str, eta: int, args, work: Path) -> dict:
     t = TASKS[task]
     workdir = work / f"arealjax_eta{eta}"
@@ -79,7 +74,7 @@ def run_arealjax(task: str, eta: int, args, work: Path) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)  # metrics.jsonl appends
         print(f"  arealjax η = {eta}: {log}", flush=True)
         with open(log, "w") as f:
-            res = subprocess.run(cmd, cwd=ROOT, env=clean_env(), stdout=f, stderr=subprocess.STDOUT)
+            res = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
         if res.returncode:
             sys.exit(f"arealjax η = {eta} on {task} failed (exit {res.returncode}); see {log}")
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -105,7 +100,7 @@ def run_tunix(task: str, args, work: Path, budget: float) -> dict:
                *[f"--set={o.removeprefix('--config.')}" for o in args.overrides if o.startswith("--config.rl.")]]
         print(f"  Tunix GRPO (budget {budget:.0f} s of training): {log}", flush=True)
         with open(log, "w") as f:
-            res = subprocess.run(cmd, cwd=ROOT, env=clean_env(), stdout=f, stderr=subprocess.STDOUT)
+            res = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
         if res.returncode:
             sys.exit(f"Tunix on {task} failed (exit {res.returncode}); see {log}")
     rows = json.loads(out.read_text())

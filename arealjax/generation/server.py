@@ -268,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime.pin(args.cpus, "--cpus")  # before JAX starts: XLA sizes its CPU thread pools to these cores
     except ValueError as e:
         p.error(str(e))
-    if args.devices > 0 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.devices}").strip()
+    runtime.fake_cpu_devices(args.devices)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(message)s", stream=sys.stderr)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     server = Server(args.trainer, args.name or f"{socket.gethostname()}-{os.getpid()}")
