@@ -167,6 +167,7 @@ class RLLoop:
         if rl.steps == 0:  # an SFT-only run: its model is the result
             return
         self.trainer = make_trainer(config, model, meshes["trainer"], rules, processes)
+        self.model = model = None  # the trainer holds its own copy: no idle second one on the trainer's devices
         self.restored = self.ckpt.restore_latest(self.trainer) if latest is not None else None
         self.done = self.start = 0 if self.restored is None else self.restored[0]  # completed RL steps
         if self.done >= rl.steps:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -167,8 +168,8 @@ def part_parity(args, model_dir: Path, raw: Path) -> dict:
     same, first_diff = 0, []
     for p, g in zip(prompts, got):
         with torch.no_grad():
-            want = ref.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                do_sample=False, pad_token_id=tok.pad_id)[0, len(p):].tolist()
+            want = ref.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, do_sample=False,
+                                eos_token_id=None, pad_token_id=tok.pad_id)[0, len(p):].tolist()  # no stop: N tokens
         same += g == want
         first_diff.append(next((i for i, (a, b) in enumerate(zip(g, want)) if a != b), None))
     out.update(greedy_identical=same, greedy_tokens=args.new_tokens, greedy_first_divergence=first_diff,
@@ -235,8 +236,9 @@ def part_generator(args, model_dir: Path, raw: Path) -> dict:
         out["rows"].append(row)
         print("generator", json.dumps(row), flush=True)
     # where a decode step's time goes: rows in flight (the weights are read once per step whatever the rows)
-    out["decode_step_ms"] = {a: 1e3 * decode_step_seconds(model, max(args.slots), [96] * a, max_len, 16,
-                                                          args.decode_steps, repeats=5) for a in (1, 16, 64)}
+    at = min(96, max_len - args.decode_steps - 1)  # the position the rows decode from
+    out["decode_step_ms"] = {a: 1e3 * decode_step_seconds(model, max(args.slots), [at] * a, max_len, 16,
+                                                          args.decode_steps, repeats=5) for a in (1, *args.slots)}
     return out
 
 
@@ -285,22 +287,25 @@ def rss_peak_of(cmd: list[str], env: dict) -> tuple[int, float, int]:
 def part_trainer(args, model_dir: Path, data: Path) -> dict:
     import jax
 
+    from arealjax.components import trainer_config
     from arealjax.models import load_pretrained, lora
-    from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+    from arealjax.rl.trainer import Trainer
     from benchmarks.trainer import matmul_peak
+    from configs.smollm2 import get_config
 
     peak, size = matmul_peak(2, (1024, 2048))
     model = load_pretrained(model_dir)
     cfg = model.cfg
     trajs = recipe_trajectories(args.groups, 8, 62)
     tokens = sum(len(t) for t in trajs)
-    n = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # matmul params: the tied head, not the lookup
+    # matmul params: the layers and the head; an untied embedding is a lookup (the tied one is also the head)
+    n = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     out: dict = {"matmul_peak_gflops": peak / 1e9, "matmul_peak_size": size, "trajectories": len(trajs),
                  "tokens": tokens, "variants": {}}
-    for name, rank, kw in (("full fine-tune", 0, {}), ("LoRA r=32", 32, {})):
-        m = lora.add_lora(model, lora.LoraConfig(rank=rank, alpha=2 * rank)) if rank else model
-        trainer = Trainer(m, TrainerConfig(optim=OptimConfig(lr=1e-6), max_tokens=192, micro_rows=4,
-                                           scan_layers=False, **kw))
+    recipe = get_config()
+    for name, rank in (("full fine-tune", 0), (f"LoRA r = {recipe.lora.rank}", recipe.lora.rank)):
+        m = lora.add_lora(model, lora.LoraConfig(rank, recipe.lora.alpha)) if rank else model
+        trainer = Trainer(m, trainer_config(recipe.trainer))  # the recipe's rows, micro-batches, unrolled layers
         times = []
         for _ in range(3):  # the first compiles
             t0 = time.perf_counter()
@@ -308,7 +313,7 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
             jax.block_until_ready(trainer.params)
             times.append(time.perf_counter() - t0)
         t = min(times[1:])
-        flops = (4 if rank else 6) * (cfg.num_params()) * tokens  # LoRA: no weight gradients of the frozen base
+        flops = (4 if rank else 6) * n * tokens  # LoRA: no weight gradients of the frozen base
         out["variants"][name] = dict(seconds=t, compile_seconds=times[0] - t, tokens_per_s=tokens / t,
                                      mfu=flops / t / peak, flop_count="4N/token" if rank else "6N/token",
                                      non_padding_fraction=metrics["non_padding_fraction"])
@@ -319,7 +324,7 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
     env = {**os.environ}
     env.pop("XLA_FLAGS", None)
     base = [sys.executable, "main.py", "--config=configs/smollm2.py", f"--config.model_path={model_dir}",
-            f"--config.data.path={data}", "--config.rl.steps=2", "--config.rl.eval_every=100",
+            f"--config.data.path={data}", "--config.rl.steps=1", "--config.rl.eval_every=100",
             "--config.eval.num_problems=4", "--config.checkpoint.every_steps=100"]
     out["memory"] = {}
     for name, flags in args.memory_variants:
@@ -331,11 +336,11 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
 
 
 MEMORY_VARIANTS = [
-    ("recipe (LoRA r = 32, fp32)", []),
+    ("recipe (LoRA r = 32)", []),
     ("full fine-tune", ["--config.lora.rank=0"]),
-    ("LoRA, micro-batches of 2 rows", ["--config.trainer.micro_rows=2"]),
     ("LoRA, remat full", ["--config.trainer.remat=full"]),
-    ("LoRA, generator 16 slots", ["--config.generator.slots=16", "--config.rl.max_concurrent=8"]),
+    ("LoRA served on the fly (no merged copy)", ["--config.lora.generator=on_the_fly"]),
+    ("LoRA, half the KV pages", ["--config.generator.kv_pages=320"]),
 ]
 
 
@@ -348,7 +353,8 @@ def part_rl(args, model_dir: Path, data: Path) -> dict:
     from benchmarks import cells
 
     grid = argparse.Namespace(config="configs/smollm2.py", work=str(Path(args.work) / "rl"), steps=args.steps,
-                              warmup=args.warmup, eval_every=args.steps, eval_problems=args.eval_problems,
+                              warmup=args.warmup, eval_problems=args.eval_problems,
+                              eval_every=args.steps // 2 if args.steps % 2 == 0 else args.steps,  # start, middle, end
                               overrides=[f"--config.model_path={model_dir}", f"--config.data.path={data}",
                                          *args.overrides], warm_up=False)
     Path(grid.work).mkdir(parents=True, exist_ok=True)
@@ -442,7 +448,8 @@ def report(res: dict) -> str:
         for name, v in t["variants"].items():
             lines.append(f"| {name} | {v['tokens_per_s']:.0f} | {v['mfu']:.0%} | {v['flop_count']} | "
                          f"{v['non_padding_fraction']:.0%} | {v['compile_seconds']:.0f} s |")
-        lines += ["", "Peak host memory (process tree) of `configs/smollm2.py` for 2 RL steps:", "",
+        lines += ["", "Peak host memory (process tree, sampled every 0.2 s) of `configs/smollm2.py` for one RL step "
+                  "and a 4-problem evaluation:", "",
                   "| variant | flags | peak RSS |", "|---|---|---|"]
         for name, v in t["memory"].items():
             lines.append(f"| {name} | `{v['flags'] or '—'}` | {v['peak_rss_gb']:.1f} GB |")
@@ -538,6 +545,8 @@ def main() -> None:
         args.overrides = ["--config.rl.batch_size=2", "--config.rl.group_size=2", "--config.rl.max_new_tokens=8",
                           "--config.eval.n=1", "--config.eval.k=1", *args.overrides]
     work, results = Path(args.work), Path(args.results)
+    if args.smoke:  # finished smoke runs would not run again
+        shutil.rmtree(work / "rl", ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)
     store = results / "real_model.json"
