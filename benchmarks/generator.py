@@ -179,14 +179,14 @@ def decode_step_seconds(model, slots: int, lengths: list[int], max_len: int, pag
     import jax
 
     from arealjax.generation import Engine, SamplingParams
-    from arealjax.generation.engine import PageWrites, SlotSampling
+    from arealjax.generation.engine import PageWrites, SlotSampling, pack
     from arealjax.generation.pages import PagePool, decode_index
 
     engine = Engine(model, slots=slots, max_len=max_len, page_size=page_size)
     pool = PagePool(engine.num_pages, page_size)
     state = engine.init_decode_state()
     held = [pool.alloc(pool.pages_for(min(n + decode_steps, max_len))) for n in lengths]
-    prefix = engine.prefill(model.params, np.ones((1, 16), np.int32), np.array([16]))  # KV contents: any
+    prefix = engine.prefill(model.params, pack([[1] * 16], page_size, 1, 16, max_len))  # KV contents: any
     a = len(lengths)
     sampling = SlotSampling.of([SamplingParams(temperature=0, max_new_tokens=max_len)] * a, [0] * a, a)
     state, _ = engine.insert(prefix, state, np.zeros(a, np.int32), np.arange(a, dtype=np.int32), sampling,

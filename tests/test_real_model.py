@@ -87,8 +87,9 @@ def test_converted_model_matches_transformers_and_trains(smollm2):
     with Generator(engine, model.params, decode_steps=4, max_prefill_batch=4) as gen:
         greedy = gen.submit(prompts[0], SamplingParams(temperature=0, max_new_tokens=12)).result()[0]
         with torch.no_grad():
-            want = ref.generate(torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                pad_token_id=tok.pad_id)[0, len(prompts[0]):].tolist()
+            ids = torch.tensor([prompts[0]])  # the mask explicit: the prompt holds pad_token_id (<|im_end|>)
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                eos_token_id=None, pad_token_id=tok.pad_id)[0, len(prompts[0]):].tolist()
         assert greedy.output_tokens == want
         samples = gen.submit(prompts[0], SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=0)).result()
 

@@ -127,19 +127,23 @@ def _ints(rng, lo, hi, n):
 
 def rows(n: int, seed: int, max_number: int = 10, kinds: tuple[str, ...] = tuple(KINDS),
          exclude: set[str] = frozenset()) -> list[dict]:
-    """`n` distinct problems (kinds in turn, numbers up to `max_number`), none of whose questions is in `exclude`."""
+    """`n` distinct problems (kinds in turn, numbers up to `max_number`), none of whose questions is in `exclude`:
+    GSM8K's keys, and the problem's kind (which the converter ignores; per-kind accuracy reads it)."""
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds:
         raise ValueError(f"unknown problem kinds {unknown or kinds}; known: {sorted(KINDS)}")
     if max_number < 3:
         raise ValueError(f"max_number must be at least 3, got {max_number}")
+    if n < 1:
+        raise ValueError(f"asked for {n} problems; expected at least 1")
     rng = np.random.default_rng(seed)
     out, seen = [], set(exclude)
     for _ in range(100 * n + 1000):  # draws until n distinct questions, or too many repeats
-        q, solution, answer = KINDS[kinds[len(out) % len(kinds)]](rng, max_number)
+        kind = kinds[len(out) % len(kinds)]
+        q, solution, answer = KINDS[kind](rng, max_number)
         if q not in seen:
             seen.add(q)
-            out.append({"question": q, "answer": f"{solution}\n#### {answer}"})
+            out.append({"question": q, "answer": f"{solution}\n#### {answer}", "kind": kind})
         if len(out) == n:
             return out
     raise ValueError(f"only {len(out)} distinct problems of {n} with numbers up to {max_number}: raise "

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from arealjax.api import Completion, checked_prompt
-from arealjax.generation.engine import Engine, PageWrites, SamplingParams, SlotSampling, bucket
+from arealjax.generation.engine import Engine, Packed, PageWrites, SamplingParams, SlotSampling, bucket, pack
 from arealjax.generation.pages import PagePool, decode_index
 
 MODES = ("recompute", "keep")
@@ -283,15 +283,15 @@ class Generator:
             written: set[int] = set()  # a prompt page shared by n samples is written once
             for group in self._batches(seqs, lambda seq: self._position(seq)):
                 prefixes = [self._prefix(seq) for seq in group]
-                tokens, lengths = self._pad(prefixes)
+                packed = self._pack(prefixes)
                 writes = []
-                for row, (seq, p) in enumerate(zip(group, prefixes)):
+                for i, (seq, p) in enumerate(zip(group, prefixes)):
                     for j, page in enumerate(seq.pages[:self._pages.pages_for(len(p))]):
                         if page not in written:
                             written.add(page)
-                            writes.append((page, row, j))
-                self._state = self.engine.refill(self._params, self._state, tokens, lengths,
-                                                 self._writes(writes, self._blocks(tokens)))
+                            writes.append((page, *self._block(packed, i, j)))
+                self._state = self.engine.refill(self._params, self._state, packed,
+                                                 self._writes(writes, packed.blocks(self._pages.page_size)))
                 self.counters.refill_tokens += int(sum(map(len, prefixes)))
             jax.block_until_ready(self._state.pages)
         self.counters.swap_apply_seconds += time.perf_counter() - t0
@@ -363,17 +363,17 @@ class Generator:
         slot_iter = iter(free)
         for batch in self._batches(list(by_prefix.items()), lambda item: len(item[0])):
             prefixes = [list(p) for p, _ in batch]
-            tokens, lengths = self._pad(prefixes)
-            prefix = self.engine.prefill(self._params, tokens, lengths)
+            packed = self._pack(prefixes)
+            prefix = self.engine.prefill(self._params, packed)
             rows, slots, members, last, remaining, writes = [], [], [], [], [], []
-            for row, (p, group) in enumerate(batch):
+            for row, (p, group) in enumerate(batch):  # `row`: the prompt's index in the prefix (its logits)
                 full = self._pages.alloc(len(p) // size)
-                writes += [(page, row, j) for j, page in enumerate(full)]
+                writes += [(page, *self._block(packed, row, j)) for j, page in enumerate(full)]
                 for k, seq in enumerate(group):
                     seq.pages = (full if k == 0 else self._pages.share(full))[:]
                     seq.pages += self._pages.alloc(self._pages.pages_for(self._last(seq, len(p)) + 1) - len(full))
                     if len(p) % size:  # the partly filled last page of the prefix: a copy per sample
-                        writes.append((seq.pages[len(full)], row, len(full)))
+                        writes.append((seq.pages[len(full)], *self._block(packed, row, len(full))))
                     seq.order = next(self._admissions)
                     slot = next(slot_iter)
                     rows.append(row)
@@ -389,15 +389,15 @@ class Generator:
             self._state, first = self.engine.insert(
                 prefix, self._state, np.array(rows + [0] * pad, np.int32),
                 np.array(slots + [self.engine.slots] * pad, np.int32), sampling,
-                self._writes(writes, self._blocks(tokens) + n),
+                self._writes(writes, packed.blocks(size) + n),
                 np.array(last + [-1] * pad, np.int32), np.array(remaining + [0] * pad, np.int32), truncating)
             self.counters.prefill_tokens += int(sum(map(len, prefixes)))
             fresh = [(r, slot, seq) for r, (slot, seq) in enumerate(zip(slots, members)) if not seq.tokens]
             self._record(np.asarray(first), fresh)
 
-    def _blocks(self, tokens: np.ndarray) -> int:
-        """Page-sized blocks of a padded [B, T] prefill: the most pages its KV can fill."""
-        return tokens.shape[0] * -(-tokens.shape[1] // self._pages.page_size)
+    def _block(self, packed: Packed, i: int, j: int) -> tuple[int, int]:
+        """(row, block) of the packed rows that hold page j of prompt i."""
+        return int(packed.row[i]), int(packed.start[i]) // self._pages.page_size + j
 
     def _writes(self, writes: list[tuple[int, int, int]], most: int) -> PageWrites:
         """(page, row, block) triples padded with dropped entries to a power of two ≥ `most`, the largest count
@@ -476,20 +476,14 @@ class Generator:
     # ---- padding helpers ----
 
     def _batches(self, items: list, length) -> list[list]:
-        """Prefill batches of at most max_prefill_batch items, longest first so similar lengths share a bucket."""
+        """Prefill batches of at most max_prefill_batch items, longest first (packed first-fit decreasing)."""
         items = sorted(items, key=length, reverse=True)
         return [items[i: i + self.max_prefill_batch] for i in range(0, len(items), self.max_prefill_batch)]
 
-    def _pad(self, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """[B, T] right-padded tokens and lengths, with B and T rounded up to buckets (padding rows: length 1)."""
-        b = bucket(len(seqs), 1, max(self.max_prefill_batch, 1))
-        t = bucket(max(map(len, seqs)), MIN_PREFILL_LEN, self.engine.max_len)
-        tokens = np.zeros((b, t), np.int32)
-        lengths = np.ones(b, np.int32)
-        for i, s in enumerate(seqs):
-            tokens[i, : len(s)] = s
-            lengths[i] = len(s)
-        return tokens, lengths
+    def _pack(self, seqs: list[list[int]]) -> Packed:
+        """The sequences packed into page-aligned rows (engine.pack), at most max_prefill_batch of them."""
+        return pack(seqs, self._pages.page_size, max(self.max_prefill_batch, 1), MIN_PREFILL_LEN,
+                    self.engine.max_len)
 
 
 def _check_same_tree(old: Any, new: Any) -> None:

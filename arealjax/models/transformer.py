@@ -12,6 +12,7 @@ models/attention.py (training, prefill) and models/paged.py (decode).
 Three entry points, pure functions of (params, inputs) at the bottom of the file:
   forward      packed training rows: tokens, positions, segment ids [B, T] -> fp32 logits [B, T, V]
   prefill      prompts [B, T] with true lengths -> last-token logits and KV, to be written into cache pages
+               (prefill_packed: several prompts per row, as the generator calls it)
   decode_step  one token for each of A sequences whose KV is in pages (models/paged.py) -> logits [A, V], pages
 The trainer calls `Transformer.hidden` and projects to the vocabulary itself, in chunks (rl/trainer.py).
 """
@@ -349,6 +350,16 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, lengths: A
     logits, kv = nnx.merge(graphdef, params).forward(tokens, None, segment_ids, logits_at=lengths - 1,
                                                       attention=attention)
     return logits[:, 0], kv
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7))
+def prefill_packed(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, positions: Array, segment_ids: Array,
+                   last_row: Array, last_col: Array, attention: str = "xla") -> tuple[Array, KVCache]:
+    """Prompts packed into rows [R, T] (each its own segment, positions from 0; segment id 0: padding): the logits
+    at each prompt's last token [P, V], prompt p's at (last_row[p], last_col[p]), and the KV [L, R, T, Hkv, D]."""
+    model = nnx.merge(graphdef, params)
+    x, kv = model.hidden(tokens, positions, segment_ids, attention=attention)
+    return model._logits(x[last_row, last_col][:, None])[:, 0], kv
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
