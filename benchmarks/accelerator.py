@@ -5,7 +5,7 @@ the device's peaks, and the long-tail RL job end to end; one results file pair.
   pip install -r benchmarks/requirements.txt && python benchmarks/accelerator.py     # every part
   python benchmarks/accelerator.py --wheels=.whl     # first pip-installs what is missing from the wheels in .whl
   python benchmarks/accelerator.py --parts=kernels,trainer                            # some parts
-  python benchmarks/accelerator.py --models=qwen3-0.6b                                # one model size
+  python benchmarks/accelerator.py --models=qwen3-0.6b --requests=256                 # a short lease
   python benchmarks/accelerator.py --smoke           # CPU, tiny sizes, Pallas in interpret mode (a minute)
 
 Parts (--parts, in this order):
@@ -668,6 +668,8 @@ def main() -> None:
     ap.add_argument("--work", default="", help="scratch: HF exports, the e2e runs (default: a temporary directory)")
     ap.add_argument("--models", default="", help="comma-separated: the generator and trainer parts' models "
                                                  "(default: all of the size's, " + ", ".join(QWEN3) + ")")
+    ap.add_argument("--requests", type=int, default=0, help="the generator part's long-tail requests per run "
+                                                              "(default: the size's, 512)")
     ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]
@@ -695,6 +697,8 @@ def main() -> None:
         if unknown := sorted(set(names) - set(size["models"])):
             sys.exit(f"error: --models: unknown {unknown}; expected some of {sorted(size['models'])}")
         size = {**size, "models": {m: size["models"][m] for m in names}}
+    if args.requests:
+        size = {**size, "requests": args.requests}
     res = {"device": device.device_kind, "platform": device.platform, "devices": jax.device_count(),
            "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M"), "smoke": args.smoke,
            "command": " ".join(["python benchmarks/accelerator.py", *sys.argv[1:]]),
