@@ -285,7 +285,8 @@ def _packed_segments(rng, b, t):
 
 
 @pytest.mark.parametrize("kind,t,block", [("flash", 40, 16), ("flash", 64, 64), ("sparse", 100, 16),
-                                          ("sparse", 64, 64), ("pallas", 80, None), ("pallas_tpu", 100, None)])
+                                          ("sparse", 64, 64), ("pallas", 80, None), ("pallas", 48, None),
+                                          ("pallas_tpu", 100, None)])
 def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
     """Every attention kind == the XLA reference on packed rows (random segments, padding tail, GQA 2:1): outputs
     and gradients of q, k, v. flash at T not a multiple of its block pads; sparse at T not a multiple of its block
@@ -315,6 +316,20 @@ def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
                                    atol=2e-5, rtol=0)
     for a, r in zip(g, ref_g):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=5e-5, rtol=0)
+
+
+def test_pallas_gpu_rows_and_blocks_are_powers_of_two():
+    """Triton lowers only power-of-two blocks: the GPU kernel's row (padded) is a multiple of its 64-token block, or
+    below it a power of two, and every block size it is given divides the row (a 48-token prefill row once failed
+    to lower on an H200); TPU rows are multiples of 128."""
+    from arealjax.models.attention import padded_length
+
+    for t in range(1, 300):
+        n = padded_length(t, 64, "gpu")
+        assert t <= n < 2 * t + 64 and (n % 64 == 0 if t > 64 else n & (n - 1) == 0), (t, n)
+        for blk in (min(64, n), min(32, n)):
+            assert blk & (blk - 1) == 0 and n % blk == 0, (t, n, blk)
+        assert padded_length(t, 128, "tpu") % 128 == 0
 
 
 def test_sparse_attention_reads_keys_from_the_earliest_segment_start_only():

@@ -330,6 +330,14 @@ def _flash_bwd(bs, res, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def padded_length(t: int, block: int, platform: str) -> int:
+    """The row length the Pallas kernels run at: a multiple of `block`, or below it on GPU the next power of two
+    (Triton's blocks, here the whole row, must be powers of two: a 48-token prefill row fails to lower)."""
+    if t > block or platform == "tpu":
+        return -(-t // block) * block
+    return 1 << (t - 1).bit_length()
+
+
 def attend_pallas(q: Array, k: Array, v: Array, segment_ids: Array, platform: str | None = None) -> Array:
     """The Pallas flash kernels for `platform` (default: this backend; 'tpu' or else the GPU kernel). Off their
     hardware the GPU kernel runs in interpret mode; the TPU kernel needs `pltpu.force_tpu_interpret_mode()` around
@@ -340,7 +348,7 @@ def attend_pallas(q: Array, k: Array, v: Array, segment_ids: Array, platform: st
     g = h // k.shape[2]
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
     block = 128 if platform == "tpu" else 64
-    pad = -t % block if t > block or platform == "tpu" else 0
+    pad = padded_length(t, block, platform) - t
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
         segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
