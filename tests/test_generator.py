@@ -453,19 +453,36 @@ def test_random_traffic_with_swaps_aborts_and_preemption(mode):
                     _version_reference(c, ps[i], params, samplings[i].temperature)
 
 
-def test_pallas_kernel_behind_the_generator_matches_ragged():
+@pytest.mark.parametrize("max_len", [MAX_LEN, 48])
+def test_pallas_kernel_behind_the_generator_matches_ragged(max_len):
     """attention='pallas' (the GPU kernel; Pallas interpret mode on CPU) over its heads-major page pool: the same
-    sampled tokens and logprobs as the ragged attention, with a shared prompt page and sequences over 3 pages."""
+    sampled tokens and logprobs as the ragged attention, with a shared prompt page and sequences over 3 pages; at
+    48 tokens the page table's 6 pages are padded to the kernel's power-of-two compute block (masked by length)."""
     ps = prompts(2, seed=22, lo=17, hi=30)
     sampling = SamplingParams(temperature=1.0, n=2, max_new_tokens=9, seed=5)
     outs = {}
     for attention in ("ragged", "pallas"):
-        eng = Engine(MODEL_A, slots=SLOTS, max_len=MAX_LEN, page_size=8, attention=attention)
+        eng = Engine(MODEL_A, slots=SLOTS, max_len=max_len, page_size=8, attention=attention)
         with Generator(eng, MODEL_A.params, decode_steps=3) as gen:
             outs[attention] = [c for p in ps for c in gen.submit(p, sampling).result(timeout=300)]
     for a, b in zip(outs["ragged"], outs["pallas"]):
         assert a.output_tokens == b.output_tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_pallas_kernel_blocks_are_powers_of_two():
+    """Triton lowers only power-of-two arrays: for every page count the GPU paged kernel gets compute blocks and
+    partitions of a power of two of pages, at most 16 partitions, over a page table padded by less than one partition (a
+    36-page row once gave blocks of 3 pages and failed to lower on an H200)."""
+    from arealjax.models.paged import kernel_blocks
+
+    pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
+    for pages in range(1, 700):
+        padded, k_splits, per_block = kernel_blocks(pages)
+        partition = padded // k_splits
+        assert padded == k_splits * partition and partition % per_block == 0, pages
+        assert pow2(per_block) and pow2(partition) and k_splits <= 16 and per_block <= 8, (pages, kernel_blocks(pages))
+        assert pages <= padded and (padded - pages < partition), (pages, padded)
 
 
 def test_prompts_packed_into_rows_prefill_as_each_alone():

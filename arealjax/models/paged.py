@@ -153,10 +153,9 @@ def pallas_attention(q: Array, k_pages: Array, v_pages: Array, positions: Array,
     GPU it runs in Pallas interpret mode (slow: for tests)."""
     from jax.experimental.pallas.ops.gpu import paged_attention as kernel
 
-    pages_per_seq = index.table.shape[1]
-    k_splits = _divisor(pages_per_seq, 16)  # the kernel splits each row's pages into k_splits partitions
-    per_block = _divisor(pages_per_seq // k_splits, 8)
+    padded, k_splits, per_block = kernel_blocks(index.table.shape[1])
     table = jnp.where(index.table < k_pages.shape[1], index.table, 0)  # unwritten entries: masked by the lengths
+    table = jnp.pad(table, ((0, 0), (0, padded - table.shape[1])))  # so are the padding pages
     scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)  # the kernel does not scale the logits
     out = kernel.paged_attention((q.astype(jnp.float32) * scale).astype(q.dtype), k_pages, v_pages, table,
                                  positions + 1, pages_per_compute_block=per_block, k_splits=k_splits,
@@ -164,9 +163,15 @@ def pallas_attention(q: Array, k_pages: Array, v_pages: Array, positions: Array,
     return out.astype(q.dtype)
 
 
-def _divisor(n: int, at_most: int) -> int:
-    """The largest divisor of n that is ≤ at_most."""
-    return max(x for x in range(1, min(n, at_most) + 1) if n % x == 0)
+def kernel_blocks(pages: int, per_block: int = 8, max_splits: int = 16) -> tuple[int, int, int]:
+    """(pages per row padded, k_splits, pages per compute block) for the GPU kernel: each row's pages split into
+    k_splits partitions of a power-of-two count of whole compute blocks, each a power of two of pages (Triton lowers
+    only power-of-two arrays: a row of 36 pages once gave blocks of 3 and failed on an H200)."""
+    per_block = min(per_block, 1 << (pages - 1).bit_length())
+    blocks = -(-pages // per_block)
+    per_split = 1 << (-(-blocks // max_splits) - 1).bit_length()  # compute blocks per partition
+    k_splits = -(-blocks // per_split)
+    return k_splits * per_split * per_block, k_splits, per_block
 
 
 def pick_attention(kind: str) -> str:
