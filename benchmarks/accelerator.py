@@ -93,6 +93,9 @@ SIZES = {
                   matmul_sizes=(128, 256), e2e=dict(steps=2, warmup=1, eval_every=2, eval_problems=4),
                   real_model=dict(requests=4, median=6, cap=16, groups=1, rl_steps=2, eval_problems=4)),
 }
+# --smoke's RL run of the real model (its first 2 blocks): a tiny batch and few tokens.
+SMOKE_RL = ["--config.rl.batch_size=2", "--config.rl.group_size=2", "--config.rl.max_new_tokens=8",
+            "--config.eval.n=1", "--config.eval.k=1", "--config.advantage.filter_uniform=False"]  # 2 blocks score 0
 # One colocated device: the trainer's mesh of one, the generator sharing it (cpu_devices only matters on CPU).
 ONE_DEVICE = ["--config.cpu_devices=1", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0"]
 
@@ -290,7 +293,7 @@ def kernels(size: dict, args) -> dict:
 
 def baselines(model, tmp: str, max_prompt: int, max_len: int) -> tuple[dict, dict]:
     """({name: run(prompts, lens, batch) -> (seconds, outputs)}, {name: why skipped}) for transformers `generate`
-    on this device and Tunix's sampler, both on `model`'s weights (exported to `tmp`)."""
+    on this device and Tunix's sampler, both on `model`'s weights (exported to `tmp`) in their dtype."""
     import importlib.util
 
     import jax
@@ -315,7 +318,8 @@ def baselines(model, tmp: str, max_prompt: int, max_len: int) -> tuple[dict, dic
         if platform == "gpu" and not torch.cuda.is_available():
             skipped["transformers"] = "this torch has no CUDA"
         else:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).eval()
+            dtype = getattr(torch, jax.tree.leaves(model.params)[0].dtype.name)  # the same precision as ours
+            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
             hf = hf.to("cuda" if platform == "gpu" else "cpu")
             runs["transformers"] = lambda p, n, batch: run_transformers(hf, p, n, batch, 1)
     if "tunix" not in skipped:
@@ -471,7 +475,7 @@ def real_model(size: dict, args) -> dict:
     from configs.smollm2 import get_config
 
     r = size["real_model"]
-    model_dir, raw, data = prepare(Path(args.work) / "real_model")
+    model_dir, raw, data = prepare(Path(args.work) / "real_model", layers=2 if args.smoke else 0)
     on_cpu = jax.default_backend() == "cpu"  # --smoke: XLA:CPU's bf16 decode is ~10x slower than its fp32
     model, tok = load_pretrained(model_dir, dtype=jnp.float32 if on_cpu else jnp.bfloat16), load_tokenizer(model_dir)
     chats = word_problem_chats(raw, r["requests"])
@@ -519,7 +523,7 @@ def real_model(size: dict, args) -> dict:
     run_args = argparse.Namespace(config="configs/smollm2.py", work=str(work), steps=r["rl_steps"], warmup=1,
                                   eval_every=r["rl_steps"], eval_problems=r["eval_problems"], warm_up=False,
                                   overrides=[*ONE_DEVICE, f"--config.model_path={model_dir}",
-                                             f"--config.data.path={data}",
+                                             f"--config.data.path={data}", *(SMOKE_RL if args.smoke else []),
                                              *([] if on_cpu else ["--config.generator.dtype=bfloat16"])])
     summary = cells.run(cells.cell("colocated", 2, "decoupled", "recompute", 0), run_args)
     out["rl"] = {key: summary[key] for key in ("steps", "seconds_per_step", "accuracy_start", "accuracy_end",

@@ -59,13 +59,17 @@ CHATS = [
 # ---- setup: the model and the data, made as the README makes them ----
 
 
-def prepare(work: Path) -> tuple[Path, Path, Path]:
-    """(converted model dir, raw word problems dir, converted dataset dir) under `work`, made if missing."""
+def prepare(work: Path, layers: int = 0) -> tuple[Path, Path, Path]:
+    """(converted model dir, raw word problems dir, converted dataset dir) under `work`, made if missing; with
+    `layers`, the model is the converted one's first `layers` blocks (the real embedding, tokenizer and chat
+    template: what --smoke runs, compiling in seconds)."""
     model, raw, tfds = work / "model", work / "raw", work / "tfds"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if not (model / "model.safetensors").is_file():
         subprocess.run([sys.executable, "-m", "arealjax.models.gguf", f"--out={model}"], cwd=ROOT, env=env,
                        check=True)
+    if layers:
+        model = first_layers(model, work / f"model_{layers}_layers", layers)
     data = tfds / "gsm8k" / "1.0.0"
     if not (data / "dataset_info.json").is_file():
         subprocess.run([sys.executable, "-m", "arealjax.data.word_problems", f"--out={raw}"], cwd=ROOT, env=env,
@@ -73,6 +77,24 @@ def prepare(work: Path) -> tuple[Path, Path, Path]:
         subprocess.run([sys.executable, "-m", "arealjax.data.convert", f"--out={tfds}", f"--train={raw}/train.jsonl",
                         f"--test={raw}/test.jsonl"], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     return model, raw, data
+
+
+def first_layers(src: Path, dst: Path, n: int) -> Path:
+    """A Hugging Face model directory holding `src`'s first n transformer blocks (config, weights, tokenizer)."""
+    from safetensors.numpy import load_file, save_file
+
+    if not (dst / "model.safetensors").is_file():
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.name not in ("model.safetensors", "config.json"):
+                shutil.copy(f, dst / f.name)
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["num_hidden_layers"] = n
+        (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+        keep = lambda k: not k.startswith("model.layers.") or int(k.split(".")[2]) < n  # noqa: E731
+        save_file({k: v for k, v in load_file(src / "model.safetensors").items() if keep(k)},
+                  dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
 
 
 def word_problem_chats(raw: Path, n: int) -> list[list[dict]]:
@@ -83,9 +105,9 @@ def word_problem_chats(raw: Path, n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": INSTRUCTION.format(prompt=r["question"])}] for r in rows]
 
 
-def transformers_reference():
+def transformers_reference(layers: int = 0):
     """transformers' own reading of the GGUF file (its loader dequantizes with the gguf package), fp32, eval mode,
-    and its tokenizer: the reference everything of ours is compared with."""
+    and its tokenizer: the reference everything of ours is compared with (with `layers`, its first blocks)."""
     import torch
     import transformers
 
@@ -95,6 +117,9 @@ def transformers_reference():
     torch.set_num_threads(os.cpu_count())
     model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                               dtype=torch.float32).eval()
+    if layers:
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
     tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return model, tok
 
@@ -145,7 +170,7 @@ def part_parity(args, model_dir: Path, raw: Path) -> dict:
     from arealjax.models import load_pretrained
     from arealjax.tokenizer import load_tokenizer
 
-    ref, ref_tok = transformers_reference()
+    ref, ref_tok = transformers_reference(args.layers)
     ours = load_pretrained(model_dir)
     ours_bf16 = load_pretrained(model_dir, dtype=jnp.bfloat16)
     tok = load_tokenizer(model_dir)
@@ -233,7 +258,7 @@ def part_generator(args, model_dir: Path, raw: Path) -> dict:
     from arealjax.tokenizer import load_tokenizer
     from benchmarks.generator import decode_step_seconds, run_arealjax, run_transformers
 
-    ref, _ = transformers_reference()
+    ref, _ = transformers_reference(args.layers)
     model = load_pretrained(model_dir)
     tok = load_tokenizer(model_dir)
     chats = word_problem_chats(raw, args.requests)
@@ -345,7 +370,7 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
     env.pop("XLA_FLAGS", None)
     base = [sys.executable, "main.py", "--config=configs/smollm2.py", f"--config.model_path={model_dir}",
             f"--config.data.path={data}", "--config.rl.steps=1", "--config.rl.eval_every=100",
-            "--config.eval.num_problems=4", "--config.checkpoint.every_steps=100"]
+            "--config.eval.num_problems=4", "--config.checkpoint.every_steps=100", *args.overrides]
     out["memory"] = {}
     for name, flags in args.memory_variants:
         with tempfile.TemporaryDirectory() as work:
@@ -541,6 +566,7 @@ def main() -> None:
     p.add_argument("--cap", type=int, default=256, help="generator: output length cap")
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--groups", type=int, default=8, help="trainer: prompts × 8 samples in the timed RL step")
+    p.add_argument("--layers", type=int, default=0, help="the model's first N blocks only (0: all 30; --smoke: 2)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--etas", default="0,2")
     p.add_argument("--steps", type=int, default=0, help="rl: RL steps (0: the recipe's)")
@@ -562,11 +588,13 @@ def main() -> None:
     if args.smoke:
         args.work = args.results = str(Path(args.work) / "smoke")
         args.prompts, args.new_tokens, args.strings, args.requests, args.slots = 4, 8, 40, 8, [4]
+        args.layers = args.layers or 2
         args.cap, args.median, args.groups, args.seeds, args.etas = 16, 6, 1, [0], [2]
         args.steps, args.warmup, args.eval_problems = 2, 1, 4
         args.memory_variants = MEMORY_VARIANTS[:1]
         args.overrides = ["--config.rl.batch_size=2", "--config.rl.group_size=2", "--config.rl.max_new_tokens=8",
-                          "--config.eval.n=1", "--config.eval.k=1", *args.overrides]
+                          "--config.eval.n=1", "--config.eval.k=1", "--config.advantage.filter_uniform=False",
+                          *args.overrides]  # 2 blocks score 0: no group would pass dynamic filtering
     work, results = Path(args.work), Path(args.results)
     if args.smoke:  # finished smoke runs would not run again
         shutil.rmtree(work / "rl", ignore_errors=True)
@@ -574,14 +602,14 @@ def main() -> None:
     results.mkdir(parents=True, exist_ok=True)
     store = results / "real_model.json"
     res = json.loads(store.read_text()) if store.is_file() else {}
-    model_dir, raw, data = prepare(work)
+    model_dir, raw, data = prepare(work, args.layers)
     run = {"parity": lambda: part_parity(args, model_dir, raw),
            "generator": lambda: part_generator(args, model_dir, raw),
            "trainer": lambda: part_trainer(args, model_dir, data), "rl": lambda: part_rl(args, model_dir, data)}
     for part in PARTS:
         if part in args.parts:
             print(f"[{time.strftime('%H:%M:%S')}] {part}", flush=True)
-            res[part] = {"commit": commit(), **run[part]()}
+            res[part] = {"commit": commit(), **({"layers": args.layers} if args.layers else {}), **run[part]()}
             store.write_text(json.dumps(res, indent=1))
     (results / "real_model.md").write_text(report(res))
     figure(res, results / "real_model.png")
