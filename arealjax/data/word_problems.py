@@ -137,10 +137,11 @@ def rows(n: int, seed: int, max_number: int = 10, kinds: tuple[str, ...] = tuple
     if n < 1:
         raise ValueError(f"asked for {n} problems; expected at least 1")
     rng = np.random.default_rng(seed)
-    out, seen = [], set(exclude)
-    for _ in range(100 * n + 1000):  # draws until n distinct questions, or too many repeats
+    out, seen, repeats = [], set(exclude), 0
+    while repeats < 2000:  # draws until n distinct questions, or 2000 repeats in a row (the kinds are used up)
         kind = kinds[len(out) % len(kinds)]
         q, solution, answer = KINDS[kind](rng, max_number)
+        repeats = repeats + 1 if q in seen else 0
         if q not in seen:
             seen.add(q)
             out.append({"question": q, "answer": f"{solution}\n#### {answer}", "kind": kind})
