@@ -574,7 +574,7 @@ def main() -> None:
     p.add_argument("--eval-problems", type=int, default=200, help="rl: held-out problems")
     args, args.overrides = p.parse_known_args()
     args.argv = sys.argv[1:]
-    args.parts = args.parts.split(",")
+    args.parts = [p for p in args.parts.split(",") if p]  # none: the report and figure drawn again
     if set(args.parts) - set(PARTS):
         p.error(f"--parts: unknown {sorted(set(args.parts) - set(PARTS))}; parts: {PARTS}")
     args.slots = [int(s) for s in args.slots.split(",")]
