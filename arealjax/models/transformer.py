@@ -345,11 +345,10 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, lengths: A
 
     KV beyond a prompt's length is junk that the decode mask never reads before overwriting it.
     """
-    t = tokens.shape[1]
+    b, t = tokens.shape
     segment_ids = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.int32)
-    logits, kv = nnx.merge(graphdef, params).forward(tokens, None, segment_ids, logits_at=lengths - 1,
-                                                      attention=attention)
-    return logits[:, 0], kv
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return prefill_packed(graphdef, params, tokens, positions, segment_ids, jnp.arange(b), lengths - 1, attention)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7))
