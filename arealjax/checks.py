@@ -69,7 +69,7 @@ def check_config(config: Any, processes: int = 1) -> None:
         sv = g.servers
         positive("generator.servers.spawn", minimum=0)
         positive("generator.servers.min")
-        for key in ("wait_seconds", "heartbeat_seconds"):
+        for key in ("start_seconds", "wait_seconds", "heartbeat_seconds"):
             need(_number(sv[key]) and sv[key] > 0, f"generator.servers.{key}", "seconds > 0")
         host, _, port = str(sv.address).rpartition(":")
         need(bool(host) and port.isdigit() and int(port) < 65536, "generator.servers.address", "'host:port'")

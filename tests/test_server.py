@@ -174,8 +174,9 @@ def test_under_lora_and_bf16_only_the_adapters_travel_cast_and_servers_serve_the
 def test_a_killed_server_loses_nothing_and_the_last_one_dying_is_named(tmp_path):
     """kill -9 of one server with requests in flight on both: every request completes with the tokens it would
     have had (re-sent to the other, same seeds), the backend counts the loss. Then the other dies too: what is
-    waiting fails after servers.wait_seconds with an error naming both."""
-    c = small_config(wait_seconds=3.0)
+    waiting fails after servers.wait_seconds with an error naming both (a second, shorter than a server's start:
+    the wait for servers to start is start_seconds)."""
+    c = small_config(wait_seconds=1.0)
     tokenizer, _, made = backends(c, tmp_path)
     (local, _), (remote, _) = made["local"], made["remote"]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=40, seed=11)  # no stop token: every sample is long
@@ -204,6 +205,17 @@ def test_a_killed_server_loses_nothing_and_the_last_one_dying_is_named(tmp_path)
     finally:
         remote.close()
         local.close()
+
+
+def test_servers_that_do_not_start_in_start_seconds_are_a_clear_error(tmp_path):
+    """None started here and none joins: the backend fails after start_seconds (not wait_seconds) with the
+    command that starts one."""
+    c = small_config(spawn=0, start_seconds=0.5, wait_seconds=600.0)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"did not start: 0 of 1 ready after 0.5 s \(generator.servers.start_"
+                                           r"seconds\); start them with: python -m arealjax.generation.server"):
+        backends(c, tmp_path, kinds=("remote",))
+    assert time.monotonic() - t0 < 60
 
 
 def test_a_late_server_joins_with_the_current_weights_and_servers_stop_when_the_trainer_dies(tmp_path):

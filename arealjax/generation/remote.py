@@ -81,7 +81,7 @@ class _Server:
     proc: subprocess.Popen | None = None
     log: str = ""
     state: str = "joining"  # joining → ready → dead
-    heard: bool = False  # said hello (until then a spawned server has servers.wait_seconds to start)
+    heard: bool = False  # said hello (until then a spawned server has servers.start_seconds to start)
     version: int = -1  # the version it serves
     last_heard: float = dataclasses.field(default_factory=time.monotonic)
     outstanding: int = 0  # tokens its unfinished requests may still generate
@@ -127,6 +127,7 @@ class RemoteBackend:
     def __init__(self, config: Any, model: models.Model, version: int, workdir: str | os.PathLike | None = None):
         s = config.generator.servers
         self.config, self.heartbeat, self.wait_seconds = config, float(s.heartbeat_seconds), float(s.wait_seconds)
+        self.start_seconds = float(s.start_seconds)
         self._max_len = int(config.generator.max_len)
         self.dtype = models.hf.DTYPES[config.generator.dtype]
         self.lora = model.lora is not None
@@ -197,7 +198,7 @@ class RemoteBackend:
                 self._servers[name] = _Server(name, pid=proc.pid, proc=proc, log=str(log))
 
     def _wait_ready(self, count: int) -> None:
-        deadline = time.monotonic() + self.wait_seconds
+        deadline = time.monotonic() + self.start_seconds
         with self._cv:
             while sum(s.state == "ready" for s in self._servers.values()) < count:
                 dead = [s for s in self._servers.values() if s.state == "dead"]
@@ -205,7 +206,7 @@ class RemoteBackend:
                     self.close_locked()
                     what = "; ".join(f"{s.name}: {s.why}" for s in dead) or (
                         f"{sum(s.state == 'ready' for s in self._servers.values())} of {count} ready after "
-                        f"{self.wait_seconds:g} s (generator.servers.wait_seconds); start them with: python -m "
+                        f"{self.start_seconds:g} s (generator.servers.start_seconds); start them with: python -m "
                         f"arealjax.generation.server --trainer={self.address}")
                     raise RuntimeError(f"generation servers did not start: {what}")
                 self._cv.wait(0.25)
@@ -319,10 +320,10 @@ class RemoteBackend:
                 code = s.proc.poll() if s.proc is not None else None
                 if code is not None:
                     self._lose(s, f"exited with code {code} (log: {s.log}{last_line(s.log)})")
-                elif now - s.last_heard > (self.heartbeat if s.heard else self.wait_seconds):
+                elif now - s.last_heard > (self.heartbeat if s.heard else self.start_seconds):
                     self._lose(s, f"silent for {now - s.last_heard:.0f} s (generator.servers.heartbeat_seconds = "
-                                  f"{self.heartbeat:g})" if s.heard else f"no hello within {self.wait_seconds:g} s "
-                                  f"(generator.servers.wait_seconds; log: {s.log}{last_line(s.log)})")
+                                  f"{self.heartbeat:g})" if s.heard else f"no hello within {self.start_seconds:g} s "
+                                  f"(generator.servers.start_seconds; log: {s.log}{last_line(s.log)})")
                 else:
                     self._send(s.name, "ping")
             if self._orphaned_since is not None and now - self._orphaned_since > self.wait_seconds:
