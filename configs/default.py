@@ -8,6 +8,7 @@ trainer and generator on disjoint (fake CPU) devices. See arealjax/train.py.
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from arealjax.sharding import DEFAULT_RULES
 
@@ -123,7 +124,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Optimizer steps per RL step, each on 1/n of the batch. With 1, π_θ = π_prox at the only update and the
     # decoupled objective's clip never acts (fine at this job's short outputs and η = 2; configs/longtail.py uses 4).
     config.trainer.ppo_n_minibatches = 1
-    config.trainer.ppo = dict(objective="decoupled", eps_clip=0.2, behaviour_weight="mask", behaviour_cap=5.0)
+    # The objective (arealjax/rl/losses.py; docs/objectives.md says which to use when): decoupled | standard | gspo |
+    # cispo | m2po, and decoupled's correction of the behaviour weight π_prox/μ: none | truncate (token TIS) | mask
+    # (token MIS; behaviour_lower > 0: IcePop) | sequence_mask | sequence_token_mask | prob_gap.
+    config.trainer.ppo = dict(objective="decoupled", eps_clip=0.2, eps_clip_higher=placeholder(float),
+                              c_clip=placeholder(float), behaviour_weight="mask", behaviour_cap=5.0,
+                              behaviour_lower=0.0, sequence_cap=2.0, sequence_lower=0.5, prob_gap=0.2,
+                              sequence_eps_clip=3e-4, sequence_eps_clip_higher=4e-4, m2_threshold=0.04, kl_coef=0.0,
+                              kl_estimator="k3")
     config.trainer.optim = dict(lr=5e-4, warmup_steps=5, grad_clip=1.0)
     config.trainer.max_skipped_in_a_row = 3  # steps skipped for a non-finite loss/gradient before the run stops
     # Memory and speed (the numbers stay within float tolerance): attention kernel ("auto": Pallas flash on GPU/TPU,

@@ -95,7 +95,6 @@ def recipe(config: ml_collections.ConfigDict, name: str, data_path: str, eval_sp
     config.trainer.max_tokens = max_prompt + max_new  # one row holds the longest trajectory
     config.trainer.micro_rows = 1
     config.trainer.ppo_n_minibatches = 4
-    config.trainer.ppo = dict(objective="decoupled", eps_clip=0.2, behaviour_weight="mask", behaviour_cap=5.0)
     config.trainer.optim = dict(lr=2e-5, weight_decay=0.05, b1=0.9, b2=0.95, eps=1e-5, grad_clip=1.0)
     config.trainer.attention = "auto"
     config.trainer.remat = "full"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from arealjax.models import ModelConfig, forward, from_config
-from arealjax.rl.losses import PPOConfig
+from arealjax.rl.losses import OBJECTIVES, PPOConfig
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, make_optimizer, make_schedule
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import make_mesh
@@ -57,9 +57,10 @@ def assert_trees_close(a, b, atol):
     assert max(jax.tree.leaves(diffs)) <= atol, diffs
 
 
-@pytest.mark.parametrize("objective", ["decoupled", "standard"])
+@pytest.mark.parametrize("objective", OBJECTIVES)
 def test_on_policy_gradient_is_the_policy_gradient(model, objective):
-    """μ = π_prox = π_θ: the trainer's packed gradient equals ∇ −Σ A·log π / N computed without packing."""
+    """μ = π_prox = π_θ: the trainer's packed gradient equals ∇ −Σ A·log π / N computed without packing, for every
+    objective (on policy they are all the policy gradient)."""
     trajs = trajectories()
     ref_logp = np.asarray(unpacked_logprobs(model, model.params, trajs))
     for i, t in enumerate(trajs):  # the behaviour policy is the current policy
@@ -81,18 +82,25 @@ def test_on_policy_gradient_is_the_policy_gradient(model, objective):
     pg = jax.grad(lambda p: -jnp.sum(jnp.where(mask, adv * unpacked_logprobs(model, p, trajs), 0.0)) / n)
     assert_trees_close(grads, pg(model.params), 1e-5)
     assert sums["valid_tokens"] == n and sums["clipped_tokens"] == 0
-    assert loss == pytest.approx(-float(np.sum(np.where(mask, adv, 0.0))) / n, abs=1e-5)
+    value = adv * (ref_logp if objective == "cispo" else 1.0)  # CISPO's surrogate is A·log π
+    assert loss == pytest.approx(-float(np.sum(np.where(mask, value, 0.0))) / n, abs=1e-5)
 
 
-def test_packed_equals_naive_padding_and_micro_batches_equal_one_batch(model):
+@pytest.mark.parametrize("ppo", [PPOConfig(), PPOConfig(objective="m2po"),
+                                 PPOConfig(objective="gspo", sequence_eps_clip=0.2, sequence_eps_clip_higher=0.2)],
+                         ids=["decoupled", "m2po", "gspo"])
+def test_packed_equals_naive_padding_and_micro_batches_equal_one_batch(model, ppo):
+    """Also where a correction spans the minibatch (M2PO's cut) or a sequence (GSPO's ratio, over packed rows)."""
     trajs = trajectories(stale=0.8)  # stale behaviour: behaviour weights and masking are exercised
     grads = {}
     for name, kw in {"packed_r2": dict(micro_rows=2), "packed_r8": dict(micro_rows=8),
                      "naive_r4": dict(micro_rows=4, packing=False)}.items():
-        trainer = Trainer(model, TrainerConfig(max_tokens=T, **kw))
+        trainer = Trainer(model, TrainerConfig(max_tokens=T, ppo=ppo, **kw))
         batch = trainer.pack(trajs)[0]
-        grads[name] = (trainer.gradients(batch)[:2], batch.n_micro)
+        g, loss, sums = trainer.gradients(batch)
+        grads[name] = ((g, loss), batch.n_micro)
     assert grads["packed_r2"][1] > 1 and grads["packed_r8"][1] == 1 and grads["naive_r4"][1] == 3
+    assert sums["masked_tokens" if ppo.objective != "gspo" else "clipped_tokens"] > 0  # the correction acts
     (g0, l0), _ = grads["packed_r8"]
     for name in ("packed_r2", "naive_r4"):
         (g, loss), _ = grads[name]
@@ -100,11 +108,12 @@ def test_packed_equals_naive_padding_and_micro_batches_equal_one_batch(model):
         assert_trees_close(g, g0, 1e-6)
 
 
-def test_sharded_step_equals_single_device(model):
-    """fsdp=4 × tensor=2 on 8 devices, two minibatches (a real π_prox pass), stale behaviour, KL penalty."""
+@pytest.mark.parametrize("ppo", [PPOConfig(kl_coef=0.1), PPOConfig(objective="m2po")], ids=["kl", "m2po"])
+def test_sharded_step_equals_single_device(model, ppo):
+    """fsdp=4 × tensor=2 on 8 devices, two minibatches (a real π_prox pass), stale behaviour, KL penalty; M2PO's
+    cut over sharded micro-batches."""
     mesh = make_mesh(dict(data=1, fsdp=4, tensor=2), jax.devices()[:8])
-    cfg = TrainerConfig(max_tokens=T, micro_rows=4, ppo_n_minibatches=2, optim=OptimConfig(lr=1e-2),
-                        ppo=PPOConfig(kl_coef=0.1))
+    cfg = TrainerConfig(max_tokens=T, micro_rows=4, ppo_n_minibatches=2, optim=OptimConfig(lr=1e-2), ppo=ppo)
     single, sharded = Trainer(model, cfg), Trainer(model, cfg, mesh=mesh)
     emb = sharded.params["embed_tokens"]
     assert emb.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
@@ -115,7 +124,7 @@ def test_sharded_step_equals_single_device(model):
         m1, m2 = single.train_step(trajs), sharded.train_step(trajs)
         for key in ("loss", "grad_norm", "entropy", "clip_fraction", "masked_fraction", "approx_kl"):
             assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
-    assert m1["clip_fraction"] > 0 and m1["masked_fraction"] > 0 and m1["approx_kl"] != 0
+    assert (m1["clip_fraction"] > 0 or ppo.objective == "m2po") and m1["masked_fraction"] > 0 and m1["approx_kl"] != 0
     assert single.version == sharded.version == 2
     assert_trees_close(single.params, sharded.params, 2e-5)
     assert_trees_close(model.params, from_config(CFG, seed=0).params, 0)  # the caller's model is untouched

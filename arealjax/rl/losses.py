@@ -1,16 +1,27 @@
-"""Policy-gradient objectives on per-token logprobs: decoupled PPO (AReaL, paper Eq. 5) and standard PPO.
+"""Policy-gradient objectives on per-token logprobs: decoupled PPO (AReaL, paper Eq. 5), standard PPO, and the
+off-policy corrections asynchronous RL now picks by name (docs/objectives.md has each one's formula and source).
 
 All inputs are [B, T] and aligned: entry t scores the token the model emitted at t (the caller shifts logits by
 one). Per token, with behaviour logprob μ (recorded by the generator), proximal logprob π_prox (trainer params
 at the start of the step, no gradient) and current π_θ:
 
-    u = π_θ / π_prox                      PPO ratio, clipped to [1 − eps_clip, 1 + eps_clip_higher]
-    w = π_prox / μ                        behaviour importance weight (none / truncate / mask / sequence_mask)
-    loss_t = w · max(−u·A, −clip(u)·A)    (with the dual clip c_clip bounding it at −c·A when A < 0)
+  decoupled  u = π_θ / π_prox clipped to [1 − eps_clip, 1 + eps_clip_higher];  w = π_prox / μ, corrected by
+             `behaviour_weight` (see below);  loss_t = w · max(−u·A, −clip(u)·A)  (dual clip c_clip: at most −c·A)
+  standard   π_prox := μ, w := 1 (PPO against the behaviour policy)
+  gspo       GSPO (Zheng et al. 2025): one ratio per sequence, s = exp(mean_t log(π_θ / μ)), clipped to
+             [1 − sequence_eps_clip, 1 + sequence_eps_clip_higher]; in its token form (gradient s·∇log π_θ per token)
+  cispo      CISPO (MiniMax-M1): loss_t = −sg(clip(π_θ / μ, behaviour_lower, behaviour_cap)) · A · log π_θ — the
+             importance weight is clipped, no token's gradient is dropped
+  m2po       M2PO (Zheng et al. 2025, "Prosperity before collapse"): loss_t = −M · (π_θ / μ) · A, no clip; M masks
+             the tokens with the largest (log π_prox/μ)² until the mean of the rest is ≤ m2_threshold (`m2_cut`)
 
-`standard` PPO sets π_prox := μ and w := 1 (the staleness ablation's baseline). The loss is a sum over valid
-tokens divided by `n_tokens`, the valid-token count of the whole minibatch (across micro-batches and data
-shards), so micro-batch gradients add up to the full-batch gradient.
+`behaviour_weight` (decoupled): none | truncate (token TIS: w clamped to [lower, cap]) | mask (token MIS; a lower
+bound > 0 makes it IcePop's two-sided band) | sequence_mask (w := the geometric mean of the sequence's w, the whole
+sequence masked outside [lower, cap]) | sequence_token_mask (token mask and, on top, sequences whose geometric-mean
+w leaves [sequence_lower, sequence_cap] masked) | prob_gap (tokens with |π_prox − μ| > prob_gap masked, in
+probability: prime-rl's mask). The loss is a sum over valid tokens divided by `n_tokens`, the valid-token count of
+the whole minibatch (across micro-batches and data shards), so micro-batch gradients add up to the full-batch
+gradient; GSPO's per-sequence ratio is aggregated the same way (each token carries its sequence's term).
 """
 
 from __future__ import annotations
@@ -20,8 +31,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-BEHAVIOUR_MODES = ("none", "truncate", "mask", "sequence_mask")
-OBJECTIVES = ("decoupled", "standard")
+BEHAVIOUR_MODES = ("none", "truncate", "mask", "sequence_mask", "sequence_token_mask", "prob_gap")
+OBJECTIVES = ("decoupled", "standard", "gspo", "cispo", "m2po")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -32,8 +43,14 @@ class PPOConfig:
     eps_clip_higher: float | None = None  # DAPO clip-higher: upper bound 1 + this (default: eps_clip)
     c_clip: float | None = None  # dual clip for negative advantages (e.g. 3.0); None = off
     behaviour_weight: str = "mask"  # AReaL's default: drop tokens whose w is outside [lower, cap]
-    behaviour_cap: float = 5.0
+    behaviour_cap: float = 5.0  # also CISPO's upper clip of its importance weight
     behaviour_lower: float = 0.0
+    sequence_cap: float = 2.0  # sequence_token_mask: band of a sequence's geometric-mean w
+    sequence_lower: float = 0.5
+    prob_gap: float = 0.2  # prob_gap: the largest |π_prox − μ| kept
+    sequence_eps_clip: float = 3e-4  # GSPO's sequence-ratio clip (the paper's 3e-4 / 4e-4)
+    sequence_eps_clip_higher: float = 4e-4
+    m2_threshold: float = 0.04  # M2PO's τ: the largest mean (log π_prox/μ)² kept (the paper's 0.04)
     kl_coef: float = 0.0  # penalty toward a reference policy
     kl_estimator: str = "k3"
 
@@ -45,6 +62,18 @@ class PPOConfig:
                 raise ValueError(f"PPOConfig.{name} = '{value}'; expected one of {allowed}")
         if self.c_clip is not None and self.c_clip <= 1:
             raise ValueError(f"PPOConfig.c_clip must be > 1 (got {self.c_clip})")
+        for lower, upper in (("behaviour_lower", "behaviour_cap"), ("sequence_lower", "sequence_cap")):
+            if not 0 <= getattr(self, lower) < getattr(self, upper):
+                raise ValueError(f"PPOConfig: expected 0 ≤ {lower} < {upper} (got {getattr(self, lower)}, "
+                                 f"{getattr(self, upper)})")
+        for name in ("prob_gap", "sequence_eps_clip", "sequence_eps_clip_higher", "m2_threshold"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"PPOConfig.{name} must be > 0 (got {getattr(self, name)})")
+
+    @property
+    def needs_prox(self) -> bool:
+        """Whether every minibatch needs π_prox from a separate pass (the first takes its own logprobs)."""
+        return self.objective in ("decoupled", "m2po")
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
@@ -57,57 +86,94 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Arra
     return jnp.exp(log_ratio) - log_ratio - 1
 
 
+def _sequence_mean(x: jax.Array, valid: jax.Array, seq_ids: jax.Array | None, what: str) -> jax.Array:
+    """Per token: the mean of `x` over the valid tokens of its sequence (0 where a sequence has none)."""
+    if seq_ids is None:
+        raise ValueError(f"{what} needs seq_ids")
+    ids = jnp.unique(seq_ids.reshape(-1), size=seq_ids.size, return_inverse=True)[1].reshape(-1)
+    total = jax.ops.segment_sum(jnp.where(valid, x, 0.0).reshape(-1), ids, seq_ids.size)
+    count = jax.ops.segment_sum(valid.astype(jnp.float32).reshape(-1), ids, seq_ids.size)
+    return (total / jnp.maximum(count, 1.0))[ids].reshape(x.shape)
+
+
+def m2_cut(log_w: jax.Array, mask: jax.Array, threshold: float | jax.Array) -> jax.Array:
+    """M2PO's second-moment mask as one number: the tokens with (log w)² ≥ the cut are masked. Removing the token
+    with the largest (log w)² until the mean over the rest is ≤ `threshold` (the paper's Algorithm 1) removes
+    exactly these (ties at the cut go together). +inf when nothing need be removed."""
+    v = jnp.where(mask & jnp.isfinite(log_w), jnp.square(log_w), -1.0).reshape(-1)  # -1: not a token
+    n = jnp.sum(v >= 0)
+    desc = -jnp.sort(-v)  # tokens first, largest first
+    removed = jnp.cumsum(jnp.maximum(desc, 0.0)) - jnp.maximum(desc, 0.0)  # sum of the k largest, k = index
+    k = jnp.arange(desc.size)
+    rest_mean = (jnp.sum(jnp.maximum(desc, 0.0)) - removed) / jnp.maximum(n - k, 1)
+    first = jnp.argmax((rest_mean <= threshold) | (k >= n))
+    return jnp.where(first == 0, jnp.inf, desc[jnp.maximum(first - 1, 0)])
+
+
 def ppo_loss(logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array, advantages: jax.Array,
              mask: jax.Array, cfg: PPOConfig, n_tokens: jax.Array | float, *, seq_ids: jax.Array | None = None,
-             ref_logp: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The clipped objective summed over valid tokens / `n_tokens`, and diagnostics (sums over valid tokens,
-    so they too add across micro-batches; divide by the token count to report means).
+             ref_logp: jax.Array | None = None, m2_cut: jax.Array | float = jnp.inf
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The objective summed over valid tokens / `n_tokens`, and diagnostics (sums over valid tokens, so they too
+    add across micro-batches; divide by the token count to report means).
 
-    `seq_ids` [B, T] (one id per sequence, any ints) is needed by `sequence_mask`, which weights every token of a
-    sequence by the geometric mean of its w and masks the whole sequence when that mean leaves [lower, cap].
-    Ratios are computed in fp32 from log differences; tokens with a non-finite ratio or weight are masked.
+    `seq_ids` [B, T] (one id per sequence, any ints) is needed by the sequence-level modes and GSPO; `m2_cut` (M2PO)
+    comes from `m2_cut()` over the whole minibatch. Ratios are computed in fp32 from log differences; tokens with
+    a non-finite ratio or weight are masked.
     """
     f32 = jnp.float32
     logp, prox_logp, behav_logp = logp.astype(f32), prox_logp.astype(f32), behav_logp.astype(f32)
     adv = advantages.astype(f32)
     mask = mask.astype(bool)
-    if cfg.objective == "standard":
-        prox_logp = behav_logp
     prox_logp = jax.lax.stop_gradient(prox_logp)
-
-    log_w = prox_logp - behav_logp
-    w = jnp.exp(log_w)
-    valid = mask & jnp.isfinite(w) & jnp.isfinite(logp - prox_logp)
-    mode = "none" if cfg.objective == "standard" else cfg.behaviour_weight
+    drift = prox_logp - behav_logp  # log(π_prox / μ): how far the data's policy is from the step's
+    anchor = prox_logp if cfg.objective == "decoupled" else behav_logp  # the ratio's denominator
+    w = jnp.exp(drift)
+    valid = mask & jnp.isfinite(w) & jnp.isfinite(logp - anchor)
+    mode = cfg.behaviour_weight if cfg.objective == "decoupled" else "none"
+    if mode in ("sequence_mask", "sequence_token_mask"):  # the geometric mean over all of a sequence's tokens
+        seq_w = jnp.exp(_sequence_mean(drift, valid, seq_ids, f"behaviour_weight='{mode}'"))
+        lower, cap = ((cfg.behaviour_lower, cfg.behaviour_cap) if mode == "sequence_mask"
+                      else (cfg.sequence_lower, cfg.sequence_cap))
+        valid &= (seq_w <= cap) & (seq_w >= lower)
+        w = seq_w if mode == "sequence_mask" else w
     if mode == "truncate":
         w = jnp.clip(w, cfg.behaviour_lower, cfg.behaviour_cap)
-    elif mode == "mask":
+    elif mode in ("mask", "sequence_token_mask"):
         valid &= (w <= cfg.behaviour_cap) & (w >= cfg.behaviour_lower)
-    elif mode == "sequence_mask":
-        if seq_ids is None:
-            raise ValueError("behaviour_weight='sequence_mask' needs seq_ids")
-        flat_ids = jnp.unique(seq_ids.reshape(-1), size=seq_ids.size, return_inverse=True)[1].reshape(seq_ids.shape)
-        ids = flat_ids.reshape(-1)
-        seg_sum = jax.ops.segment_sum(jnp.where(valid, log_w, 0.0).reshape(-1), ids, seq_ids.size)
-        seg_cnt = jax.ops.segment_sum(valid.astype(f32).reshape(-1), ids, seq_ids.size)
-        w = jnp.exp(seg_sum / jnp.maximum(seg_cnt, 1.0))[flat_ids]
-        valid &= (w <= cfg.behaviour_cap) & (w >= cfg.behaviour_lower)
+    elif mode == "prob_gap":
+        valid &= jnp.abs(jnp.exp(prox_logp) - jnp.exp(behav_logp)) <= cfg.prob_gap
     elif mode == "none":
         w = jnp.ones_like(w)
+    if cfg.objective == "m2po":
+        valid &= jnp.square(drift) < m2_cut
     w = jax.lax.stop_gradient(jnp.where(valid, w, 0.0))
 
-    ratio = jnp.exp(jnp.where(valid, logp - prox_logp, 0.0))
-    hi = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
-    clipped_ratio = jnp.clip(ratio, 1 - cfg.eps_clip, 1 + hi)
-    pg = jnp.maximum(-ratio * adv, -clipped_ratio * adv)
-    clipped = (-clipped_ratio * adv > -ratio * adv) & valid
-    if cfg.c_clip is not None:
-        dual = jnp.minimum(pg, -cfg.c_clip * adv)
-        dual_clipped = (adv < 0) & (pg > -cfg.c_clip * adv) & valid
-        pg = jnp.where(adv < 0, dual, pg)
+    logp_v = jnp.where(valid, logp, 0.0)  # masked tokens may hold inf/nan: keep them out of every gradient
+    log_ratio = jnp.where(valid, logp - anchor, 0.0)
+    clipped = dual_clipped = jnp.zeros_like(valid)
+    if cfg.objective == "cispo":  # clipped importance weight (no gradient) × A × log π_θ
+        ratio = jnp.exp(jax.lax.stop_gradient(log_ratio))
+        weight = jnp.clip(ratio, cfg.behaviour_lower, cfg.behaviour_cap)
+        clipped = (weight != ratio) & valid
+        per_token = -weight * adv * logp_v
+    elif cfg.objective == "m2po":  # IS-weighted policy gradient, no trust region beyond the mask
+        per_token = -jnp.exp(log_ratio) * adv
     else:
-        dual_clipped = jnp.zeros_like(valid)
-    per_token = w * pg
+        if cfg.objective == "gspo":  # the sequence's ratio, with each token's log π_θ carrying the gradient
+            seq_log_ratio = jax.lax.stop_gradient(_sequence_mean(log_ratio, valid, seq_ids, "objective='gspo'"))
+            ratio = jnp.exp(seq_log_ratio + logp_v - jax.lax.stop_gradient(logp_v))
+            lo, hi = cfg.sequence_eps_clip, cfg.sequence_eps_clip_higher
+        else:
+            ratio = jnp.exp(log_ratio)
+            lo, hi = cfg.eps_clip, cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
+        clipped_ratio = jnp.clip(ratio, 1 - lo, 1 + hi)
+        pg = jnp.maximum(-ratio * adv, -clipped_ratio * adv)
+        clipped = (-clipped_ratio * adv > -ratio * adv) & valid
+        if cfg.c_clip is not None:
+            dual_clipped = (adv < 0) & (pg > -cfg.c_clip * adv) & valid
+            pg = jnp.where(adv < 0, jnp.minimum(pg, -cfg.c_clip * adv), pg)
+        per_token = (w if cfg.objective == "decoupled" else 1.0) * pg
     if cfg.kl_coef:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp")
@@ -126,6 +192,6 @@ def ppo_loss(logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array, advan
         "behaviour_weight_max": jnp.max(jnp.where(valid, w, 0.0)),
         # KL(π_prox ‖ π_θ) and KL(μ ‖ π_prox), k1 estimates summed over valid tokens
         "kl_prox_theta_sum": jnp.sum(jax.lax.stop_gradient(prox_logp - logp) * vm),
-        "kl_behav_prox_sum": jnp.sum(jnp.where(valid, behav_logp - prox_logp, 0.0)),
+        "kl_behav_prox_sum": jnp.sum(jnp.where(valid, -drift, 0.0)),
     }
     return loss, metrics

@@ -35,7 +35,7 @@ from arealjax.distributed import Processes, put_rows
 from arealjax.models import Model, lora
 from arealjax.models import attention as attn
 from arealjax.models.transformer import remat_policy
-from arealjax.rl.losses import PPOConfig, ppo_loss
+from arealjax.rl.losses import PPOConfig, m2_cut, ppo_loss
 from arealjax.rl.packing import PackedBatch, pack, split_minibatches
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, constrain, tree_shardings
@@ -168,7 +168,8 @@ class Steps:
     init: Any  # params -> optimizer state
     zeros: Any  # params -> an fp32 gradient accumulator
     logprobs: Any  # (params, frozen, micro-batch) -> per-token logprobs [R, T]
-    grad: Any  # (params, frozen, acc, micro-batch, prox, ref, n_tokens) -> (acc + grad, metrics)
+    grad: Any  # (params, frozen, acc, micro-batch, prox, ref, n_tokens, m2 cut) -> (acc + grad, metrics)
+    m2_cut: Any  # (prox, behaviour logprobs, loss masks) of a minibatch's micro-batches -> M2PO's cut
     apply: Any  # (params, opt_state, grads, loss) -> (params, opt_state, grad_norm, ok)
     p_sh: Any
     f_sh: Any
@@ -211,7 +212,7 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
     def logprobs(params, frozen, mb):
         return forward(params, frozen, mb)[0]
 
-    def loss(params, frozen, mb, prox, ref, n_tokens):
+    def loss(params, frozen, mb, prox, ref, n_tokens, cut):
         logp, entropy = forward(params, frozen, mb)
         mask = mb["loss_mask"]
         if cfg.loss == "sft":
@@ -221,13 +222,13 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
         else:
             prox = jax.lax.stop_gradient(logp) if prox is None else prox  # one minibatch: π_prox = π_θ now
             value, metrics = ppo_loss(logp, prox, mb["behav_logp"], mb["advantages"], mask, cfg.ppo, n_tokens,
-                                      seq_ids=mb["segment_ids"], ref_logp=ref)
+                                      seq_ids=mb["segment_ids"], ref_logp=ref, m2_cut=cut)
         metrics["entropy_sum"] = jnp.sum(jnp.where(mask, jax.lax.stop_gradient(entropy), 0.0))
         metrics["loss"] = value
         return value, metrics
 
-    def grad(params, frozen, acc, mb, prox, ref, n_tokens):
-        g, metrics = jax.grad(loss, has_aux=True)(params, frozen, mb, prox, ref, n_tokens)
+    def grad(params, frozen, acc, mb, prox, ref, n_tokens, cut):
+        g, metrics = jax.grad(loss, has_aux=True)(params, frozen, mb, prox, ref, n_tokens, cut)
         return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), metrics
 
     def apply(params, opt_state, grads, loss_value):
@@ -243,7 +244,10 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
         copy=jit(lambda p: jax.tree.map(jnp.copy, p), (p_sh,), p_sh), init=jit(tx.init, (p_sh,), o_sh),
         zeros=jit(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), (p_sh,), p_sh),
         logprobs=jit(logprobs, (p_sh, f_sh, b_sh), b_sh),
-        grad=jit(grad, (p_sh, f_sh, p_sh, b_sh, b_sh, b_sh, r_sh), (p_sh, r_sh), donate_argnums=2),
+        grad=jit(grad, (p_sh, f_sh, p_sh, b_sh, b_sh, b_sh, r_sh, r_sh), (p_sh, r_sh), donate_argnums=2),
+        m2_cut=jax.jit(lambda prox, behav, mask: m2_cut(jnp.concatenate([p - b for p, b in zip(prox, behav)]),
+                                                        jnp.concatenate(mask), cfg.ppo.m2_threshold),
+                       **({} if mesh is None else {"out_shardings": r_sh})),
         apply=jit(apply, (p_sh, o_sh, p_sh, r_sh), (p_sh, o_sh, r_sh, r_sh), donate_argnums=(0, 1)),
         p_sh=p_sh, f_sh=f_sh, o_sh=o_sh, b_sh=b_sh)
 
@@ -290,6 +294,7 @@ class Trainer:
         self.opt_state = steps.init(self.params)
         self._b_sh = steps.b_sh
         self._zeros, self._logprobs, self._grad, self._apply = steps.zeros, steps.logprobs, steps.grad, steps.apply
+        self._m2_cut, self._m2po = steps.m2_cut, cfg.loss == "ppo" and cfg.ppo.objective == "m2po"
         self._schedule = make_schedule(cfg.optim)
         self.optimizer_steps = 0
 
@@ -326,16 +331,19 @@ class Trainer:
         sums: dict[str, Any] = {}
         micro = [self._put(batch.micro(i)) for i in range(batch.n_micro)]
         ref = self.logprobs(self.ref_params, batch) if self.ref_params is not None else [None] * len(micro)
-        grads, loss_value = self._accumulate(batch.n_loss_tokens, micro, [None] * len(micro), ref, sums)
+        prox = self.logprobs(self.params, batch) if self._m2po else [None] * len(micro)
+        grads, loss_value = self._accumulate(batch.n_loss_tokens, micro, prox, ref, sums)
         return grads, float(loss_value), jax.device_get(sums)
 
     def _accumulate(self, n_loss_tokens: int, micro: list, prox: list, ref: list, sums: dict) -> tuple[Any, Any]:
         """Sum of micro-batch gradients of the minibatch loss (each divided by the minibatch's token count)."""
         n_tokens = np.float32(max(n_loss_tokens, 1))
+        cut = (self._m2_cut(tuple(prox), tuple(m["behav_logp"] for m in micro), tuple(m["loss_mask"] for m in micro))
+               if self._m2po else np.float32(np.inf))  # M2PO's mask is the whole minibatch's
         acc = self._zeros(self.params)
         loss_value = jnp.float32(0.0)
         for m, p, r in zip(micro, prox, ref):
-            acc, metrics = self._grad(self.params, self.frozen, acc, m, p, r, n_tokens)
+            acc, metrics = self._grad(self.params, self.frozen, acc, m, p, r, n_tokens, cut)
             loss_value = loss_value + metrics.pop("loss")
             for k, v in metrics.items():
                 sums[k] = jnp.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0) + v
@@ -347,12 +355,13 @@ class Trainer:
         cfg = self.cfg
         batches, totals = self._agree(self.pack(trajectories))
         micro = [[self._put(b.micro(i)) for i in range(b.n_micro)] for b in batches]
-        decoupled = cfg.loss == "ppo" and cfg.ppo.objective == "decoupled"
+        needs_prox = cfg.loss == "ppo" and cfg.ppo.needs_prox
         # π_prox: params at the start of the step. The first minibatch is differentiated at exactly those params,
         # so its loss takes a stop-gradient copy of its own logprobs instead of a separate pass (with one
-        # minibatch, every micro-batch does); the later ones need the pass, before the first update.
-        prox = [[self._logprobs(self.params, self.frozen, m) for m in ms] if decoupled and i else [None] * len(ms)
-                for i, ms in enumerate(micro)]
+        # minibatch, every micro-batch does); the later ones need the pass, before the first update. M2PO's mask
+        # needs π_prox of a whole minibatch before its gradients: the pass for every minibatch.
+        prox = [[self._logprobs(self.params, self.frozen, m) for m in ms] if needs_prox and (i or self._m2po)
+                else [None] * len(ms) for i, ms in enumerate(micro)]
         ref = ([[self._logprobs(self.ref_params, self.frozen, m) for m in ms] for ms in micro]
                if cfg.loss == "ppo" and cfg.ppo.kl_coef else [[None] * len(ms) for ms in micro])
         sums: dict[str, Any] = {}
