@@ -43,7 +43,7 @@ from arealjax.models import DecodeIndex, LoraConfig, Model, ModelConfig, PagedKV
 from arealjax.models.lora import split as split_lora  # noqa: E402
 from arealjax.models.paged import pool_axes, pool_shapes  # noqa: E402
 from arealjax.rl.packing import FIELDS  # noqa: E402
-from arealjax.rl.trainer import OptimConfig, TrainerConfig, make_optimizer, make_steps  # noqa: E402
+from arealjax.rl.trainer import OptimConfig, TrainerConfig, make_optimizer, make_steps, scalar_args  # noqa: E402
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh, tree_shardings  # noqa: E402
 
 GiB = 2**30
@@ -107,7 +107,8 @@ def train_step_bytes(cfg: ModelConfig, t: int, axes: dict, knobs: dict, scan: bo
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     prox = jax.ShapeDtypeStruct((rows, t), jnp.float32, sharding=steps.b_sh)
     t0 = time.perf_counter()
-    grad = steps.grad.lower(p, f, acc, mb, prox, None, scalar).compile()
+    scalars = jax.tree.map(lambda x: jax.ShapeDtypeStruct((), x.dtype), scalar_args(1))
+    grad = steps.grad.lower(p, f, acc, mb, prox, None, scalars).compile()
     compile_s = time.perf_counter() - t0
     apply = steps.apply.lower(p, opt, acc, scalar).compile()
     opt_bytes, frozen_bytes = per_device(opt, steps.o_sh), per_device(frozen, steps.f_sh)

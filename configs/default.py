@@ -131,7 +131,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                               c_clip=placeholder(float), behaviour_weight="mask", behaviour_cap=5.0,
                               behaviour_lower=0.0, sequence_cap=2.0, sequence_lower=0.5, prob_gap=0.2,
                               sequence_eps_clip=3e-4, sequence_eps_clip_higher=4e-4, m2_threshold=0.04, kl_coef=0.0,
-                              kl_estimator="k3")
+                              kl_estimator="k3", drift_warning=0.05)
     config.trainer.optim = dict(lr=5e-4, warmup_steps=5, grad_clip=1.0)
     config.trainer.max_skipped_in_a_row = 3  # steps skipped for a non-finite loss/gradient before the run stops
     # Memory and speed (the numbers stay within float tolerance): attention kernel ("auto": Pallas flash on GPU/TPU,

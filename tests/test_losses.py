@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arealjax.rl.losses import PPOConfig, m2_cut, ppo_loss
+from arealjax.rl.losses import PPOConfig, lag_metrics, m2_cut, ppo_loss
 
 
 def batch(seed=0, b=4, t=12):
@@ -306,3 +306,30 @@ def test_m2_cut_is_the_greedy_removal_over_micro_batches():
                           m2_cut=cut)[0] for i in (0, 2))
     np.testing.assert_allclose(float(halves), float(full), rtol=1e-6)
     assert float(m2_cut(jnp.zeros((2, 3)), jnp.ones((2, 3), bool), 0.04)) == np.inf  # nothing to remove
+
+
+def test_drift_diagnostics_by_staleness_lag():
+    """Per lag: token counts, KL(μ ‖ π_prox) (k3: the mean of w − 1 − log w), behaviour-weight percentiles (to the
+    histogram's 0.1 in log w), masked fractions; micro-batches add up; lag ≥ 8 is one bucket."""
+    logp, prox, behav, adv, mask, _, seq_ids = drifted_batch(seed=10)
+    lag = np.array([[0], [1], [3], [11]]) * np.ones_like(mask, int)
+    cfg, n = PPOConfig(behaviour_cap=2.0), 40.0
+    halves = [ppo_loss(logp[i:i + 2], prox[i:i + 2], behav[i:i + 2], adv[i:i + 2], mask[i:i + 2], cfg, n,
+                       lag=lag[i:i + 2])[1] for i in (0, 2)]
+    sums = {k: np.asarray(halves[0][k]) + np.asarray(halves[1][k]) for k in halves[0]}
+    out = lag_metrics(sums)
+    _, _, keep = reference(logp, prox, behav, adv, mask, prox, seq_ids, cfg, n)
+    d = (prox - behav).astype(np.float64)
+    k3 = np.exp(d) - 1 - d
+    for row, name in ((0, "lag0"), (1, "lag1"), (2, "lag3"), (3, "lag8")):
+        m = mask[row]
+        assert out[f"{name}_tokens"] == m.sum()
+        assert out[f"{name}_kl_behaviour_prox"] == pytest.approx(np.mean(k3[row][m]), rel=1e-5)
+        for q in (5, 50, 95):
+            want = np.percentile((prox - behav)[row][m], q, method="inverted_cdf")  # the first with cdf ≥ q
+            assert abs(np.log(out[f"{name}_w_p{q:02d}"]) - want) <= 0.051, (name, q)  # half a bin
+        assert out[f"{name}_masked_fraction"] == pytest.approx(1 - keep[row].sum() / m.sum())
+    assert not any(k.startswith(("lag2", "lag4")) for k in out)
+    per_version = sum(np.sum(k3[r][mask[r]]) / v for r, v in ((1, 1), (2, 3), (3, 8)))
+    assert out["kl_behaviour_prox_per_version"] == pytest.approx(per_version / mask[1:].sum(), rel=1e-4)
+    assert out["lag1_masked_fraction"] > 0.5 > out["lag0_masked_fraction"]  # the stale sequence is the drifted one

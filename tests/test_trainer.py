@@ -298,3 +298,30 @@ def test_bf16_generator_and_bf16_compute_trainer_agree_on_policy(model):
     assert m["masked_fraction"] == 0
     moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), trainer.params, before)
     assert min(jax.tree.leaves(moved)) > 0
+
+
+def test_drift_by_staleness_lag_is_reported_and_warned_about_once(model, caplog):
+    """Tokens sampled 0 and 2 versions back: the step reports each lag's KL(μ ‖ π_prox) (k3, as a NumPy recomputation
+    from the trainer's own π_prox gives it) and behaviour-weight percentiles; drift above ppo.drift_warning is
+    logged once per run, naming the lag and the numbers."""
+    trainer = Trainer(model, TrainerConfig(max_tokens=T, micro_rows=4, ppo=PPOConfig(drift_warning=0.05)))
+    trainer.version = 5
+    trajs = trajectories(stale=0.8)
+    for i, t in enumerate(trajs):
+        t.versions[t.loss_mask] = 3 if i % 2 else 5
+    batch = trainer.pack(trajs)[0]
+    prox = np.concatenate([np.asarray(x) for x in trainer.logprobs(trainer.params, batch)]).reshape(-1, T)
+    behav, mask = batch.behav_logp.reshape(-1, T), batch.loss_mask.reshape(-1, T)
+    stale = np.isin(batch.segment_ids.reshape(-1, T), [i + 1 for i in range(1, len(trajs), 2)])
+    with caplog.at_level("WARNING"):
+        m = trainer.train_step(trajs)
+        trainer.train_step(trajectories(seed=1, stale=0.8))
+    for name, sel in (("lag0", mask & ~stale), ("lag2", mask & stale)):
+        assert m[f"{name}_tokens"] == sel.sum()
+        d = (prox - behav)[sel].astype(np.float64)
+        assert m[f"{name}_kl_behaviour_prox"] == pytest.approx(np.mean(np.exp(d) - 1 - d), rel=1e-4)
+        assert m[f"{name}_w_p05"] <= m[f"{name}_w_p50"] <= m[f"{name}_w_p95"]
+    assert "lag1_tokens" not in m and m["kl_behaviour_prox_per_version"] == pytest.approx(
+        m["lag2_kl_behaviour_prox"] / 2, rel=1e-5)
+    warnings = [r.getMessage() for r in caplog.records if "off-policy drift" in r.getMessage()]
+    assert len(warnings) == 1 and "tokens 2 versions stale" in warnings[0], warnings

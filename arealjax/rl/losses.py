@@ -30,10 +30,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 BEHAVIOUR_MODES = ("none", "truncate", "mask", "sequence_mask", "sequence_token_mask", "prob_gap")
 OBJECTIVES = ("decoupled", "standard", "gspo", "cispo", "m2po")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+LAGS = 9  # staleness lags reported one by one: 0 … 7, and 8 or more together
+LOG_W_EDGES = np.linspace(-4.0, 4.0, 81)  # histogram of log w (0.1 wide; below and above counted too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,7 @@ class PPOConfig:
     sequence_eps_clip: float = 3e-4  # GSPO's sequence-ratio clip (the paper's 3e-4 / 4e-4)
     sequence_eps_clip_higher: float = 4e-4
     m2_threshold: float = 0.04  # M2PO's τ: the largest mean (log π_prox/μ)² kept (the paper's 0.04)
+    drift_warning: float = 0.05  # warn once when stale tokens' KL(μ ‖ π_prox) exceeds this (nats/token; 0: never)
     kl_coef: float = 0.0  # penalty toward a reference policy
     kl_estimator: str = "k3"
 
@@ -69,6 +73,8 @@ class PPOConfig:
         for name in ("prob_gap", "sequence_eps_clip", "sequence_eps_clip_higher", "m2_threshold"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PPOConfig.{name} must be > 0 (got {getattr(self, name)})")
+        if not self.drift_warning >= 0:
+            raise ValueError(f"PPOConfig.drift_warning must be ≥ 0 (got {self.drift_warning}; 0: never warn)")
 
     @property
     def needs_prox(self) -> bool:
@@ -112,14 +118,15 @@ def m2_cut(log_w: jax.Array, mask: jax.Array, threshold: float | jax.Array) -> j
 
 def ppo_loss(logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array, advantages: jax.Array,
              mask: jax.Array, cfg: PPOConfig, n_tokens: jax.Array | float, *, seq_ids: jax.Array | None = None,
-             ref_logp: jax.Array | None = None, m2_cut: jax.Array | float = jnp.inf
-             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+             ref_logp: jax.Array | None = None, m2_cut: jax.Array | float = jnp.inf,
+             lag: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The objective summed over valid tokens / `n_tokens`, and diagnostics (sums over valid tokens, so they too
     add across micro-batches; divide by the token count to report means).
 
     `seq_ids` [B, T] (one id per sequence, any ints) is needed by the sequence-level modes and GSPO; `m2_cut` (M2PO)
-    comes from `m2_cut()` over the whole minibatch. Ratios are computed in fp32 from log differences; tokens with
-    a non-finite ratio or weight are masked.
+    comes from `m2_cut()` over the whole minibatch. `lag` [B, T] (the trainer's version minus the version that
+    sampled each token) adds the drift diagnostics by staleness (`lag_metrics` reads them). Ratios are computed in
+    fp32 from log differences; tokens with a non-finite ratio or weight are masked.
     """
     f32 = jnp.float32
     logp, prox_logp, behav_logp = logp.astype(f32), prox_logp.astype(f32), behav_logp.astype(f32)
@@ -194,4 +201,46 @@ def ppo_loss(logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array, advan
         "kl_prox_theta_sum": jnp.sum(jax.lax.stop_gradient(prox_logp - logp) * vm),
         "kl_behav_prox_sum": jnp.sum(jnp.where(valid, -drift, 0.0)),
     }
+    if lag is not None:
+        metrics.update(_lag_sums(lag, mask & jnp.isfinite(w), valid, clipped, drift))
     return loss, metrics
+
+
+def _lag_sums(lag: jax.Array, live: jax.Array, valid: jax.Array, clipped: jax.Array, drift: jax.Array
+              ) -> dict[str, jax.Array]:
+    """Per staleness lag (LAGS buckets): tokens, tokens kept by the objective, clipped, Σ KL(μ ‖ π_prox) (k3:
+    w − 1 − log w, never negative, unbiased under μ's samples), and a histogram of log w over LOG_W_EDGES — all
+    before any correction, sums that add across micro-batches."""
+    f32 = jnp.float32
+    bucket = jnp.clip(lag, 0, LAGS - 1).reshape(-1)
+    per_lag = lambda x: jax.ops.segment_sum(x.reshape(-1).astype(f32), bucket, LAGS)  # noqa: E731
+    bins = len(LOG_W_EDGES) + 1
+    cell = bucket * bins + jnp.searchsorted(jnp.asarray(LOG_W_EDGES, f32), jnp.where(live, drift, 0.0)).reshape(-1)
+    return {"lag_tokens": per_lag(live), "lag_kept": per_lag(valid), "lag_clipped": per_lag(clipped),
+            "lag_kl_sum": per_lag(jnp.where(live, jnp.expm1(drift) - drift, 0.0)),
+            "lag_log_w_hist": jax.ops.segment_sum(live.reshape(-1).astype(f32), cell, LAGS * bins)}
+
+
+def lag_metrics(sums: dict[str, np.ndarray]) -> dict[str, float]:
+    """Step metrics from `_lag_sums` added over a step: for each lag with tokens (`lag8` = 8 or more), their
+    count, KL(μ ‖ π_prox) in nats/token (k3), the behaviour weight w = π_prox/μ at the 5th/50th/95th percentiles (to
+    the histogram's 0.1 in log w), and the fractions of them the objective masked and clipped; and the drift per
+    policy version, KL / lag averaged over the stale tokens."""
+    out: dict[str, float] = {}
+    tokens, kept, clipped, kl = (np.asarray(sums[k], np.float64) for k in
+                                 ("lag_tokens", "lag_kept", "lag_clipped", "lag_kl_sum"))
+    hist = np.asarray(sums["lag_log_w_hist"], np.float64).reshape(LAGS, -1)
+    centres = np.concatenate([[LOG_W_EDGES[0]], (LOG_W_EDGES[1:] + LOG_W_EDGES[:-1]) / 2, [LOG_W_EDGES[-1]]])
+    for lag in np.nonzero(tokens)[0]:
+        name = f"lag{lag}"
+        cum = np.cumsum(hist[lag]) / tokens[lag]
+        out[f"{name}_tokens"] = float(tokens[lag])
+        out[f"{name}_kl_behaviour_prox"] = float(kl[lag] / tokens[lag])
+        for q in (5, 50, 95):
+            out[f"{name}_w_p{q:02d}"] = float(np.exp(centres[min(np.searchsorted(cum, q / 100), len(centres) - 1)]))
+        out[f"{name}_masked_fraction"] = float(1 - kept[lag] / tokens[lag])
+        out[f"{name}_clip_fraction"] = float(clipped[lag] / max(kept[lag], 1.0))
+    stale = tokens[1:].sum()
+    if stale:
+        out["kl_behaviour_prox_per_version"] = float(np.sum(kl[1:] / np.arange(1, LAGS)) / stale)
+    return out

@@ -20,7 +20,8 @@ import numpy as np
 
 from arealjax.rl.trajectory import Trajectory
 
-FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "behav_logp", "advantages", "temperature")
+FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "behav_logp", "advantages", "temperature",
+          "versions")
 FLOATS = ("behav_logp", "advantages", "temperature")
 
 
@@ -34,6 +35,7 @@ class PackedBatch:
     behav_logp: np.ndarray  # float32
     advantages: np.ndarray  # float32
     temperature: np.ndarray  # float32, the sampling temperature of each trajectory (1 on padding)
+    versions: np.ndarray  # int32, the policy version that sampled the target (0 where there is no loss)
     n_sequences: int
 
     @property
@@ -112,6 +114,7 @@ def pack(trajectories: Sequence[Trajectory], max_tokens: int, rows: int, *, pack
             out["loss_mask"][row, o:o + n - 1] = t.loss_mask[1:]
             out["behav_logp"][row, o:o + n - 1] = np.where(t.loss_mask[1:], t.logprobs[1:], 0.0)
             out["advantages"][row, o:o + n - 1] = np.where(t.loss_mask[1:], t.advantage, 0.0)
+            out["versions"][row, o:o + n - 1] = np.where(t.loss_mask[1:], t.versions[1:], 0)
             out["temperature"][row, s] = t.temperature
             o += n
     return PackedBatch(**{f: v.reshape(m, rows, max_tokens) for f, v in out.items()}, n_sequences=len(trajectories))

@@ -20,6 +20,7 @@ on fp32 master params. benchmarks/memory.py measures what each buys on real mode
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from arealjax.distributed import Processes, put_rows
 from arealjax.models import Model, lora
 from arealjax.models import attention as attn
 from arealjax.models.transformer import remat_policy
-from arealjax.rl.losses import PPOConfig, m2_cut, ppo_loss
+from arealjax.rl.losses import PPOConfig, lag_metrics, m2_cut, ppo_loss
 from arealjax.rl.packing import PackedBatch, pack, split_minibatches
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, constrain, tree_shardings
@@ -159,6 +160,13 @@ def chunked_logprobs(hidden: jax.Array, head: tuple[jax.Array, str], targets: ja
     return tuple(jnp.moveaxis(x, 0, 1).reshape(b, t + pad)[:, :t] for x in out)
 
 
+def scalar_args(n_tokens: float, m2_cut: Any = np.inf, version: int = 0) -> dict[str, Any]:
+    """The gradient program's scalars: the minibatch's loss-token count (the loss's divisor), M2PO's cut, and the
+    trainer's version (each token's staleness lag = version − the version that sampled it)."""
+    return {"n_tokens": np.float32(n_tokens), "m2_cut": np.float32(m2_cut) if isinstance(m2_cut, float) else m2_cut,
+            "version": np.int32(version)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Steps:
     """The trainer's jitted device functions, with explicit shardings on a mesh: what `Trainer` runs, and what
@@ -168,7 +176,7 @@ class Steps:
     init: Any  # params -> optimizer state
     zeros: Any  # params -> an fp32 gradient accumulator
     logprobs: Any  # (params, frozen, micro-batch) -> per-token logprobs [R, T]
-    grad: Any  # (params, frozen, acc, micro-batch, prox, ref, n_tokens, m2 cut) -> (acc + grad, metrics)
+    grad: Any  # (params, frozen, acc, micro-batch, prox, ref, scalar_args(...)) -> (acc + grad, metrics)
     m2_cut: Any  # (prox, behaviour logprobs, loss masks) of a minibatch's micro-batches -> M2PO's cut
     apply: Any  # (params, opt_state, grads, loss) -> (params, opt_state, grad_norm, ok)
     p_sh: Any
@@ -212,23 +220,24 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
     def logprobs(params, frozen, mb):
         return forward(params, frozen, mb)[0]
 
-    def loss(params, frozen, mb, prox, ref, n_tokens, cut):
+    def loss(params, frozen, mb, prox, ref, scalars):
         logp, entropy = forward(params, frozen, mb)
         mask = mb["loss_mask"]
         if cfg.loss == "sft":
             nll = jnp.where(mask, -logp, 0.0)
-            value = jnp.sum(nll) / n_tokens
+            value = jnp.sum(nll) / scalars["n_tokens"]
             metrics = {"tokens": jnp.sum(mask.astype(jnp.float32)), "nll_sum": jnp.sum(nll)}
         else:
             prox = jax.lax.stop_gradient(logp) if prox is None else prox  # one minibatch: π_prox = π_θ now
-            value, metrics = ppo_loss(logp, prox, mb["behav_logp"], mb["advantages"], mask, cfg.ppo, n_tokens,
-                                      seq_ids=mb["segment_ids"], ref_logp=ref, m2_cut=cut)
+            value, metrics = ppo_loss(logp, prox, mb["behav_logp"], mb["advantages"], mask, cfg.ppo,
+                                      scalars["n_tokens"], seq_ids=mb["segment_ids"], ref_logp=ref,
+                                      m2_cut=scalars["m2_cut"], lag=scalars["version"] - mb["versions"])
         metrics["entropy_sum"] = jnp.sum(jnp.where(mask, jax.lax.stop_gradient(entropy), 0.0))
         metrics["loss"] = value
         return value, metrics
 
-    def grad(params, frozen, acc, mb, prox, ref, n_tokens, cut):
-        g, metrics = jax.grad(loss, has_aux=True)(params, frozen, mb, prox, ref, n_tokens, cut)
+    def grad(params, frozen, acc, mb, prox, ref, scalars):
+        g, metrics = jax.grad(loss, has_aux=True)(params, frozen, mb, prox, ref, scalars)
         return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), metrics
 
     def apply(params, opt_state, grads, loss_value):
@@ -244,7 +253,7 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
         copy=jit(lambda p: jax.tree.map(jnp.copy, p), (p_sh,), p_sh), init=jit(tx.init, (p_sh,), o_sh),
         zeros=jit(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), (p_sh,), p_sh),
         logprobs=jit(logprobs, (p_sh, f_sh, b_sh), b_sh),
-        grad=jit(grad, (p_sh, f_sh, p_sh, b_sh, b_sh, b_sh, r_sh, r_sh), (p_sh, r_sh), donate_argnums=2),
+        grad=jit(grad, (p_sh, f_sh, p_sh, b_sh, b_sh, b_sh, r_sh), (p_sh, r_sh), donate_argnums=2),
         m2_cut=jax.jit(lambda prox, behav, mask: m2_cut(jnp.concatenate([p - b for p, b in zip(prox, behav)]),
                                                         jnp.concatenate(mask), cfg.ppo.m2_threshold),
                        **({} if mesh is None else {"out_shardings": r_sh})),
@@ -295,6 +304,7 @@ class Trainer:
         self._b_sh = steps.b_sh
         self._zeros, self._logprobs, self._grad, self._apply = steps.zeros, steps.logprobs, steps.grad, steps.apply
         self._m2_cut, self._m2po = steps.m2_cut, cfg.loss == "ppo" and cfg.ppo.objective == "m2po"
+        self._drift_warned = False
         self._schedule = make_schedule(cfg.optim)
         self.optimizer_steps = 0
 
@@ -337,13 +347,13 @@ class Trainer:
 
     def _accumulate(self, n_loss_tokens: int, micro: list, prox: list, ref: list, sums: dict) -> tuple[Any, Any]:
         """Sum of micro-batch gradients of the minibatch loss (each divided by the minibatch's token count)."""
-        n_tokens = np.float32(max(n_loss_tokens, 1))
         cut = (self._m2_cut(tuple(prox), tuple(m["behav_logp"] for m in micro), tuple(m["loss_mask"] for m in micro))
                if self._m2po else np.float32(np.inf))  # M2PO's mask is the whole minibatch's
+        scalars = scalar_args(max(n_loss_tokens, 1), cut, self.version)
         acc = self._zeros(self.params)
         loss_value = jnp.float32(0.0)
         for m, p, r in zip(micro, prox, ref):
-            acc, metrics = self._grad(self.params, self.frozen, acc, m, p, r, n_tokens, cut)
+            acc, metrics = self._grad(self.params, self.frozen, acc, m, p, r, scalars)
             loss_value = loss_value + metrics.pop("loss")
             for k, v in metrics.items():
                 sums[k] = jnp.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0) + v
@@ -381,7 +391,26 @@ class Trainer:
                    lr=float(step_stats[-1][3]), skipped_steps=skipped, version=self.version,
                    step_seconds=time.perf_counter() - t0)
         out["trained_tokens_per_s"] = out["tokens"] / out["step_seconds"]
+        self._warn_drift(out)
         return out
+
+    def _warn_drift(self, out: dict[str, float]) -> None:
+        """Once per run: stale tokens whose behaviour policy has drifted further than ppo.drift_warning from π_prox
+        (the objective's correction is then doing much of the work, or failing to)."""
+        limit = self.cfg.ppo.drift_warning if self.cfg.loss == "ppo" else 0
+        stale = {k: v for k, v in out.items() if k.endswith("_kl_behaviour_prox") and not k.startswith("lag0_")}
+        if self._drift_warned or not limit or not stale or max(stale.values()) <= limit:
+            return
+        self._drift_warned = True
+        lag = max(stale, key=stale.get).split("_")[0]
+        logging.warning(
+            "off-policy drift: tokens %s versions stale are %.3f nats/token from π_prox (KL(μ ‖ π_prox); %.3f per "
+            "version; trainer.ppo.drift_warning = %g); their behaviour weights π_prox/μ span %.2f–%.2f (5th–95th "
+            "percentile) and the objective masked %.0f%% of them. LLM RL drifts ~0.001 per version: a lower "
+            "learning rate, a larger batch, a smaller rl.max_staleness or an off-policy correction "
+            "(docs/objectives.md) keeps asynchrony from costing accuracy.", lag[3:], stale[f"{lag}_kl_behaviour_prox"],
+            out.get("kl_behaviour_prox_per_version", float("nan")), limit, out[f"{lag}_w_p05"], out[f"{lag}_w_p95"],
+            100 * out[f"{lag}_masked_fraction"])
 
     def _report(self, sums: dict[str, float], totals: np.ndarray) -> dict[str, float]:
         """Step metrics over the whole batch (every process's share); `totals` as `_agree` returns them."""
@@ -403,4 +432,6 @@ class Trainer:
                    behaviour_weight_max=float(sums["behaviour_weight_max"]),
                    approx_kl=float(sums["kl_prox_theta_sum"]) / valid,
                    kl_behaviour_prox=float(sums["kl_behav_prox_sum"]) / valid)
+        if "lag_tokens" in sums:
+            out.update(lag_metrics(sums))
         return out
