@@ -1,5 +1,6 @@
 """Shared fixtures. Eight fake CPU devices for mesh tests: set before anything imports jax."""
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -33,6 +34,8 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+from arealjax.runtime import child_env  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -133,10 +136,33 @@ def tiny_recipes(tmp_path_factory) -> Path:
     return root
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def results_digest() -> dict[str, str]:
+    """A hash of every file in benchmarks/results: a smoke run must leave them as they were."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((ROOT / "benchmarks" / "results").glob("*")) if p.is_file()}
+
+
+def run_script(script: str, args: list[str], tmp_path: Path, timeout: int) -> tuple[str, float]:
+    """Runs benchmarks/`script` in a subprocess on one fake CPU device (unless it asks for more itself), its scratch
+    files in tmp_path (tempfile.gettempdir()); (stdout, seconds) once it exits 0. The persistent compilation cache
+    of tests/conftest.py is shared by the smokes' main.py runs."""
+    env = child_env()
+    env.update(TMPDIR=str(tmp_path), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert res.returncode == 0, f"{script} {args}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    return res.stdout, time.perf_counter() - t0
+
+
 # The longest files first: under `-n 2 --dist loadfile` (the README's command) each worker takes whole files in
 # this order, so the short ones fill in at the end instead of one worker finishing a long file alone.
-LONGEST_FIRST = ["test_learning.py", "test_distributed.py", "test_notebooks.py", "test_main.py", "test_server.py",
-                 "test_checkpoint.py", "test_failures.py", "test_benchmarks.py", "test_models.py"]
+LONGEST_FIRST = ["test_benchmarks.py", "test_real_model.py", "test_learning.py", "test_distributed.py",
+                 "test_notebooks.py", "test_main.py", "test_server.py", "test_accelerator.py", "test_checkpoint.py",
+                 "test_failures.py", "test_models.py"]
 
 
 def pytest_collection_modifyitems(items):

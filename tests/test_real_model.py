@@ -104,3 +104,32 @@ def test_converted_model_matches_transformers_and_trains(smollm2):
     assert metrics["skipped_steps"] == 0 and np.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
     changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), before, after))
     assert any(changed) and all(np.isfinite(x).all() for x in jax.tree.leaves(after))
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_measures_every_part_on_two_blocks(tmp_path):
+    """benchmarks/real_model.py --smoke (the converted model's first 2 blocks): every part writes its figures —
+    parity within fp32 tolerance, the generator beside transformers with identical greedy outputs, both trainer
+    variants and the memory run, an RL run and its evaluations — into --work/smoke, never benchmarks/results."""
+    import json
+
+    from conftest import results_digest, run_script
+
+    before = results_digest()
+    stdout, wall = run_script("real_model.py", ["--smoke"], tmp_path, 600)
+    print(f"real_model.py --smoke: {wall:.1f} s")
+    smoke = tmp_path / "arealjax_real_model" / "smoke"
+    res = json.loads((smoke / "real_model.json").read_text())
+    assert list(res) == ["parity", "generator", "trainer", "rl"] and all(p["layers"] == 2 for p in res.values())
+    p = res["parity"]
+    assert p["prompt_ids_equal"] == p["prompts"] and p["logits_max_abs_diff_fp32"] < 1e-3
+    assert p["tokenizer_equal_llama_cpp"] == p["tokenizer_round_trip"] == p["tokenizer_strings"]
+    (row,) = res["generator"]["rows"]
+    assert row["greedy_identical_share"] == 1 and row["arealjax_tokens_per_s"] > 0 and row["speedup"] > 0
+    t = res["trainer"]
+    assert len(t["variants"]) == 2 and all(v["mfu"] > 0 for v in t["variants"].values())
+    assert all(m["exit_code"] == 0 and m["peak_rss_gb"] > 0 for m in t["memory"].values())
+    (run,) = res["rl"]["runs"]
+    assert run["steps"] == 2 and 0 <= run["accuracy_end"] <= 1 and 0 <= run["t1_end"] <= 1
+    assert "## Parity" in stdout and (smoke / "real_model.png").stat().st_size
+    assert results_digest() == before, "real_model.py --smoke changed benchmarks/results"
