@@ -58,12 +58,13 @@ LAYOUTS = {"colocated": lambda: [], "disaggregated": disaggregated_flags}
 
 
 def commit() -> str:
-    """This checkout's short commit, '+dirty' with uncommitted changes (a result names the code it measured); a copy
-    of the tree without its git directory (sent to an accelerator host, say) is named by AREALJAX_COMMIT."""
+    """This checkout's short commit, '+dirty' with uncommitted changes outside benchmarks/results (a result names the
+    code it measured; the results files a benchmark adds to are not code); a copy of the tree without its git
+    directory (sent to an accelerator host, say) is named by AREALJAX_COMMIT."""
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
     if not shutil.which("git") or not (head := git("rev-parse", "--short", "HEAD")):
         return os.environ.get("AREALJAX_COMMIT", "unknown")
-    return head + ("+dirty" if git("status", "--porcelain", "-uno") else "")
+    return head + ("+dirty" if git("status", "--porcelain", "-uno", "--", ".", ":!benchmarks/results") else "")
 
 
 def cell(layout: str, eta: int, objective: str, mode: str, seed: int, overrides: str = "") -> dict:
