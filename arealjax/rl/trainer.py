@@ -348,7 +348,7 @@ class Trainer:
     def _accumulate(self, n_loss_tokens: int, micro: list, prox: list, ref: list, sums: dict) -> tuple[Any, Any]:
         """Sum of micro-batch gradients of the minibatch loss (each divided by the minibatch's token count)."""
         cut = (self._m2_cut(tuple(prox), tuple(m["behav_logp"] for m in micro), tuple(m["loss_mask"] for m in micro))
-               if self._m2po else np.float32(np.inf))  # M2PO's mask is the whole minibatch's
+               if self._m2po else np.inf)  # M2PO's mask is the whole minibatch's
         scalars = scalar_args(max(n_loss_tokens, 1), cut, self.version)
         acc = self._zeros(self.params)
         loss_value = jnp.float32(0.0)
