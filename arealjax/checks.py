@@ -14,6 +14,7 @@ import jax
 from arealjax import runtime
 from arealjax.components import BACKENDS
 from arealjax.data import TASKS
+from arealjax.generation import rpc
 from arealjax.generation.generator import MODES
 from arealjax.models import attention as attn
 from arealjax.models.hf import DTYPES
@@ -69,10 +70,22 @@ def check_config(config: Any, processes: int = 1) -> None:
         sv = g.servers
         positive("generator.servers.spawn", minimum=0)
         positive("generator.servers.min")
-        for key in ("start_seconds", "wait_seconds", "heartbeat_seconds"):
+        positive("generator.servers.respawns", minimum=0)
+        for key in ("start_seconds", "wait_seconds", "heartbeat_seconds", "progress_seconds"):
             need(_number(sv[key]) and sv[key] > 0, f"generator.servers.{key}", "seconds > 0")
         host, _, port = str(sv.address).rpartition(":")
         need(bool(host) and port.isdigit() and int(port) < 65536, "generator.servers.address", "'host:port'")
+        need(sv.auth in rpc.AUTH, "generator.servers.auth", f"one of {rpc.AUTH}")
+        curve = sv.auth == "curve" or sv.auth == "auto" and not rpc.loopback(str(sv.address))
+        need(not curve or sv.spawn > 0 or bool(sv.keys_dir), "generator.servers.keys_dir",
+             f"a keys folder: servers started by hand at {sv.address} (not loopback) must hold a key (make one: "
+             f"python -m arealjax.generation.server --new-keys=DIR; or generator.servers.auth = 'none' to let "
+             f"anyone who reaches the port join)")
+        if sv.keys_dir:
+            try:
+                rpc.trainer_keys(sv.keys_dir)
+            except (OSError, ValueError) as e:
+                problems.append(f"generator.servers.keys_dir: {e}")
         groups = str(sv.get("cpus", "")).split(";")
         need(len(groups) in (1, sv.spawn), "generator.servers.cpus",
              f"one set of cores for all spawned servers or one per spawned server (servers.spawn = {sv.spawn}), "

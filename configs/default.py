@@ -168,6 +168,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.generator.servers.wait_seconds = 300.0  # for one to (re)join when none is left
     config.generator.servers.heartbeat_seconds = 10.0  # a server silent this long is dropped; the reverse: it stops
     config.generator.servers.verify = False  # servers report a fingerprint of the weights they got, every update
+    # The wire's trust (docs/servers.md, "Security"): "auto" = CURVE (encrypted, only servers holding a key of
+    # `keys` join) unless the address is loopback; "curve"; "none" (anyone who reaches the port joins).
+    config.generator.servers.auth = "auto"
+    config.generator.servers.keys_dir = ""  # a keys folder (--new-keys=DIR); spawned servers: a pair made per run
+    config.generator.servers.progress_seconds = 300.0  # a server with requests and no new token this long: stuck
+    config.generator.servers.respawns = 3  # restarts of each spawned server that exits or is dropped
     # The cores of each spawned server: one set for all ("1") or one per server, ";" between ("1;2-3"); empty = all.
     config.generator.servers.cpus = ""
     config.generator.slots = 128

@@ -40,6 +40,7 @@ SMOKE_RESULTS = {
     "trainer.py": (['"packed_over_naive"'], []),
     "tunix_grpo.py": ([], ["arealjax_tunix_grpo/smoke/rows.json"]),
     "weights.py": (["| default | 0.6M | float32 | 1 |", "Default job on 1 server(s)"], []),
+    "wire.py": (["| reads | ", "| reads + never reads | "], []),
     "vs_tunix.py": (["| default (budget", "arealjax η = 4", "arealjax η = 0"],
                     [f"arealjax_vs_tunix/smoke/vs_tunix.{x}" for x in ("json", "md", "png")]),
 }

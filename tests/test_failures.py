@@ -120,6 +120,11 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
      r"server \(servers\.spawn = 2\)"),
     (["--config.generator.backend=remote", "--config.generator.servers.cpus=one"],
      r"generator\.servers\.cpus: 'one' is not a list of CPU cores \(expected e\.g\. '0', '0-3' or '0,2-3'\)"),
+    (["--config.generator.backend=remote", "--config.generator.servers.auth=tls"],
+     r"generator\.servers\.auth = 'tls': expected one of \('auto', 'curve', 'none'\)"),
+    (["--config.generator.backend=remote", "--config.generator.servers.address=0.0.0.0:5555"],
+     r"generator\.servers\.keys_dir = '': expected a keys folder: servers started by hand at 0\.0\.0\.0:5555 \(not "
+     r"loopback\) must hold a key \(make one: python -m arealjax\.generation\.server --new-keys=DIR"),
     (["--config.generator.backend=vllm"], r"generator\.backend = 'vllm': expected one of \('local', 'remote'\)"),
     (["--config.sft.steps=10"], r"sft\.steps = 10: expected more than sft\.optim\.warmup_steps = 20"),
     (["--config.trainer.max_tokens=32"], r"trainer\.max_tokens = 32: expected ≥ generator\.max_len = 64"),

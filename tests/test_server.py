@@ -175,8 +175,8 @@ def test_a_killed_server_loses_nothing_and_the_last_one_dying_is_named(tmp_path)
     """kill -9 of one server with requests in flight on both: every request completes with the tokens it would
     have had (re-sent to the other, same seeds), the backend counts the loss. Then the other dies too: what is
     waiting fails after servers.wait_seconds with an error naming both (a second, shorter than a server's start:
-    the wait for servers to start is start_seconds)."""
-    c = small_config(wait_seconds=1.0)
+    the wait for servers to start is start_seconds). No restarts here (servers.respawns = 0)."""
+    c = small_config(wait_seconds=1.0, respawns=0)
     tokenizer, _, made = backends(c, tmp_path)
     (local, _), (remote, _) = made["local"], made["remote"]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=40, seed=11)  # no stop token: every sample is long
@@ -202,6 +202,35 @@ def test_a_killed_server_loses_nothing_and_the_last_one_dying_is_named(tmp_path)
         orphan = remote.submit(reqs[0][1], sampling, request_id="orphan")
         with pytest.raises(RuntimeError, match=r"no generation server left.*server-0 \(exited.*server-1 \(exited"):
             orphan.result(timeout=30)
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_a_spawned_server_that_dies_is_started_again_and_serves_what_it_was_serving(tmp_path, caplog):
+    """kill -9 of the only server mid-generation: it is started again (its log says why), joins with the current
+    weights and every request completes with the tokens it would have had; past servers.respawns it is not."""
+    c = small_config(spawn=1, respawns=1, wait_seconds=2.0)
+    tokenizer, _, made = backends(c, tmp_path)
+    (local, _), (remote, _) = made["local"], made["remote"]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=40, seed=5)
+    reqs = requests(tokenizer, groups=8, samples=2)
+    try:
+        expected = {rid: local.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
+        futures = {rid: remote.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
+        first = remote.servers()["server-0"]["pid"]
+        wait_until(lambda: sum(remote.in_flight().values()) > 0, 60, "generation to start")
+        os.kill(first, signal.SIGKILL)
+        for rid, fut in futures.items():
+            (got,), (want,) = fut.result(timeout=120), expected[rid].result(timeout=120)
+            assert got.output_tokens == want.output_tokens, rid
+        again = remote.servers()["server-0"]
+        assert again["state"] == "ready" and again["pid"] != first
+        assert any("server-0: starting it again (restart 1 of at most 1)" in m for m in caplog.messages)
+        os.kill(again["pid"], signal.SIGKILL)
+        wait_until(lambda: remote.servers()["server-0"]["state"] == "dead", 30, "the second loss")
+        time.sleep(1.0)
+        assert remote.servers()["server-0"]["pid"] == again["pid"], "started a third time"
     finally:
         remote.close()
         local.close()
@@ -300,9 +329,9 @@ LONGTAIL = ["--config=configs/longtail.py", "--config.sft.steps=0", "--config.rl
 @pytest.mark.slow
 def test_a_run_on_two_servers_survives_a_server_kill_then_kill_9_of_everything_and_resumes_exactly(tmp_path):
     """η = 2 on the long-tail task with two servers: one killed with kill -9 after checkpoint 2 (the run goes on on
-    the other and says so), then the trainer killed after checkpoint 6 (its servers stop), then resumed to step
-    10 (new servers, the checkpoint's weights). Every step trains 4 prompts, none twice, none lost; versions one per
-    step; staleness ≤ η throughout."""
+    the other, says so and starts it again), then the trainer killed after checkpoint 6 (its servers stop), then
+    resumed to step 10 (new servers, the checkpoint's weights). Every step trains 4 prompts, none twice, none lost;
+    versions one per step; staleness ≤ η throughout."""
     import orbax.checkpoint as ocp
 
     from tests.test_checkpoint import assert_resumed_exactly, trained
@@ -334,11 +363,12 @@ def test_a_run_on_two_servers_survives_a_server_kill_then_kill_9_of_everything_a
     os.kill(victim, signal.SIGKILL)
     checkpoint_at_least(6, proc)
     servers = server_pids()
-    assert len(servers) == 1, servers  # server-1 still serving
+    assert len(servers) == 2 and victim not in servers, servers  # server-1 still serving, server-0 started again
     os.killpg(proc.pid, signal.SIGKILL)  # the trainer (its servers are in their own sessions: they outlive it)
     out = proc.stdout.read()
     proc.wait()
     assert re.search(r"generation server server-0 lost: exited with code -9 .*; 1 left \(server-1\)", out), out[-3000:]
+    assert "generation server server-0: starting it again (restart 1 of at most 3)" in out, out[-3000:]
     wait_until(lambda: not server_pids(), HEARTBEAT + 10, "the servers to stop after the trainer's death")
     assert len(trained(run)) < 10, "the run finished before the kill"
 

@@ -91,6 +91,22 @@ def test_serve_starts_a_generation_server_on_every_worker_of_the_generation_slic
         assert rc == 2 and not cmds and "--trainer" in err, err
 
 
+def test_serve_with_keys_copies_the_servers_keys_to_every_worker_and_uses_them(fake_gcloud):
+    from arealjax.generation import rpc
+
+    keys = rpc.new_keys(fake_gcloud / "keys")
+    rc, (mkdir, scp, ssh), err = dry_run("serve", "--trainer=10.128.0.7:5555", f"--keys={keys}", fake=fake_gcloud)
+    assert rc == 0, err
+    assert "mkdir -p -m 700 ~/arealjax-keys" in flag(mkdir, "command")
+    assert scp[3:5] == ["tpu-vm", "scp"] and scp[5:8] == [f"{keys}/trainer.key", f"{keys}/server.key_secret",
+                                                          "my-pod:arealjax-keys/"]  # never the trainer's secret
+    remote = shlex.split(flag(ssh, "command"))
+    assert remote[remote.index(".venv/bin/python") + 1:remote.index(">")] == [
+        "-m", "arealjax.generation.server", "--trainer=10.128.0.7:5555", "--keys=$HOME/arealjax-keys"]
+    rc, cmds, err = dry_run("serve", "--trainer=h:1", f"--keys={fake_gcloud / 'none'}", fake=fake_gcloud)
+    assert rc == 2 and not cmds and "no trainer.key" in err, err
+
+
 def test_stop_terminates_then_kills_and_logs_follow_worker_zero(fake_gcloud):
     rc, (ssh,), err = dry_run("stop", fake=fake_gcloud, STOP_TIMEOUT="120")
     assert rc == 0, err

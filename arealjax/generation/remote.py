@@ -17,10 +17,17 @@ steps. Host-staged streaming rather than a collective over one `jax.distributed`
 ends every process (JAX's heartbeat), and servers must be able to die, start late and rejoin without stopping the
 trainer.
 
-Faults: a server that exits or stays silent for `servers.heartbeat_seconds` is dropped and its unfinished requests
-are sent again to the others (the same seeds and sample numbers: the same draws); its late answers are ignored, so
-nothing is generated into a batch twice. With no server left the backend waits `servers.wait_seconds` for one to
-(re)join, then fails every request with an error naming the servers that died.
+Trust: with `servers.auth` CURVE (by default whenever the address is not loopback) only servers holding a key
+of `servers.keys_dir` (spawned servers: a key pair made for the run) can join, and they talk to this trainer alone
+(docs/servers.md, "Security"). Every message is checked before it is used (rpc.completions_from_wire,
+rpc.numbers): a server that breaks the protocol is named and dropped.
+
+Faults: a server that exits, stays silent for `servers.heartbeat_seconds`, makes no progress on its requests for
+`servers.progress_seconds` or sends a malformed message is dropped (a spawned one is killed and started again, up
+to `servers.respawns` times) and its unfinished requests are sent again to the others (the same seeds and sample
+numbers: the same draws); its late answers are ignored, so nothing is generated into a batch twice. With no server
+left the backend waits `servers.wait_seconds` for one to (re)join, then fails every request with an error naming
+the servers that died.
 """
 
 from __future__ import annotations
@@ -30,8 +37,10 @@ import itertools
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -49,6 +58,23 @@ from arealjax.generation import rpc
 from arealjax.sharding import localize
 
 Snapshot = list[tuple[str, np.ndarray]]  # (tree path, host array) in leaf order
+SEND_HWM = 32  # messages per server in ZeroMQ's pipe; more wait in the endpoint, where a newer update replaces
+
+
+def wire_keys(config: Any, workdir: str | os.PathLike | None) -> Path | None:
+    """The CURVE keys folder of this run's wire, or None for a plain one. `servers.auth`: 'curve', 'none', or
+    'auto' (CURVE unless the address is loopback). Without `servers.keys_dir`, spawned servers get a pair made for
+    this run (in workdir/keys); hand-started servers need `servers.keys_dir` (checks.py says so first)."""
+    s = config.generator.servers
+    if s.auth == "none" or s.auth == "auto" and rpc.loopback(str(s.address)):
+        return None
+    if s.keys_dir:
+        return Path(s.keys_dir)
+    if not int(s.spawn):
+        raise ValueError(f"generator.servers.auth = {s.auth!r} at {s.address} with servers started by hand needs "
+                         f"generator.servers.keys_dir (make one: python -m arealjax.generation.server --new-keys=DIR)")
+    folder = Path(workdir or tempfile.mkdtemp(prefix="arealjax-")) / "keys" / f"p{jax.process_index()}"
+    return folder if (folder / f"{rpc.TRAINER}.key_secret").exists() else rpc.new_keys(folder)
 
 
 def host_snapshot(tree: Any, dtype) -> Snapshot:
@@ -75,6 +101,7 @@ def last_line(path: str) -> str:
 @dataclasses.dataclass
 class _Server:
     name: str
+    peer: bytes = b""  # its ZeroMQ routing id: random, chosen by the server, never shown to other peers
     pid: int = 0
     host: str = ""
     cpus: list[int] = dataclasses.field(default_factory=list)  # the cores it runs on
@@ -87,6 +114,9 @@ class _Server:
     outstanding: int = 0  # tokens its unfinished requests may still generate
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
     why: str = ""
+    joined: float = dataclasses.field(default_factory=time.monotonic)  # its hello (spawned: its start)
+    progress: int = 0  # tokens generated for its unfinished requests + requests it answered, as last reported
+    progressed: float = dataclasses.field(default_factory=time.monotonic)  # when `progress` last grew
 
 
 @dataclasses.dataclass
@@ -97,6 +127,7 @@ class _Request:
     first_sample: int
     future: Future
     group: str
+    first_version: int  # the oldest policy version its tokens may come from: every server served it at submit
     server: str | None = None
     aborted: bool = False
 
@@ -127,8 +158,9 @@ class RemoteBackend:
     def __init__(self, config: Any, model: models.Model, version: int, workdir: str | os.PathLike | None = None):
         s = config.generator.servers
         self.config, self.heartbeat, self.wait_seconds = config, float(s.heartbeat_seconds), float(s.wait_seconds)
-        self.start_seconds = float(s.start_seconds)
-        self._max_len = int(config.generator.max_len)
+        self.start_seconds, self.progress_seconds = float(s.start_seconds), float(s.progress_seconds)
+        self.respawns = int(s.respawns)
+        self._max_len, self._vocab = int(config.generator.max_len), int(model.cfg.vocab_size)
         self.dtype = models.hf.DTYPES[config.generator.dtype]
         self.lora = model.lora is not None
         self._cv = threading.Condition()
@@ -143,7 +175,12 @@ class RemoteBackend:
         self._closed = False
         self._orphaned_since: float | None = None  # when the last server died, with requests waiting
         self._error: str | None = None
-        self._version = version
+        self._version = self._first_version = version
+        self._peers: dict[bytes, str] = {}  # routing id -> the server that said hello from it
+        self._strangers: set[bytes] = set()  # peers that spoke without a hello (logged once each)
+        self._losses: list[str] = []  # 'name (why)' of every server lost
+        self._spawned: dict[str, tuple[int, int]] = {}  # spawned server -> (its index, times started)
+        self._running = False  # past the start: a spawned server lost from now on is started again
         self.counters = {"requests_reissued_total": 0, "servers_lost_total": 0, "weight_bytes_total": 0,
                          "weight_transfer_seconds_total": 0.0, "weight_stream_seconds_total": 0.0}
         self._dead_stats: dict[str, float] = {}
@@ -153,7 +190,7 @@ class RemoteBackend:
         self._full = host_snapshot(model.params, self.dtype)
         self._full_version, self._latest = version, None
         self._remember(self._full, version, True)
-        self._welcome = rpc.pack({"config": json.loads(config.to_json_best_effort()),
+        self._welcome = rpc.pack({"protocol": rpc.PROTOCOL, "config": json.loads(config.to_json_best_effort()),
                                   "model": rpc.model_config_to_wire(model.cfg), "lora": self.lora,
                                   "dtype": config.generator.dtype})
         # A multi-host trainer: every process drives servers of its own (as every process has its own generator
@@ -161,47 +198,55 @@ class RemoteBackend:
         self.process = jax.process_index()
         host, _, port = str(s.address).rpartition(":")
         address = f"{host}:{int(port) + self.process}" if int(port) else str(s.address)
-        self.endpoint = rpc.Endpoint(rpc.zmq.ROUTER, address, bind=True, on_message=self._on_message,
-                                     on_tick=self._on_tick, tick=0.25, name="trainer",
-                                     options=[(rpc.zmq.ROUTER_HANDOVER, 1)])  # a restarted server keeps its name
+        self.keys_dir = wire_keys(config, workdir)
+        n = max(int(config.rl.get("group_size", 1)), int(config.get("eval", {}).get("n", 1)), 16)
+        self.max_message = max(16 << 20, 65536 + n * self._max_len * 32)  # a 'done' of n samples of max_len tokens
+        self.endpoint = rpc.Endpoint(
+            rpc.zmq.ROUTER, address, bind=True, on_message=self._on_message, on_tick=self._on_tick, tick=0.25,
+            name="trainer", keys=rpc.trainer_keys(self.keys_dir) if self.keys_dir else None,
+            max_message=self.max_message, send_hwm=SEND_HWM,
+            options=[(rpc.zmq.ROUTER_HANDOVER, 1)])  # a reconnect keeps its (unguessable) routing id
         self.address = self.endpoint.address
         self.transport = RemoteTransport(self)
-        self._spawn(int(s.spawn), workdir)
+        self._workdir = workdir
+        for i in range(int(s.spawn)):
+            self._spawn(f"server-{i}", i)
+        if not int(s.spawn):
+            logging.info("generation servers: waiting for %d at %s (python -m arealjax.generation.server "
+                         "--trainer=%s%s)", s.min, self.address, self.address,
+                         f" --keys={self.keys_dir}" if self.keys_dir else "")
         self._wait_ready(max(int(s.min), 1) if int(s.spawn) == 0 else max(int(s.min), int(s.spawn)))
+        self._running = True
 
     # ---- servers started here ----
 
-    def _spawn(self, count: int, workdir) -> None:
-        if not count:
-            logging.info("generation servers: waiting for %d at %s (python -m arealjax.generation.server "
-                         "--trainer=%s)", self.config.generator.servers.min, self.address, self.address)
-            return
-        logs = Path(workdir) / "servers" if workdir else Path(os.environ.get("TMPDIR", "/tmp"))
+    def _spawn(self, name: str, i: int) -> None:
+        """Starts server `name` (the i-th spawned) on this host; its log in workdir/servers (a restart appends)."""
+        logs = Path(self._workdir) / "servers" if self._workdir else Path(os.environ.get("TMPDIR", "/tmp"))
         logs.mkdir(parents=True, exist_ok=True)
         host = "127.0.0.1" if self.address.startswith(("0.0.0.0", "*")) else self.address.rsplit(":", 1)[0]
         env = runtime.child_env()
         env[runtime.START_CPUS_ENV] = runtime.cpu_list(runtime.START_CPUS)  # not only the cores this process is on
         cpus = [group or env[runtime.START_CPUS_ENV] for group in str(self.config.generator.servers.get("cpus", ""))
                 .split(";")]
-        for i in range(count):
-            name = f"server-{i}"
-            log = logs / (f"{name}.log" if jax.process_count() == 1 else f"p{self.process}-{name}.log")
-            cmd = [sys.executable, "-m", "arealjax.generation.server", f"--trainer={host}:{self.endpoint.port}",
-                   f"--devices={int(self.config.mesh.generator.devices) or 1}", f"--name={name}",
-                   f"--cpus={cpus[i % len(cpus)]}"]
-            with open(log, "w") as f:
-                # in their own session: a Ctrl-C meant for the trainer reaches them as its 'stop', and a trainer
-                # that dies without one leaves them to notice its silence (servers.heartbeat_seconds)
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                        cwd=Path(__file__).resolve().parents[2])
-            with self._cv:
-                self._servers[name] = _Server(name, pid=proc.pid, proc=proc, log=str(log))
+        log = logs / (f"{name}.log" if jax.process_count() == 1 else f"p{self.process}-{name}.log")
+        cmd = [sys.executable, "-m", "arealjax.generation.server", f"--trainer={host}:{self.endpoint.port}",
+               f"--devices={int(self.config.mesh.generator.devices) or 1}", f"--name={name}",
+               f"--cpus={cpus[i % len(cpus)]}", *([f"--keys={self.keys_dir}"] if self.keys_dir else [])]
+        with open(log, "a" if name in self._spawned else "w") as f:
+            # in their own session: a Ctrl-C meant for the trainer reaches them as its 'stop', and a trainer
+            # that dies without one leaves them to notice its silence (servers.heartbeat_seconds)
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    cwd=Path(__file__).resolve().parents[2])
+        with self._cv:
+            self._spawned[name] = (i, self._spawned.get(name, (i, 0))[1] + 1)
+            self._servers[name] = _Server(name, pid=proc.pid, proc=proc, log=str(log))
 
     def _wait_ready(self, count: int) -> None:
         deadline = time.monotonic() + self.start_seconds
         with self._cv:
             while sum(s.state == "ready" for s in self._servers.values()) < count:
-                dead = [s for s in self._servers.values() if s.state == "dead"]
+                dead = [s for s in self._servers.values() if s.state == "dead" and s.name in self._spawned]
                 if dead or time.monotonic() > deadline:
                     self.close_locked()
                     what = "; ".join(f"{s.name}: {s.why}" for s in dead) or (
@@ -214,101 +259,177 @@ class RemoteBackend:
 
     # ---- messages from servers (endpoint thread) ----
 
-    def _send(self, name: str, kind: str, *buffers: Any, **header: Any) -> None:
-        self.endpoint.send(name.encode(), kind.encode(), rpc.pack(header), *buffers)
+    def _send(self, name: str, kind: str, *buffers: Any, tag: tuple[str, int] | None = None, replaces=(),
+              **header: Any) -> None:
+        server = self._servers[name]
+        if not server.peer:  # started here, not heard from yet
+            return
+        self.endpoint.send(server.peer, kind.encode(), rpc.pack(header), *buffers, tag=tag, replaces=replaces)
 
     def _send_weights(self, name: str, snapshot: Snapshot, version: int, full: bool) -> int:
+        """Queues an update for `name`; it replaces one of the same kind (or any, if full) not yet sent there."""
+        tag, replaces = (("full", version), ("full", "adapters")) if full else (("adapters", version), ("adapters",))
         for i, (path, x) in enumerate(snapshot):
-            self._send(name, "tensor", np.ascontiguousarray(x).reshape(-1).view(np.uint8), version=version, index=i,
-                       count=len(snapshot), full=full, **rpc.array_header(path, x))
+            self._send(name, "tensor", np.ascontiguousarray(x).reshape(-1).view(np.uint8), tag=tag,
+                       replaces=replaces, version=version, index=i, count=len(snapshot), full=full,
+                       **rpc.array_header(path, x))
         return sum(x.nbytes for _, x in snapshot)
 
-    def _on_message(self, frames: list) -> None:
-        name, kind, header = bytes(frames[0]).decode(), bytes(frames[1]).decode(), rpc.unpack(frames[2])
-        with self._cv:
-            server = self._servers.get(name)
-            if kind == "hello":
-                self._hello(name, header)
-                return
-            if server is None or server.state == "dead":
-                return  # a dead server's late words: its requests went elsewhere
-            server.last_heard = time.monotonic()
-            getattr(self, f"_on_{kind}")(server, header)
-            self._cv.notify_all()
+    HANDLES = ("applied", "received", "done", "failed", "fatal", "ping", "stats", "paused")
 
-    def _hello(self, name: str, header: dict) -> None:
+    def _on_message(self, frames: list) -> None:
+        """Every message is checked before it is used: a server that sends what the protocol does not allow is
+        dropped, named, with what was wrong (its requests go to the others); a peer that never said hello is
+        ignored (logged once)."""
+        peer, kind, server = bytes(frames[0]), "?", None
+        with self._cv:
+            try:
+                server = self._servers.get(self._peers.get(peer, ""))
+                if len(frames) < 3:
+                    raise rpc.WireError(f"{len(frames) - 1} frames, not kind, header, buffers")
+                kind, header = bytes(frames[1]).decode(), rpc.unpack(frames[2])
+                if not isinstance(header, dict):
+                    raise rpc.WireError(f"its header is {type(header).__name__}, not a map")
+                if kind == "hello":
+                    self._hello(peer, header)
+                    return
+                if server is None or server.peer != peer:
+                    if peer not in self._strangers:
+                        self._strangers.add(peer)
+                        logging.warning("generation servers: ignored a '%s' from a peer that did not say hello", kind)
+                    return
+                if server.state == "dead":
+                    return  # a dead server's late words: its requests went elsewhere
+                if kind not in self.HANDLES:
+                    raise rpc.WireError(f"unknown message '{kind}'")
+                server.last_heard = time.monotonic()
+                getattr(self, f"_on_{kind}")(server, header)
+            except Exception as e:  # noqa: BLE001 — whatever a peer sends, the run goes on without it
+                why = f"{type(e).__name__}: {e}" if not isinstance(e, rpc.WireError) else str(e)
+                if server is not None and server.state != "dead" and server.peer == peer:
+                    self._lose(server, f"sent a malformed '{kind}' message ({why})")
+                elif peer not in self._strangers:
+                    self._strangers.add(peer)
+                    logging.warning("generation servers: ignored a malformed '%s' from a peer (%s)", kind, why)
+            finally:
+                self._cv.notify_all()
+
+    def _refuse(self, peer: bytes, why: str) -> None:
+        logging.warning("generation servers: refused a hello: %s", why)
+        self.endpoint.send(peer, b"refused", rpc.pack({"why": why}))
+
+    def _hello(self, peer: bytes, h: dict) -> None:
+        """A server joins: the protocol must match and its name be free (a live server keeps its name: a hello
+        under it is refused; one silent for a second, or a spawned server's own first hello, is replaced)."""
+        if h.get("protocol") != rpc.PROTOCOL:
+            return self._refuse(peer, f"protocol {h.get('protocol')!r} (from {h.get('host', '?')}), this trainer "
+                                      f"speaks {rpc.PROTOCOL}: run the same arealjax version on both sides")
+        name, pid, host = rpc.field(h, "name", str), rpc.field(h, "pid", int), rpc.field(h, "host", str)
+        devices, cpus = rpc.field(h, "devices", list), rpc.field(h, "cpus", list)
+        if self._peers.get(peer, name) != name:
+            return self._refuse(peer, f"it joined as '{self._peers[peer]}' already")
         old = self._servers.get(name)
-        if old is not None and old.state != "dead" and old.pid and old.pid != header["pid"]:
-            self._lose(old, f"replaced by a new server process {header['pid']}")
-        same = old is not None and old.pid == header["pid"]  # a server this backend started, saying hello
-        server = self._servers[name] = _Server(name, pid=header["pid"], host=header["host"], heard=True,
-                                               proc=old.proc if same else None, log=old.log if old else "",
-                                               cpus=header.get("cpus", []))
-        self.endpoint.send(name.encode(), b"welcome", self._welcome)
+        if old is not None and old.state != "dead" and old.peer != peer:
+            taken = (old.proc is not None and old.proc.poll() is None and old.pid != pid  # one started here
+                     or old.heard and time.monotonic() - old.last_heard < 1.0)  # one that is talking
+            if taken:
+                return self._refuse(peer, f"the name '{name}' belongs to a live server (pid {old.pid}"
+                                          f"{' on ' + old.host if old.host else ''}): start this one (pid {pid} on "
+                                          f"{host}) with another --name")
+            if old.heard:
+                self._lose(old, f"replaced by a new server process {pid} on {host}")
+        if old is not None and old.peer:
+            self._peers.pop(old.peer, None)
+        spawned = old is not None and old.proc is not None and old.pid == pid  # a server this backend started
+        self._servers[name] = _Server(name, peer=peer, pid=pid, host=host, heard=True,
+                                      proc=old.proc if spawned else None, log=old.log if old else "",
+                                      cpus=[int(c) for c in cpus])
+        self._peers[peer] = name
+        self.endpoint.send(peer, b"welcome", self._welcome)
         self.counters["weight_bytes_total"] += self._send_weights(name, self._full, self._full_version, True)
         if self._latest is not None:
             self._send_weights(name, *self._latest, False)
-        logging.info("generation server %s joined (pid %d on %s, %d devices)", name, header["pid"], header["host"],
-                     len(header["devices"]))
-        server.last_heard = time.monotonic()
+        logging.info("generation server %s joined (pid %d on %s, %d devices)", name, pid, host, len(devices))
 
     def _on_applied(self, server: _Server, h: dict) -> None:
-        server.version = h["version"]
+        version, full = rpc.field(h, "version", int), rpc.field(h, "full", bool)
+        if not self._first_version <= version <= self._current_version():
+            raise rpc.WireError(f"applied version {version}, which this trainer never sent it")
+        server.version = version
         if server.state == "joining" and server.version >= self._current_version():
             server.state = "ready"
+            server.progressed = time.monotonic()
             self._orphaned_since = None
             if self._paused:
                 self._send(server.name, "pause", token=-1)
             self._dispatch()
         if h.get("fingerprint") is not None:  # servers.verify: what arrived must be what was sent
-            server.stats.update(fingerprint=h["fingerprint"], fingerprint_version=h["version"])
-            sent = self._sent.get((h["version"], h["full"]))
-            if sent is not None and sent != h["fingerprint"]:
-                self._fail_all(f"generation server {server.name} got weights for version {h['version']} with "
-                               f"fingerprint {h['fingerprint']!r}, the trainer sent {sent!r}: the transfer corrupted "
+            got = rpc.field(h, "fingerprint", float)
+            server.stats.update(fingerprint=got, fingerprint_version=version)
+            sent = self._sent.get((version, full))
+            if sent is not None and sent != got:
+                self._fail_all(f"generation server {server.name} got weights for version {version} with "
+                               f"fingerprint {got!r}, the trainer sent {sent!r}: the transfer corrupted "
                                f"them (generator.servers.verify)")
+        elif self.verify:
+            raise rpc.WireError("no fingerprint of the weights it applied (generator.servers.verify is on)")
         for u in list(self._updates):
             if u.version <= server.version:
                 u.waiting.discard(server.name)
         self._settle_updates()
 
     def _on_done(self, server: _Server, h: dict) -> None:
-        req = self._requests.get(h["rid"])
+        req = self._requests.get(rpc.field(h, "rid", str))
         if req is None or req.server != server.name:
-            return
+            return  # answered after it was finished, or sent again elsewhere
+        completions = rpc.completions_from_wire(
+            h.get("completions"), request_id=req.rid, prompt=req.prompt, sampling=req.sampling,
+            first_sample=req.first_sample, vocab=self._vocab, max_len=self._max_len,
+            versions=(req.first_version, self._current_version()))
+        server.progressed = time.monotonic()
         self._finish(req)
         if not req.future.done():
-            req.future.set_result([rpc.completion_from_wire(c) for c in h["completions"]])
+            req.future.set_result(completions)
 
     def _on_failed(self, server: _Server, h: dict) -> None:
-        req = self._requests.get(h["rid"])
+        """The server's generator could not run a request (as the in-process one would raise): it fails."""
+        req = self._requests.get(rpc.field(h, "rid", str))
         if req is None or req.server != server.name:
             return
         self._finish(req)
         if not req.future.done():
-            req.future.set_exception(RuntimeError(f"generation server {server.name}: {h['error']}"))
+            req.future.set_exception(RuntimeError(f"generation server {server.name}: "
+                                                  f"{str(h.get('error', '?'))[:2000]}"))
 
     def _on_received(self, server: _Server, h: dict) -> None:
         """Every array of an update arrived at `server` (then it places them and its generator swaps them in)."""
+        version = rpc.field(h, "version", int)
         for u in self._updates:
-            if u.version == h["version"] and u.receiving:
+            if u.version == version and u.receiving:
                 u.receiving.discard(server.name)
                 if not u.receiving:
                     self.counters["weight_transfer_seconds_total"] += time.perf_counter() - u.started
 
     def _on_fatal(self, server: _Server, h: dict) -> None:
-        self._lose(server, h["error"])
+        self._lose(server, str(h.get("error", "a fatal error it did not name"))[:2000])
 
     def _on_ping(self, server: _Server, h: dict) -> None:
-        server.stats.update(h.get("stats", {}))  # its generator's counters, 4 times a second
+        server.stats.update(rpc.numbers(h.get("stats", {}), "stats"))  # its generator's counters, 4 times a second
+        progress = rpc.numbers(h.get("progress", {}), "progress")  # request id -> tokens generated so far
+        made = sum(min(int(progress.get(r.rid, 0)), r.budget) for r in self._requests.values()
+                   if r.server == server.name)
+        if made > server.progress:
+            server.progressed = time.monotonic()
+        server.progress = made
 
     def _on_stats(self, server: _Server, h: dict) -> None:
-        server.stats.update(h["stats"])
-        if h["token"] in self._replies:  # a late answer to a finished question is dropped
+        server.stats.update(rpc.numbers(h.get("stats", {}), "stats"))
+        rpc.numbers(rpc.field(h, "in_flight", dict), "in_flight")
+        if rpc.field(h, "token", int) in self._replies:  # a late answer to a finished question is dropped
             self._replies[h["token"]][server.name] = h
 
     def _on_paused(self, server: _Server, h: dict) -> None:
-        if h["token"] in self._replies:
+        if rpc.field(h, "token", int) in self._replies:
             self._replies[h["token"]][server.name] = h
 
     def _on_tick(self) -> None:
@@ -318,15 +439,25 @@ class RemoteBackend:
                 if s.state == "dead":
                     continue
                 code = s.proc.poll() if s.proc is not None else None
+                busy = any(r.server == s.name and not r.aborted for r in self._requests.values())
                 if code is not None:
                     self._lose(s, f"exited with code {code} (log: {s.log}{last_line(s.log)})")
                 elif now - s.last_heard > (self.heartbeat if s.heard else self.start_seconds):
                     self._lose(s, f"silent for {now - s.last_heard:.0f} s (generator.servers.heartbeat_seconds = "
                                   f"{self.heartbeat:g})" if s.heard else f"no hello within {self.start_seconds:g} s "
                                   f"(generator.servers.start_seconds; log: {s.log}{last_line(s.log)})")
+                elif s.state == "joining" and s.heard and now - s.joined > self.start_seconds:
+                    self._lose(s, f"said hello but served no weights within {self.start_seconds:g} s "
+                                  f"(generator.servers.start_seconds)")
+                elif busy and not self._paused and now - s.progressed > self.progress_seconds:
+                    self._lose(s, f"stuck: no progress on its requests for {now - s.progressed:.0f} s "
+                                  f"(generator.servers.progress_seconds = {self.progress_seconds:g})")
                 else:
-                    self._send(s.name, "ping")
-            if self._orphaned_since is not None and now - self._orphaned_since > self.wait_seconds:
+                    if not busy or self._paused:
+                        s.progressed = now
+                    self._send(s.name, "ping", tag=("ping", next(self._tokens)), replaces=("ping",))
+            starting = any(s.state == "joining" for s in self._servers.values())  # has start_seconds to join
+            if self._orphaned_since is not None and now - self._orphaned_since > self.wait_seconds and not starting:
                 self._fail_waiting(f"no generation server left and none joined within {self.wait_seconds:g} s "
                                    f"(generator.servers.wait_seconds); lost: {self._lost_text()}")
             self._cv.notify_all()
@@ -347,12 +478,23 @@ class RemoteBackend:
         return [s for s in self._servers.values() if s.state == "ready"]
 
     def _lost_text(self) -> str:
-        return "; ".join(f"{s.name} ({s.why})" for s in self._servers.values() if s.state == "dead") or "none"
+        return "; ".join(self._losses[-8:]) or "none"
 
     def _lose(self, server: _Server, why: str) -> None:
-        """Drops `server`; its unfinished requests go to the others (or wait for one)."""
+        """Drops `server`; its unfinished requests go to the others (or wait for one). A spawned server is killed
+        and, once the run is under way, started again (up to servers.respawns times)."""
         server.state, server.why = "dead", why
+        self._losses.append(f"{server.name} ({why})")
+        self._peers.pop(server.peer, None)
+        if server.peer:
+            self.endpoint.forget(server.peer)
         self.counters["servers_lost_total"] += 1
+        if server.proc is not None and server.proc.poll() is None:
+            try:
+                os.killpg(server.proc.pid, signal.SIGKILL)  # its own session: the server and anything it started
+            except (ProcessLookupError, PermissionError):
+                pass
+            server.proc.wait()
         for k, v in server.stats.items():
             if k.endswith("_total"):
                 self._dead_stats[k] = self._dead_stats.get(k, 0) + v
@@ -373,6 +515,11 @@ class RemoteBackend:
             u.receiving.discard(server.name)
         self._settle_updates()
         self._dispatch()
+        slot, started = self._spawned.get(server.name, (0, 0))
+        if server.name in self._spawned and self._running and not self._closed and started <= self.respawns:
+            logging.warning("generation server %s: starting it again (restart %d of at most %d)", server.name,
+                            started, self.respawns)
+            self._spawn(server.name, slot)
 
     def _dispatch(self) -> None:
         """Sends every unassigned request to a server: its group's, or the least loaded one. With none ready, the
@@ -489,7 +636,8 @@ class RemoteBackend:
             if rid in self._requests:
                 raise ValueError(f"request id '{rid}' is already in flight")
             # the group: '<prompt>#<seq>' of the controller's '<prompt>#<seq>/<sample>.<call>' (ids may hold '/')
-            req = self._requests[rid] = _Request(rid, prompt, sampling, first_sample, Future(), rid.rsplit("/", 1)[0])
+            req = self._requests[rid] = _Request(rid, prompt, sampling, first_sample, Future(), rid.rsplit("/", 1)[0],
+                                                 self._version)
             self._dispatch()
         return req.future
 

@@ -4,24 +4,39 @@ A message is `[kind, header, *buffers]`: `kind` a short name, `header` a msgpack
 contents travel as their own frames, never re-encoded). The trainer binds one ROUTER socket; every server connects
 a DEALER to it, so servers can start in any order, late, or again after a crash. Each socket belongs to one I/O
 thread (`Endpoint`); other threads hand it messages through a queue.
+
+Trust (docs/servers.md, "Security"): with `Keys` the wire is ZeroMQ CURVE: encrypted, servers pin the trainer's
+public key and the trainer admits only the server keys it was given (a handshake from any other key is refused and
+logged once per address). Without keys anyone who reaches the port may join: loopback only. Nothing from the wire
+is unpickled or evaluated; messages are bounded in size (`max_message`), and what each peer may hold of this
+side's memory is bounded too (`send_hwm` messages in ZeroMQ's pipe, then one queue per peer in which a newer
+weight update replaces an older one not yet sent).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import itertools
 import logging
+import math
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import zmq
+import zmq.auth
+from zmq.utils import z85
 
 from arealjax.api import Completion, SamplingParams
 
+PROTOCOL = 2  # the shape of the messages; hello carries it and either side refuses another
 Frames = Sequence[Any]  # bytes, memoryviews or zmq.Frame
 _ids = itertools.count()
 
@@ -39,21 +54,109 @@ def tcp(address: str) -> str:
     return address if "://" in address else f"tcp://{address}"
 
 
+def loopback(address: str) -> bool:
+    """Whether 'host:port' can only be reached from this machine (127.0.0.0/8, ::1, localhost)."""
+    host = tcp(address).split("://", 1)[1].rpartition(":")[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+# ---- keys (CURVE) ----
+
+AUTH = ("auto", "curve", "none")  # generator.servers.auth
+TRAINER, SERVER = "trainer", "server"  # the key files in a keys folder: NAME.key (public), NAME.key_secret
+
+
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """One side's CURVE keys (z85): its own pair, and the trainer's public key (a server pins it) or the server
+    public keys the trainer admits."""
+
+    public: bytes
+    secret: bytes
+    trainer: bytes = b""
+    admitted: frozenset = frozenset()
+
+
+def new_keys(folder: str | os.PathLike) -> Path:
+    """A keys folder for one run: the trainer's pair and one server pair (every server may share it), readable by
+    this user alone. Copy it to each server host: servers read trainer.key and server.key_secret."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    for name in (TRAINER, SERVER):
+        if (folder / f"{name}.key_secret").exists():
+            raise FileExistsError(f"{folder / name}.key_secret exists: keys are never overwritten")
+        zmq.auth.create_certificates(str(folder), name)
+        (folder / f"{name}.key_secret").chmod(0o600)
+    return folder
+
+
+def _certificate(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such key file (make a keys folder with: python -m "
+                                f"arealjax.generation.server --new-keys={path.parent})")
+    try:
+        public, private = zmq.auth.load_certificate(str(path))
+    except Exception as e:  # noqa: BLE001 — zmq raises ValueError or OSError on a damaged file
+        raise ValueError(f"{path}: not a ZeroMQ certificate ({type(e).__name__}: {e})") from e
+    if secret and not private:
+        raise ValueError(f"{path}: holds no secret key (a .key_secret file was expected)")
+    return public, private
+
+
+def trainer_keys(folder: str | os.PathLike) -> Keys:
+    """The trainer's side of a keys folder: its pair, and every other public key in it (NAME.key) admitted."""
+    folder = Path(folder)
+    public, secret = _certificate(folder / f"{TRAINER}.key_secret", True)
+    admitted = frozenset(_certificate(p, False)[0] for p in sorted(folder.glob("*.key")) if p.stem != TRAINER)
+    if not admitted:
+        raise ValueError(f"{folder}: no server public key (NAME.key) to admit")
+    return Keys(public, secret, admitted=admitted)
+
+
+def server_keys(folder: str | os.PathLike) -> Keys:
+    """A server's side of a keys folder: its pair (server.key_secret) and the trainer's public key it pins."""
+    folder = Path(folder)
+    public, secret = _certificate(folder / f"{SERVER}.key_secret", True)
+    return Keys(public, secret, trainer=_certificate(folder / f"{TRAINER}.key", False)[0])
+
+
+# ---- sockets ----
+
 class Endpoint:
     """One ZeroMQ socket served by its own thread: `send` from any thread; `on_message(frames)` and `on_tick()` run
-    on the I/O thread (every `tick` seconds). Unbounded queues: senders bound what they send (weights: one copy)."""
+    on the I/O thread (every `tick` seconds).
+
+    What waits to be sent waits per peer, in order, and is retried (a ROUTER's peer that is reconnecting, or whose
+    pipe holds `send_hwm` messages): nothing is dropped until `forget(peer)`. A message sent with `tag=(kind, id)`
+    replaces the unsent messages of `replaces` kinds with another id, so a slow peer holds one weight update here."""
 
     BATCH = 32  # messages handled before the loop flushes what is queued to send and ticks again
 
     def __init__(self, kind: int, address: str, *, bind: bool, on_message: Callable[[list], None],
                  on_tick: Callable[[], None] = lambda: None, tick: float = 0.5, identity: bytes | None = None,
-                 options: Sequence[tuple[int, int]] = (), name: str = "rpc"):
-        self.ctx = zmq.Context.instance()
+                 options: Sequence[tuple[int, int]] = (), name: str = "rpc", keys: Keys | None = None,
+                 max_message: int = -1, send_hwm: int = 0):
+        self.ctx = zmq.Context()  # its own: a ZAP handler is one per context
+        self.router = kind == zmq.ROUTER
+        self.keys = keys
         self.sock = self.ctx.socket(kind)
-        for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), *options):
+        for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, send_hwm), (zmq.RCVHWM, 64), (zmq.MAXMSGSIZE, max_message),
+                           *((zmq.ROUTER_MANDATORY, 1),) * self.router, *options):
             self.sock.setsockopt(opt, value)
         if identity is not None:
             self.sock.setsockopt(zmq.IDENTITY, identity)
+        self._zap = None
+        if keys is not None:
+            self.sock.curve_secretkey, self.sock.curve_publickey = keys.secret, keys.public
+            if bind:
+                self._zap = self.ctx.socket(zmq.REP)
+                self._zap.bind("inproc://zeromq.zap.01")
+                self.sock.curve_server = True
+                self.sock.zap_domain = b"arealjax"
+            else:
+                self.sock.curve_serverkey = keys.trainer
+        self.refused: set[str] = set()  # addresses whose handshake was refused (each logged once)
         if bind:
             url = tcp(address)
             host, _, port = url.rpartition(":")
@@ -73,16 +176,31 @@ class Endpoint:
         self._wake_out.connect(wake)
         self._wake_lock = threading.Lock()
         self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: dict[bytes, collections.deque] = {}  # peer (b"" for a DEALER) -> (frames, tag, replaces)
         self._on_message, self._on_tick, self._tick = on_message, on_tick, tick
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"arealjax-{name}", daemon=True)
         self._thread.start()
 
-    def send(self, *frames: Any) -> None:
+    def send(self, *frames: Any, tag: tuple[str, int] | None = None, replaces: Iterable[str] = ()) -> None:
         """Queues one multipart message (kind, header, buffers...; a ROUTER's starts with the peer's identity)."""
+        self._put((tuple(frames), tag, tuple(replaces)))
+
+    def forget(self, peer: bytes) -> None:
+        """Drops what waits to be sent to `peer` (a ROUTER's peer that is gone)."""
+        self._put(peer)
+
+    def waiting(self) -> int:
+        """Messages waiting here to be sent (not yet in ZeroMQ's pipes)."""
+        return sum(len(q) for q in list(self._waiting.values()))
+
+    def _put(self, item: Any) -> None:
         if self._closed.is_set():
             return
-        self._out.put(frames)
+        self._out.put(item)
+        self._wake()
+
+    def _wake(self) -> None:
         with self._wake_lock:
             try:
                 self._wake_out.send(b"", zmq.NOBLOCK)
@@ -92,33 +210,75 @@ class Endpoint:
     def close(self) -> None:
         """Sends what is queued (for up to a second), then closes."""
         self._closed.set()
-        with self._wake_lock:
-            try:
-                self._wake_out.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        self._wake()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
 
-    def _flush(self) -> None:
+    def _queue(self) -> None:
+        """Moves what other threads queued into the per-peer queues (applying replacements and forgets)."""
         while True:
             try:
-                frames = self._out.get_nowait()
+                item = self._out.get_nowait()
             except queue.Empty:
                 return
-            self.sock.send_multipart(frames, copy=False)
+            if isinstance(item, bytes):
+                self._waiting.pop(item, None)
+                continue
+            frames, tag, replaces = item
+            peer = bytes(frames[0]) if self.router else b""
+            q = self._waiting.setdefault(peer, collections.deque())
+            if replaces and q:
+                kept = [m for m in q if m[1] is None or m[1][0] not in replaces or m[1] == tag]
+                q.clear()
+                q.extend(kept)
+            q.append(item)
+
+    def _flush(self) -> bool:
+        """Sends what waits, peer by peer, until a peer's pipe is full or it is not connected; True if any still
+        waits."""
+        self._queue()
+        for peer, q in list(self._waiting.items()):
+            while q:
+                try:
+                    self.sock.send_multipart(q[0][0], flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:  # its pipe is full: later
+                    break
+                except zmq.ZMQError as e:
+                    if e.errno != zmq.EHOSTUNREACH:  # not connected now (reconnecting): later
+                        raise
+                    break
+                q.popleft()
+            if not q:
+                del self._waiting[peer]
+        return bool(self._waiting)
+
+    def _authenticate(self) -> None:
+        """A ZAP request (RFC 27): admit a CURVE handshake whose client key is one of `keys.admitted`."""
+        version, request_id, _domain, address, _identity, mechanism, *credentials = self._zap.recv_multipart()
+        key = z85.encode(credentials[0]) if mechanism == b"CURVE" and credentials else b""
+        ok = key in self.keys.admitted
+        if not ok and address.decode() not in self.refused:
+            self.refused.add(address.decode())
+            logging.warning("rpc: refused a peer at %s: %s", address.decode(),
+                            f"unknown key {key.decode()}" if key else f"no CURVE key ({mechanism.decode()})")
+        self._zap.send_multipart([version, request_id, b"200" if ok else b"400", b"OK" if ok else b"unknown key",
+                                  key if ok else b"", b""])
 
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
-        next_tick = 0.0
+        if self._zap is not None:
+            poller.register(self._zap, zmq.POLLIN)
+        next_tick, blocked = 0.0, False
         try:
             while not self._closed.is_set():
-                events = dict(poller.poll(timeout=max(int(self._tick * 1000), 1)))
+                events = dict(poller.poll(timeout=5 if blocked else max(int(self._tick * 1000), 1)))
                 if self._wake_in in events:
                     while self._wake_in.poll(0):
                         self._wake_in.recv()
+                if self._zap is not None and self._zap in events:
+                    self._authenticate()
                 for _ in range(self.BATCH if self.sock in events else 0):  # bounded: sends and ticks go on
                     if not self.sock.poll(0):
                         break
@@ -127,7 +287,7 @@ class Endpoint:
                     except Exception:  # noqa: BLE001 — one bad message must not end the endpoint
                         logging.exception("rpc: handling a message failed")
                 try:
-                    self._flush()
+                    blocked = self._flush()
                     now = time.monotonic()
                     if now >= next_tick:
                         next_tick = now + self._tick
@@ -135,14 +295,19 @@ class Endpoint:
                 except Exception:  # noqa: BLE001 — the endpoint lives on; its owner's heartbeat judges the peer
                     logging.exception("rpc: a send or a tick failed")
         finally:
+            deadline = time.monotonic() + 1.0
             try:
-                self._flush()
+                while self._flush() and time.monotonic() < deadline:
+                    time.sleep(0.01)
             except zmq.ZMQError:
                 pass
             self.sock.close(linger=1000)
+            if self._zap is not None:
+                self._zap.close(linger=0)
             with self._wake_lock:
                 self._wake_in.close(linger=0)
                 self._wake_out.close(linger=0)
+            self.ctx.term()
 
 
 # ---- what travels: sampling, completions, param trees ----
@@ -163,9 +328,81 @@ def completion_to_wire(c: Completion) -> dict[str, Any]:
             "interrupts": c.interrupts, "temperature": c.temperature}
 
 
-def completion_from_wire(d: dict[str, Any]) -> Completion:
-    return Completion(**{**d, "logprobs": np.frombuffer(d["logprobs"], np.float32).copy(),
-                         "versions": np.frombuffer(d["versions"], np.int32).copy()})
+class WireError(ValueError):
+    """A peer's message is not what the protocol says: the peer is dropped, nothing of it is used."""
+
+
+STOP_REASONS = ("stop", "length", "abort")
+
+
+def field(d: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise WireError(f"no '{key}'")
+    if not isinstance(d[key], kind) or isinstance(d[key], bool) and kind is not bool:
+        raise WireError(f"'{key}' is {type(d[key]).__name__}, not {getattr(kind, '__name__', kind)}")
+    return d[key]
+
+
+def _array(d: dict, key: str, dtype, count: int) -> np.ndarray:
+    raw = field(d, key, bytes)
+    if len(raw) != count * np.dtype(dtype).itemsize:
+        raise WireError(f"'{key}' holds {len(raw)} bytes, not {count} {np.dtype(dtype).name} values "
+                        f"(one per output token)")
+    return np.frombuffer(raw, dtype).copy()
+
+
+def completions_from_wire(raw: Any, *, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                          first_sample: int, vocab: int, max_len: int, versions: tuple[int, int]) -> list[Completion]:
+    """The completions of one request, each checked against what was asked before any is used: one per sample in
+    order, its prompt, token ids < vocab, at most max_new_tokens (and max_len in all), one finite logprob ≤ 0 and
+    one policy version in `versions` (the versions served while it ran) per token. WireError names what is wrong."""
+    if not isinstance(raw, list) or len(raw) != sampling.n:
+        raise WireError(f"{len(raw) if isinstance(raw, list) else type(raw).__name__} completions for "
+                        f"{request_id}, not n = {sampling.n}")
+    out, lo, hi = [], versions[0], versions[1]
+    for j, d in enumerate(raw):
+        try:
+            if field(d, "request_id", str) != request_id or field(d, "sample", int) != first_sample + j:
+                raise WireError(f"it answers {d['request_id']} sample {d['sample']}")
+            if field(d, "prompt_tokens", list) != list(prompt):
+                raise WireError("its prompt is not the one sent")
+            tokens = field(d, "output_tokens", list)
+            if len(tokens) > sampling.max_new_tokens or len(prompt) + len(tokens) > max_len:
+                raise WireError(f"{len(tokens)} output tokens: more than max_new_tokens = {sampling.max_new_tokens} "
+                                f"or max_len = {max_len} with the prompt")
+            if not all(type(t) is int and 0 <= t < vocab for t in tokens):
+                bad = next(t for t in tokens if type(t) is not int or not 0 <= t < vocab)
+                raise WireError(f"output token {bad!r} is not an id in [0, {vocab})")
+            logprobs = _array(d, "logprobs", np.float32, len(tokens))
+            if not np.all(np.isfinite(logprobs) & (logprobs <= 1e-4)):
+                raise WireError(f"logprob {logprobs[~(np.isfinite(logprobs) & (logprobs <= 1e-4))][0]} is not a "
+                                f"finite log-probability (≤ 0)")
+            vs = _array(d, "versions", np.int32, len(tokens))
+            if len(vs) and (vs.min() < lo or vs.max() > hi):
+                raise WireError(f"policy versions {vs.min()}..{vs.max()}: outside {lo}..{hi}, those served while "
+                                f"it ran")
+            reason = field(d, "stop_reason", str)
+            if reason not in STOP_REASONS:
+                raise WireError(f"stop_reason '{reason}' is not one of {STOP_REASONS}")
+            interrupts, temperature = field(d, "interrupts", int), field(d, "temperature", (int, float))
+            if interrupts < 0 or not abs(temperature - sampling.logprob_temperature) <= 1e-6:
+                raise WireError(f"interrupts {interrupts} or temperature {temperature} (sent: "
+                                f"{sampling.logprob_temperature}) is wrong")
+        except WireError as e:
+            raise WireError(f"completion {j} of {request_id}: {e}") from None
+        out.append(Completion(request_id, first_sample + j, list(prompt), tokens, logprobs, vs, reason, interrupts,
+                              float(temperature)))
+    return out
+
+
+def numbers(d: Any, what: str) -> dict[str, float]:
+    """A map of names to finite numbers (a peer's counters), or WireError."""
+    if not isinstance(d, dict):
+        raise WireError(f"{what} is {type(d).__name__}, not a map")
+    for k, v in d.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise WireError(f"{what}: {k!r} = {v!r} is not a finite number")
+    return d
 
 
 def array_header(path: str, x: np.ndarray) -> dict[str, Any]:

@@ -1,12 +1,15 @@
 """A generation server: the interruptible generator in its own process, on its own devices, serving a trainer.
 
-    python -m arealjax.generation.server --trainer=HOST:PORT [--devices=N] [--name=NAME] [--cpus=CORES]
+    python -m arealjax.generation.server --trainer=HOST:PORT [--keys=DIR] [--devices=N] [--name=NAME] [--cpus=CORES]
+    python -m arealjax.generation.server --new-keys=DIR     # the keys of a run across hosts (docs/servers.md)
 
 It connects to the trainer's address (`generator.servers.address`), says hello, and gets everything else from the
 trainer: the config, the model's architecture and its current weights (a server started late, or again after a
 crash, joins with the weights the trainer serves now). Then it serves the trainer's `remote` backend
 (generation/remote.py): generate requests, weight updates (applied between two decode steps, as in-process),
-abort, pause/resume and stats. It stops when the trainer says so or goes silent for `servers.heartbeat_seconds`.
+abort, pause/resume and stats. It stops when the trainer says so, refuses it (another protocol version, a name in
+use) or goes silent for `servers.heartbeat_seconds`. With `--keys` the wire is CURVE: the server talks only to the
+trainer whose public key is in DIR (trainer.key), as the holder of DIR/server.key_secret.
 
 Its mesh is `mesh.generator` of the trainer's config over this process's devices (on CPU, `--devices` fakes that
 many; `--cpus` pins it to those cores, as `generator.servers.cpus` does for the servers a trainer spawns). The
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -35,7 +39,7 @@ class Server:
     (after the first weights) the generator. Messages are handled on the endpoint's thread; what takes long (placing
     weights on the mesh, building the generator, pausing it) on a worker thread, so pings keep flowing."""
 
-    def __init__(self, trainer: str, name: str):
+    def __init__(self, trainer: str, name: str, keys: str = ""):
         from concurrent.futures import ThreadPoolExecutor
 
         from arealjax.generation import rpc
@@ -48,11 +52,13 @@ class Server:
         self.exit_code = 0
         self._incoming: dict[str, Any] | None = None  # a weight update being received
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="arealjax-server-work")  # in order, one at a time
+        # A routing id no other peer can guess: the trainer binds it to this server's name at hello.
         self.endpoint = rpc.Endpoint(rpc.zmq.DEALER, trainer, bind=False, on_message=self.on_message,
-                                     on_tick=self.on_tick, tick=0.25, identity=name.encode(), name="server")
+                                     on_tick=self.on_tick, tick=0.25, identity=secrets.token_bytes(16),
+                                     name="server", keys=rpc.server_keys(keys) if keys else None)
         import jax
 
-        self.send("hello", name=name, pid=os.getpid(), host=socket.gethostname(),
+        self.send("hello", protocol=rpc.PROTOCOL, name=name, pid=os.getpid(), host=socket.gethostname(),
                   devices=[str(d) for d in jax.local_devices()],
                   cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
 
@@ -76,7 +82,8 @@ class Server:
                       f"(servers.heartbeat_seconds = {self.heartbeat:g}): stopping", code=3)
             return
         g = self.generator
-        self.send("ping", version=g.version if g else -1, stats=g.stats() if g else {})
+        self.send("ping", version=g.version if g else -1, stats=g.stats() if g else {},
+                  progress=g.in_flight() if g else {})
 
     def later(self, what: str, fn, *args) -> None:
         """Runs fn(*args) on the worker thread; a failure is reported to the trainer and stops this server."""
@@ -115,6 +122,9 @@ class Server:
     def on_stop(self, header, buffers) -> None:
         self.stop(header.get("why", "the trainer stopped"))
 
+    def on_refused(self, header, buffers) -> None:
+        self.stop(f"the trainer at {self.trainer} refused this server: {header.get('why')}", code=2)
+
     def on_welcome(self, header, buffers) -> None:
         """The trainer's config and model: the mesh and the shapes the weights will come in."""
         import ml_collections
@@ -124,6 +134,9 @@ class Server:
         from arealjax.generation import rpc
         from arealjax.sharding import LogicalSharding, make_mesh, normalize_rules
 
+        if header.get("protocol") != rpc.PROTOCOL:
+            raise RuntimeError(f"the trainer speaks protocol {header.get('protocol')!r}, this server {rpc.PROTOCOL}: "
+                               f"run the same arealjax version on both sides")
         self.config = ml_collections.ConfigDict(header["config"])
         self.heartbeat = float(self.config.generator.servers.heartbeat_seconds)
         import jax
@@ -257,11 +270,26 @@ class Server:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=SERVER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trainer", required=True, help="HOST:PORT the trainer listens on (generator.servers.address)")
+    p.add_argument("--trainer", help="HOST:PORT the trainer listens on (generator.servers.address)")
+    p.add_argument("--keys", default="", help="the run's keys folder (generator.servers.keys_dir): CURVE")
+    p.add_argument("--new-keys", default="", metavar="DIR", help="make a keys folder for a run, then exit")
     p.add_argument("--devices", type=int, default=0, help="CPU only: fake this many host devices (0: leave as is)")
     p.add_argument("--name", default="", help="this server's name in the trainer's logs (default: host-pid)")
     p.add_argument("--cpus", default="", help="run on these CPU cores ('1', '2-3'; default: all it may use)")
     args = p.parse_args(argv)
+    if args.new_keys:
+        from arealjax.generation import rpc
+
+        try:
+            folder = rpc.new_keys(args.new_keys)
+        except OSError as e:
+            p.error(str(e))
+        print(f"{folder}: the trainer's keys (trainer.key_secret) and the servers' (server.key_secret). Give the "
+              f"trainer --config.generator.servers.keys_dir={folder}, each server --keys={folder}; copy it to every "
+              f"host privately (it holds secrets)")
+        return 0
+    if not args.trainer:
+        p.error("--trainer=HOST:PORT is required")
     from arealjax import runtime
 
     try:
@@ -271,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     runtime.fake_cpu_devices(args.devices)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(message)s", stream=sys.stderr)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    server = Server(args.trainer, args.name or f"{socket.gethostname()}-{os.getpid()}")
+    try:
+        server = Server(args.trainer, args.name or f"{socket.gethostname()}-{os.getpid()}", args.keys)
+    except (OSError, ValueError) as e:  # a keys folder that is missing or damaged
+        p.error(str(e))
     try:
         while not server.done.wait(0.5):
             pass
