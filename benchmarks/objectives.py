@@ -86,6 +86,9 @@ def configurations(results: list[dict], args) -> list[dict]:
     sync = groups.get((SYNC, 0), [])
     sync_acc = np.mean([r["accuracy_end"] for r in sync]) if sync else None
     sync_tps = np.mean([r["trained_tokens_per_s"] for r in sync]) if sync else None
+    sync_step = np.mean([r["seconds_per_step"] for r in sync]) if sync else None
+    busy = lambda rs, role: float(np.mean([r["seconds_per_step"] * (1 - r[f"{role}_idle_share"])  # noqa: E731
+                                           for r in rs]))
     rows = []
     for (label, eta), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] != SYNC, kv[0][1],
                                                                       list(OBJECTIVES).index(kv[0][0])
@@ -102,6 +105,11 @@ def configurations(results: list[dict], args) -> list[dict]:
                "kl_stalest_lag": (float(np.mean(k)) if (k := [r["kl_stalest_lag"] for r in rs
                                                                if r["kl_stalest_lag"] is not None]) else None)}
         row["speedup"] = row["trained_tokens_per_s"] / sync_tps if sync_tps else None
+        # Busy seconds per step of each role; the speedup if neither ever waited for the other (the slower role's
+        # busy time sets the step): how close the overlap gets, and what stops it.
+        row["generator_busy_s"], row["trainer_busy_s"] = busy(rs, "generator"), busy(rs, "trainer")
+        row["speedup_bound"] = (float(sync_step / max(row["generator_busy_s"], row["trainer_busy_s"]))
+                                if sync_step and label != SYNC else None)
         for target in args.targets:
             reached = [t for r in rs if (t := time_to(r["curve"], target)) is not None]
             row[f"time_to_{target:g}"] = float(np.mean(reached)) if reached else None
@@ -119,16 +127,21 @@ def report(results: list[dict], rows: list[dict], args) -> str:
              f"± sd over seeds (n); rates over steps {args.warmup + 1}–{args.steps} of training wall-clock; time to "
              "accuracy: training wall-clock until the held-out pass@1 first reaches the target, mean over the seeds "
              f"that do (how many, of n); drift: KL(μ ‖ π_prox) (k3) per policy version and at the stalest lag, "
-             f"nats/token; measured at {commits}. Objectives: docs/objectives.md.", "",
-             f"| objective | η | accuracy end | vs synchronous | speedup | trained tok/s | {targets} | masked "
-             "| drift / version | drift at stalest lag | n |", "|---" * (10 + len(args.targets)) + "|"]
+             f"nats/token; busy s / step: each role's seconds per step not spent waiting (generator / trainer), and "
+             "the speedup bound: synchronous s / step over the busier role's, the speedup were neither role ever "
+             f"idle; measured at {commits}. Objectives: docs/objectives.md.", "",
+             f"| objective | η | accuracy end | vs synchronous | speedup | bound | busy s / step | trained tok/s "
+             f"| {targets} | masked | drift / version | drift at stalest lag | n |",
+             "|---" * (12 + len(args.targets)) + "|"]
     for w in rows:
         acc = f"{w['accuracy_end']:.2f}" + (f" ± {w['accuracy_end_sd']:.2f}" if w["n"] > 1 else "")
         fmt = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
         times = " | ".join(f"{fmt(w[f'time_to_{t:g}'], '.0f')} ({w[f'reached_{t:g}']}/{w['n']})"
                            for t in args.targets)
         lines.append(f"| {w['label']} | {w['eta']} | {acc} | {fmt(w['accuracy_vs_sync'], '+.2f')} "
-                     f"| {fmt(w['speedup'], '.2f')}× | {w['trained_tokens_per_s']:,.0f} | {times} "
+                     f"| {fmt(w['speedup'], '.2f')}× | {fmt(w['speedup_bound'], '.2f')}× "
+                     f"| {w['generator_busy_s']:.2f} / {w['trainer_busy_s']:.2f} "
+                     f"| {w['trained_tokens_per_s']:,.0f} | {times} "
                      f"| {100 * w['masked_fraction']:.1f}% | {fmt(w['kl_per_version'], '.3f')} "
                      f"| {fmt(w['kl_stalest_lag'], '.3f')} | {w['n']} |")
     return "\n".join(lines)

@@ -310,7 +310,7 @@ def test_m2_cut_is_the_greedy_removal_over_micro_batches():
 
 def test_drift_diagnostics_by_staleness_lag():
     """Per lag: token counts, KL(μ ‖ π_prox) (k3: the mean of w − 1 − log w), behaviour-weight percentiles (to the
-    histogram's 0.1 in log w), masked fractions; micro-batches add up; lag ≥ 8 is one bucket."""
+    histogram's bin: 7% of log w, 0.001 near 0), masked fractions; micro-batches add up; lag ≥ 8 is one bucket."""
     logp, prox, behav, adv, mask, _, seq_ids = drifted_batch(seed=10)
     lag = np.array([[0], [1], [3], [11]]) * np.ones_like(mask, int)
     cfg, n = PPOConfig(behaviour_cap=2.0), 40.0
@@ -327,7 +327,7 @@ def test_drift_diagnostics_by_staleness_lag():
         assert out[f"{name}_kl_behaviour_prox"] == pytest.approx(np.mean(k3[row][m]), rel=1e-5)
         for q in (5, 50, 95):
             want = np.percentile((prox - behav)[row][m], q, method="inverted_cdf")  # the first with cdf ≥ q
-            assert abs(np.log(out[f"{name}_w_p{q:02d}"]) - want) <= 0.051, (name, q)  # half a bin
+            assert abs(np.log(out[f"{name}_w_p{q:02d}"]) - want) <= max(0.07 * abs(want), 1e-3), (name, q)
         assert out[f"{name}_masked_fraction"] == pytest.approx(1 - keep[row].sum() / m.sum())
     assert not any(k.startswith(("lag2", "lag4")) for k in out)
     per_version = sum(np.sum(k3[r][mask[r]]) / v for r, v in ((1, 1), (2, 3), (3, 8)))
