@@ -402,6 +402,7 @@ def test_new_keys_makes_a_private_folder_once(tmp_path):
     cmd = [sys.executable, "-m", "arealjax.generation.server", f"--new-keys={tmp_path / 'k'}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--config.generator.servers.keys_dir=" in out.stdout, out.stderr
+    assert "never trainer.key_secret" in out.stdout
     assert (tmp_path / "k").stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "k" / "trainer.key_secret").stat().st_mode & 0o777 == 0o600
     trainer_side, server_side = rpc.trainer_keys(tmp_path / "k"), rpc.server_keys(tmp_path / "k")
@@ -410,3 +411,74 @@ def test_new_keys_makes_a_private_folder_once(tmp_path):
     assert again.returncode == 2 and "keys are never overwritten" in again.stderr
     with pytest.raises(FileNotFoundError, match=r"no such key file .*--new-keys="):
         rpc.server_keys(tmp_path)
+
+
+# ---- what is lost on the way is sent again; what one server cannot do goes to another ----
+
+def test_a_request_lost_on_the_way_is_sent_again(tmp_path):
+    """A submit lost with a broken connection (here: dropped by the peer, which does not list it in its pings) is
+    sent again a second later."""
+    seen = set()
+
+    def first_lost(header, version):
+        if header["rid"] not in seen:
+            seen.add(header["rid"])
+            return None
+        return honest(header, version)
+
+    with trainer(tmp_path, peers=({"name": "lossy", "answer": first_lost},)) as (backend, _, (peer,)):
+        fut = backend.submit([5, 6, 7], SAMPLING, request_id="r#0/0")
+        assert [c.output_tokens for c in fut.result(timeout=10)] == [[1, 2, 3]] * 2
+        assert peer.got.count("submit") == 2
+
+
+def test_a_request_a_server_fails_goes_to_another_and_fails_only_when_every_server_did(tmp_path):
+    class Failing(Peer):
+        def handle(self, kind, h):
+            if kind == "submit":
+                self.got.append(kind)
+                self.send("failed", rid=h["rid"], error=f"{self.name} cannot")
+            else:
+                super().handle(kind, h)
+
+    with trainer(tmp_path, peers=({"name": "honest"},)) as (backend, port, _):
+        bad = Failing(port, "bad")
+        try:
+            wait_until(lambda: backend.servers().get("bad", {}).get("state") == "ready", 10, "bad to join")
+            assert_honest_answers(spread(backend))  # those routed to 'bad' were answered by 'honest'
+            assert backend.servers()["bad"]["state"] == "ready"  # failing a request is no fault of the wire
+        finally:
+            bad.close()
+    with trainer(tmp_path, peers=({"name": "a"},)) as (backend, port, (a,)):
+        a.close()
+        wait_until(lambda: backend.servers()["a"]["state"] == "dead", 15, "a's loss")
+        b = Failing(port, "b")
+        try:
+            wait_until(lambda: backend.servers().get("b", {}).get("state") == "ready", 10, "b to join")
+            with pytest.raises(RuntimeError, match=r"generation servers failed the request: b: b cannot"):
+                backend.submit([5, 6, 7], SAMPLING, request_id="x#0/0").result(timeout=10)
+        finally:
+            b.close()
+
+
+def test_a_server_that_lost_part_of_an_update_gets_the_weights_again(tmp_path):
+    with trainer(tmp_path) as (backend, _, (peer,)):
+        before = peer.tensors
+        peer.send("resend", version=0)
+        wait_until(lambda: peer.tensors >= 2 * before, 10, "the weights again")
+        assert backend.servers()["honest"]["state"] == "ready"
+
+
+def test_a_refused_peer_that_left_leaves_nothing_waiting(tmp_path):
+    with trainer(tmp_path) as (backend, port, _):
+        gone = Peer(port, "honest")  # a live server's name: refused
+        gone.close()  # and gone before the refusal could reach it
+        wait_until(lambda: backend.endpoint.waiting() <= 1, 15, "the refusal to be forgotten")  # a ping at most
+
+
+def test_stats_a_generator_does_not_keep_drop_the_server(tmp_path):
+    peers = ({"name": "honest"}, {"name": "rogue", "stats": {"made_up_total": 1e9}})
+    with trainer(tmp_path, peers=peers, min=1) as (backend, _, _):
+        wait_until(lambda: backend.servers().get("rogue", {}).get("state") == "dead", 10, "the rogue's drop")
+        assert "['made_up_total'] are not a generator's" in backend.servers()["rogue"]["why"]
+        assert "made_up_total" not in backend.stats()

@@ -36,6 +36,8 @@ from arealjax.generation.engine import Engine, Packed, PageWrites, SamplingParam
 from arealjax.generation.pages import PagePool, decode_index
 
 MODES = ("recompute", "keep")
+STATS = ("decode_steps_total", "prefill_tokens_total", "refill_tokens_total", "interrupts_total", "preemptions_total",
+         "generator_busy_seconds_total", "generator_idle_seconds_total", "kv_pages_peak")  # stats()' keys
 MIN_PREFILL_LEN = 16
 
 

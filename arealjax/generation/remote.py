@@ -37,6 +37,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,16 +56,20 @@ from arealjax import models, runtime
 from arealjax.api import Completion, SamplingParams, checked_prompt
 from arealjax.distributed import fingerprint
 from arealjax.generation import rpc
+from arealjax.generation.generator import STATS
 from arealjax.sharding import localize
 
 Snapshot = list[tuple[str, np.ndarray]]  # (tree path, host array) in leaf order
 SEND_HWM = 32  # messages per server in ZeroMQ's pipe; more wait in the endpoint, where a newer update replaces
+HELLO_BYTES = 64 << 10  # the most of a hello read from a peer not yet known
+RESEND_SECONDS = 1.0  # a request its server's pings have not listed this long after it was sent is sent again
 
 
-def wire_keys(config: Any, workdir: str | os.PathLike | None) -> Path | None:
+def wire_keys(config: Any) -> Path | None:
     """The CURVE keys folder of this run's wire, or None for a plain one. `servers.auth`: 'curve', 'none', or
     'auto' (CURVE unless the address is loopback). Without `servers.keys_dir`, spawned servers get a pair made for
-    this run (in workdir/keys); hand-started servers need `servers.keys_dir` (checks.py says so first)."""
+    this run (a temporary folder, removed at close); hand-started servers need `servers.keys_dir` (checks.py says so
+    first)."""
     s = config.generator.servers
     if s.auth == "none" or s.auth == "auto" and rpc.loopback(str(s.address)):
         return None
@@ -73,8 +78,7 @@ def wire_keys(config: Any, workdir: str | os.PathLike | None) -> Path | None:
     if not int(s.spawn):
         raise ValueError(f"generator.servers.auth = {s.auth!r} at {s.address} with servers started by hand needs "
                          f"generator.servers.keys_dir (make one: python -m arealjax.generation.server --new-keys=DIR)")
-    folder = Path(workdir or tempfile.mkdtemp(prefix="arealjax-")) / "keys" / f"p{jax.process_index()}"
-    return folder if (folder / f"{rpc.TRAINER}.key_secret").exists() else rpc.new_keys(folder)
+    return rpc.new_keys(Path(tempfile.mkdtemp(prefix="arealjax-keys-")) / "keys")
 
 
 def host_snapshot(tree: Any, dtype) -> Snapshot:
@@ -115,8 +119,9 @@ class _Server:
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
     why: str = ""
     joined: float = dataclasses.field(default_factory=time.monotonic)  # its hello (spawned: its start)
-    progress: int = 0  # tokens generated for its unfinished requests + requests it answered, as last reported
-    progressed: float = dataclasses.field(default_factory=time.monotonic)  # when `progress` last grew
+    progressed: float = dataclasses.field(default_factory=time.monotonic)  # when one of its requests last grew
+    fingerprint: tuple[int, float] | None = None  # servers.verify: (version, fingerprint) it last reported
+    resent: float = 0.0  # when it was last sent the weights again after a gap
 
 
 @dataclasses.dataclass
@@ -130,6 +135,9 @@ class _Request:
     first_version: int  # the oldest policy version its tokens may come from: every server served it at submit
     server: str | None = None
     aborted: bool = False
+    sent: float = 0.0  # when it was last sent to `server`
+    made: int = 0  # the most tokens its server has reported for it (progress)
+    failed_on: dict[str, str] = dataclasses.field(default_factory=dict)  # server -> the error it failed with
 
     def aborted_result(self) -> list[Completion]:
         """What an abort before any token gives (as the in-process generator): one empty sample per sample."""
@@ -179,6 +187,7 @@ class RemoteBackend:
         self._peers: dict[bytes, str] = {}  # routing id -> the server that said hello from it
         self._strangers: set[bytes] = set()  # peers that spoke without a hello (logged once each)
         self._losses: list[str] = []  # 'name (why)' of every server lost
+        self._reap: list[subprocess.Popen] = []  # killed servers not yet waited for
         self._spawned: dict[str, tuple[int, int]] = {}  # spawned server -> (its index, times started)
         self._running = False  # past the start: a spawned server lost from now on is started again
         self.counters = {"requests_reissued_total": 0, "servers_lost_total": 0, "weight_bytes_total": 0,
@@ -198,7 +207,8 @@ class RemoteBackend:
         self.process = jax.process_index()
         host, _, port = str(s.address).rpartition(":")
         address = f"{host}:{int(port) + self.process}" if int(port) else str(s.address)
-        self.keys_dir = wire_keys(config, workdir)
+        self.keys_dir = wire_keys(config)
+        self._own_keys = self.keys_dir is not None and not s.keys_dir  # made here: removed at close
         n = max(int(config.rl.get("group_size", 1)), int(config.get("eval", {}).get("n", 1)), 16)
         self.max_message = max(16 << 20, 65536 + n * self._max_len * 32)  # a 'done' of n samples of max_len tokens
         self.endpoint = rpc.Endpoint(
@@ -209,8 +219,13 @@ class RemoteBackend:
         self.address = self.endpoint.address
         self.transport = RemoteTransport(self)
         self._workdir = workdir
-        for i in range(int(s.spawn)):
-            self._spawn(f"server-{i}", i)
+        try:
+            for i in range(int(s.spawn)):
+                self._spawn(f"server-{i}", i)
+        except BaseException:
+            with self._cv:
+                self.close_locked()
+            raise
         if not int(s.spawn):
             logging.info("generation servers: waiting for %d at %s (python -m arealjax.generation.server "
                          "--trainer=%s%s)", s.min, self.address, self.address,
@@ -275,7 +290,7 @@ class RemoteBackend:
                        **rpc.array_header(path, x))
         return sum(x.nbytes for _, x in snapshot)
 
-    HANDLES = ("applied", "received", "done", "failed", "fatal", "ping", "stats", "paused")
+    HANDLES = ("applied", "received", "done", "failed", "fatal", "ping", "stats", "paused", "resend")
 
     def _on_message(self, frames: list) -> None:
         """Every message is checked before it is used: a server that sends what the protocol does not allow is
@@ -287,17 +302,23 @@ class RemoteBackend:
                 server = self._servers.get(self._peers.get(peer, ""))
                 if len(frames) < 3:
                     raise rpc.WireError(f"{len(frames) - 1} frames, not kind, header, buffers")
-                kind, header = bytes(frames[1]).decode(), rpc.unpack(frames[2])
+                kind = bytes(frames[1]).decode(errors="replace")
+                if server is None or server.peer != peer:  # a stranger: only a small hello is read
+                    if kind == "hello" and len(frames[2]) <= HELLO_BYTES:
+                        header = rpc.unpack(frames[2])
+                        if not isinstance(header, dict):
+                            raise rpc.WireError(f"its header is {type(header).__name__}, not a map")
+                        self._hello(peer, header)
+                    elif len(self._strangers) < 1024 and peer not in self._strangers:
+                        self._strangers.add(peer)
+                        logging.warning("generation servers: ignored a '%s' from a peer that did not say hello",
+                                        kind[:40])
+                    return
+                header = rpc.unpack(frames[2])
                 if not isinstance(header, dict):
                     raise rpc.WireError(f"its header is {type(header).__name__}, not a map")
                 if kind == "hello":
-                    self._hello(peer, header)
-                    return
-                if server is None or server.peer != peer:
-                    if peer not in self._strangers:
-                        self._strangers.add(peer)
-                        logging.warning("generation servers: ignored a '%s' from a peer that did not say hello", kind)
-                    return
+                    raise rpc.WireError("a second hello")
                 if server.state == "dead":
                     return  # a dead server's late words: its requests went elsewhere
                 if kind not in self.HANDLES:
@@ -317,6 +338,7 @@ class RemoteBackend:
     def _refuse(self, peer: bytes, why: str) -> None:
         logging.warning("generation servers: refused a hello: %s", why)
         self.endpoint.send(peer, b"refused", rpc.pack({"why": why}))
+        self.endpoint.forget(peer, after=5.0)  # whether or not it is still there to read it
 
     def _hello(self, peer: bytes, h: dict) -> None:
         """A server joins: the protocol must match and its name be free (a live server keeps its name: a hello
@@ -326,8 +348,8 @@ class RemoteBackend:
                                       f"speaks {rpc.PROTOCOL}: run the same arealjax version on both sides")
         name, pid, host = rpc.field(h, "name", str), rpc.field(h, "pid", int), rpc.field(h, "host", str)
         devices, cpus = rpc.field(h, "devices", list), rpc.field(h, "cpus", list)
-        if self._peers.get(peer, name) != name:
-            return self._refuse(peer, f"it joined as '{self._peers[peer]}' already")
+        if not all(type(c) is int for c in cpus) or not name or len(name) > 200:
+            return self._refuse(peer, f"a malformed hello (name {name[:200]!r}, cpus {cpus[:64]!r})")
         old = self._servers.get(name)
         if old is not None and old.state != "dead" and old.peer != peer:
             taken = (old.proc is not None and old.proc.poll() is None and old.pid != pid  # one started here
@@ -337,13 +359,13 @@ class RemoteBackend:
                                           f"{' on ' + old.host if old.host else ''}): start this one (pid {pid} on "
                                           f"{host}) with another --name")
             if old.heard:
-                self._lose(old, f"replaced by a new server process {pid} on {host}")
+                self._lose(old, f"replaced by a new server process {pid} on {host}", respawn=False)
         if old is not None and old.peer:
             self._peers.pop(old.peer, None)
         spawned = old is not None and old.proc is not None and old.pid == pid  # a server this backend started
         self._servers[name] = _Server(name, peer=peer, pid=pid, host=host, heard=True,
                                       proc=old.proc if spawned else None, log=old.log if old else "",
-                                      cpus=[int(c) for c in cpus])
+                                      cpus=cpus)
         self._peers[peer] = name
         self.endpoint.send(peer, b"welcome", self._welcome)
         self.counters["weight_bytes_total"] += self._send_weights(name, self._full, self._full_version, True)
@@ -365,12 +387,12 @@ class RemoteBackend:
             self._dispatch()
         if h.get("fingerprint") is not None:  # servers.verify: what arrived must be what was sent
             got = rpc.field(h, "fingerprint", float)
-            server.stats.update(fingerprint=got, fingerprint_version=version)
+            server.fingerprint = (version, got)
             sent = self._sent.get((version, full))
             if sent is not None and sent != got:
-                self._fail_all(f"generation server {server.name} got weights for version {version} with "
-                               f"fingerprint {got!r}, the trainer sent {sent!r}: the transfer corrupted "
-                               f"them (generator.servers.verify)")
+                return self._lose(server, f"got weights for version {version} with fingerprint {got!r}, the "
+                                          f"trainer sent {sent!r}: the transfer corrupted them "
+                                          f"(generator.servers.verify)")
         elif self.verify:
             raise rpc.WireError("no fingerprint of the weights it applied (generator.servers.verify is on)")
         for u in list(self._updates):
@@ -392,14 +414,14 @@ class RemoteBackend:
             req.future.set_result(completions)
 
     def _on_failed(self, server: _Server, h: dict) -> None:
-        """The server's generator could not run a request (as the in-process one would raise): it fails."""
+        """The server's generator could not run a request: it goes to a server that has not failed it; when every
+        ready server has, it fails with each one's error (as the in-process generator would raise)."""
         req = self._requests.get(rpc.field(h, "rid", str))
         if req is None or req.server != server.name:
             return
-        self._finish(req)
-        if not req.future.done():
-            req.future.set_exception(RuntimeError(f"generation server {server.name}: "
-                                                  f"{str(h.get('error', '?'))[:2000]}"))
+        req.failed_on[server.name] = str(h.get("error", "?"))[:2000]
+        self._unassign(req)
+        self._dispatch()
 
     def _on_received(self, server: _Server, h: dict) -> None:
         """Every array of an update arrived at `server` (then it places them and its generator swaps them in)."""
@@ -410,20 +432,44 @@ class RemoteBackend:
                 if not u.receiving:
                     self.counters["weight_transfer_seconds_total"] += time.perf_counter() - u.started
 
+    def _on_resend(self, server: _Server, h: dict) -> None:
+        """An update reached `server` with a gap (its connection broke): it gets what a joining server gets (at most
+        once a second)."""
+        now = time.monotonic()
+        if now - server.resent >= 1.0:
+            server.resent = now
+            self._send_weights(server.name, self._full, self._full_version, True)
+            if self._latest is not None:
+                self._send_weights(server.name, *self._latest, False)
+
     def _on_fatal(self, server: _Server, h: dict) -> None:
         self._lose(server, str(h.get("error", "a fatal error it did not name"))[:2000])
 
+    def _stats(self, server: _Server, h: dict) -> None:
+        stats = rpc.numbers(h.get("stats", {}), "stats")  # its generator's counters
+        if unknown := set(stats) - set(STATS):
+            raise rpc.WireError(f"stats {sorted(unknown)[:8]} are not a generator's ({', '.join(STATS)})")
+        server.stats = stats
+
     def _on_ping(self, server: _Server, h: dict) -> None:
-        server.stats.update(rpc.numbers(h.get("stats", {}), "stats"))  # its generator's counters, 4 times a second
+        """4 times a second: its counters, and the tokens of each request it holds. A request's high-water mark
+        growing is progress; a request it does not hold a second after it was sent (lost with a broken
+        connection) is sent again."""
+        self._stats(server, h)
         progress = rpc.numbers(h.get("progress", {}), "progress")  # request id -> tokens generated so far
-        made = sum(min(int(progress.get(r.rid, 0)), r.budget) for r in self._requests.values()
-                   if r.server == server.name)
-        if made > server.progress:
-            server.progressed = time.monotonic()
-        server.progress = made
+        now = time.monotonic()
+        for r in self._requests.values():
+            if r.server != server.name:
+                continue
+            if r.rid not in progress:
+                if now - r.sent > RESEND_SECONDS:
+                    r.sent = now
+                    self._send_request(r)
+            elif min(int(progress[r.rid]), r.budget) > r.made:
+                r.made, server.progressed = min(int(progress[r.rid]), r.budget), now
 
     def _on_stats(self, server: _Server, h: dict) -> None:
-        server.stats.update(rpc.numbers(h.get("stats", {}), "stats"))
+        self._stats(server, h)
         rpc.numbers(rpc.field(h, "in_flight", dict), "in_flight")
         if rpc.field(h, "token", int) in self._replies:  # a late answer to a finished question is dropped
             self._replies[h["token"]][server.name] = h
@@ -439,7 +485,7 @@ class RemoteBackend:
                 if s.state == "dead":
                     continue
                 code = s.proc.poll() if s.proc is not None else None
-                busy = any(r.server == s.name and not r.aborted for r in self._requests.values())
+                busy = any(r.server == s.name for r in self._requests.values())
                 if code is not None:
                     self._lose(s, f"exited with code {code} (log: {s.log}{last_line(s.log)})")
                 elif now - s.last_heard > (self.heartbeat if s.heard else self.start_seconds):
@@ -456,8 +502,10 @@ class RemoteBackend:
                     if not busy or self._paused:
                         s.progressed = now
                     self._send(s.name, "ping", tag=("ping", next(self._tokens)), replaces=("ping",))
+            self._reap = [p for p in self._reap if p.poll() is None]
             starting = any(s.state == "joining" for s in self._servers.values())  # has start_seconds to join
-            if self._orphaned_since is not None and now - self._orphaned_since > self.wait_seconds and not starting:
+            if (self._orphaned_since is not None and now - self._orphaned_since > self.wait_seconds
+                    and (not starting or now - self._orphaned_since > self.wait_seconds + self.start_seconds)):
                 self._fail_waiting(f"no generation server left and none joined within {self.wait_seconds:g} s "
                                    f"(generator.servers.wait_seconds); lost: {self._lost_text()}")
             self._cv.notify_all()
@@ -480,7 +528,7 @@ class RemoteBackend:
     def _lost_text(self) -> str:
         return "; ".join(self._losses[-8:]) or "none"
 
-    def _lose(self, server: _Server, why: str) -> None:
+    def _lose(self, server: _Server, why: str, respawn: bool = True) -> None:
         """Drops `server`; its unfinished requests go to the others (or wait for one). A spawned server is killed
         and, once the run is under way, started again (up to servers.respawns times)."""
         server.state, server.why = "dead", why
@@ -493,8 +541,8 @@ class RemoteBackend:
             try:
                 os.killpg(server.proc.pid, signal.SIGKILL)  # its own session: the server and anything it started
             except (ProcessLookupError, PermissionError):
-                pass
-            server.proc.wait()
+                server.proc.kill()
+            self._reap.append(server.proc)  # waited for by the ticks, never under this lock
         for k, v in server.stats.items():
             if k.endswith("_total"):
                 self._dead_stats[k] = self._dead_stats.get(k, 0) + v
@@ -516,7 +564,8 @@ class RemoteBackend:
         self._settle_updates()
         self._dispatch()
         slot, started = self._spawned.get(server.name, (0, 0))
-        if server.name in self._spawned and self._running and not self._closed and started <= self.respawns:
+        if (respawn and server.name in self._spawned and self._running and not self._closed
+                and started <= self.respawns):
             logging.warning("generation server %s: starting it again (restart %d of at most %d)", server.name,
                             started, self.respawns)
             self._spawn(server.name, slot)
@@ -529,19 +578,33 @@ class RemoteBackend:
             if self._requests and self._orphaned_since is None:
                 self._orphaned_since = time.monotonic()
             return
-        for req in self._requests.values():
+        for req in list(self._requests.values()):
             if req.server is not None:
                 continue
+            able = {n: s for n, s in ready.items() if n not in req.failed_on}
+            if not able:  # every ready server failed it
+                self._finish(req)
+                if not req.future.done():
+                    req.future.set_exception(RuntimeError("generation servers failed the request: " + "; ".join(
+                        f"{n}: {e}" for n, e in req.failed_on.items())))
+                continue
             group = self._groups.get(req.group)
-            name = group[0] if group and group[0] in ready else min(ready, key=lambda n: ready[n].outstanding)
-            req.server = name
+            name = group[0] if group and group[0] in able else min(able, key=lambda n: able[n].outstanding)
+            req.server, req.sent, req.made = name, time.monotonic(), 0
             self._groups[req.group] = (name, (group[1] if group and group[0] == name else 0) + 1)
             ready[name].outstanding += req.budget
-            self._send(name, "submit", rid=req.rid, prompt=req.prompt, sampling=rpc.sampling_to_wire(req.sampling),
-                       first_sample=req.first_sample)
+            self._send_request(req)
+
+    def _send_request(self, req: _Request) -> None:
+        self._send(req.server, "submit", rid=req.rid, prompt=req.prompt, sampling=rpc.sampling_to_wire(req.sampling),
+                   first_sample=req.first_sample)
 
     def _finish(self, req: _Request) -> None:
         self._requests.pop(req.rid, None)
+        self._unassign(req)
+
+    def _unassign(self, req: _Request) -> None:
+        """Takes `req` off its server's books (load, group)."""
         server = self._servers.get(req.server)
         if server is not None:
             server.outstanding -= req.budget
@@ -550,6 +613,7 @@ class RemoteBackend:
             self._groups.pop(req.group, None)
         else:
             self._groups[req.group] = (name, count - 1)
+        req.server = None
 
     def _settle_updates(self) -> None:
         for u in [u for u in self._updates if not u.waiting]:
@@ -591,14 +655,18 @@ class RemoteBackend:
         with self._cv:
             token = next(self._tokens)
             self._replies[token] = {}
-            names = {s.name for s in self._ready()}
-            for n in names:
-                self._send(n, kind, token=token)
-            deadline = time.monotonic() + timeout
+            asked = {s.name: s for s in self._ready()}
+            deadline, again = time.monotonic() + timeout, 0.0
             while time.monotonic() < deadline:
                 got = self._replies[token]
-                if names <= set(got) | {s.name for s in self._servers.values() if s.state == "dead"}:
+                waiting = [n for n, s in asked.items() if n not in got and s.state != "dead"
+                           and self._servers.get(n) is s]  # a server since lost or replaced is not waited for
+                if not waiting:
                     break
+                if time.monotonic() >= again:  # the question again each second: one may be lost on the way
+                    again = time.monotonic() + 1.0
+                    for n in waiting:
+                        self._send(n, kind, token=token)
                 self._cv.wait(0.05)
             return self._replies.pop(token, {})
 
@@ -617,8 +685,8 @@ class RemoteBackend:
         with self._cv:
             return {s.name: {"state": s.state, "version": s.version, "pid": s.pid, "host": s.host, "cpus": s.cpus,
                              "why": s.why,
-                             "fingerprint": s.stats.get("fingerprint"),
-                             "fingerprint_version": s.stats.get("fingerprint_version")}
+                             "fingerprint": s.fingerprint[1] if s.fingerprint else None,
+                             "fingerprint_version": s.fingerprint[0] if s.fingerprint else None}
                     for s in self._servers.values()}
 
     def server_of(self, request_id: str) -> str | None:
@@ -725,7 +793,7 @@ class RemoteBackend:
                 self._send(s.name, "stop", why="the trainer is closing")
         self._fail_all("generator closed")
         self._error = None
-        procs = [s.proc for s in self._servers.values() if s.proc is not None]
+        procs = [s.proc for s in self._servers.values() if s.proc is not None] + self._reap
         self._cv.release()
         try:
             time.sleep(0.2)  # the stop messages go out
@@ -736,6 +804,8 @@ class RemoteBackend:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+            if self._own_keys:
+                shutil.rmtree(self.keys_dir.parent, ignore_errors=True)
         finally:
             self._cv.acquire()
 

@@ -128,16 +128,35 @@ class Endpoint:
     on the I/O thread (every `tick` seconds).
 
     What waits to be sent waits per peer, in order, and is retried (a ROUTER's peer that is reconnecting, or whose
-    pipe holds `send_hwm` messages): nothing is dropped until `forget(peer)`. A message sent with `tag=(kind, id)`
-    replaces the unsent messages of `replaces` kinds with another id, so a slow peer holds one weight update here."""
+    pipe holds `send_hwm` messages) until `forget(peer)` or UNREACHABLE_SECONDS without a connection. A message sent
+    with `tag=(kind, id)` replaces the unsent messages of `replaces` kinds with another id, so a slow peer holds one
+    weight update here. (What ZeroMQ already took into a pipe is lost if that connection breaks: the owner's
+    protocol notices and sends again.)"""
 
     BATCH = 32  # messages handled before the loop flushes what is queued to send and ticks again
+    UNREACHABLE_SECONDS = 60.0
 
     def __init__(self, kind: int, address: str, *, bind: bool, on_message: Callable[[list], None],
                  on_tick: Callable[[], None] = lambda: None, tick: float = 0.5, identity: bytes | None = None,
                  options: Sequence[tuple[int, int]] = (), name: str = "rpc", keys: Keys | None = None,
                  max_message: int = -1, send_hwm: int = 0):
         self.ctx = zmq.Context()  # its own: a ZAP handler is one per context
+        try:
+            self._open(kind, address, bind, identity, options, keys, max_message, send_hwm)
+        except BaseException:
+            self.ctx.destroy(linger=0)  # every socket made so far
+            raise
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: dict[bytes, collections.deque] = {}  # peer (b"" for a DEALER) -> (frames, tag, replaces, seq)
+        self._unreachable: dict[bytes, float] = {}  # peer -> since when sends to it fail
+        self._forget: dict[bytes, tuple[float, int]] = {}  # peer -> (when, drop what was queued up to this seq)
+        self._seq = itertools.count()
+        self._on_message, self._on_tick, self._tick = on_message, on_tick, tick
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"arealjax-{name}", daemon=True)
+        self._thread.start()
+
+    def _open(self, kind, address, bind, identity, options, keys, max_message, send_hwm) -> None:
         self.router = kind == zmq.ROUTER
         self.keys = keys
         self.sock = self.ctx.socket(kind)
@@ -175,20 +194,15 @@ class Endpoint:
         self._wake_out = self.ctx.socket(zmq.PAIR)
         self._wake_out.connect(wake)
         self._wake_lock = threading.Lock()
-        self._out: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: dict[bytes, collections.deque] = {}  # peer (b"" for a DEALER) -> (frames, tag, replaces)
-        self._on_message, self._on_tick, self._tick = on_message, on_tick, tick
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"arealjax-{name}", daemon=True)
-        self._thread.start()
 
     def send(self, *frames: Any, tag: tuple[str, int] | None = None, replaces: Iterable[str] = ()) -> None:
         """Queues one multipart message (kind, header, buffers...; a ROUTER's starts with the peer's identity)."""
-        self._put((tuple(frames), tag, tuple(replaces)))
+        self._put((tuple(frames), tag, tuple(replaces), next(self._seq)))
 
-    def forget(self, peer: bytes) -> None:
-        """Drops what waits to be sent to `peer` (a ROUTER's peer that is gone)."""
-        self._put(peer)
+    def forget(self, peer: bytes, after: float = 0.0) -> None:
+        """Drops what waits to be sent to `peer` now (a ROUTER's peer that is gone), or what was queued up to now
+        and is still unsent `after` seconds from now (a last word, then nothing)."""
+        self._put(("forget", peer, time.monotonic() + after, next(self._seq)))
 
     def waiting(self) -> int:
         """Messages waiting here to be sent (not yet in ZeroMQ's pipes)."""
@@ -221,13 +235,13 @@ class Endpoint:
                 item = self._out.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, bytes):
-                self._waiting.pop(item, None)
+            if item[0] == "forget":
+                self._forget[item[1]] = item[2:]
                 continue
-            frames, tag, replaces = item
+            frames, tag, replaces, _ = item
             peer = bytes(frames[0]) if self.router else b""
             q = self._waiting.setdefault(peer, collections.deque())
-            if replaces and q:
+            if replaces and q and q[-1][1] != tag:  # the first message of an update: drop older unsent ones
                 kept = [m for m in q if m[1] is None or m[1][0] not in replaces or m[1] == tag]
                 q.clear()
                 q.extend(kept)
@@ -237,6 +251,14 @@ class Endpoint:
         """Sends what waits, peer by peer, until a peer's pipe is full or it is not connected; True if any still
         waits."""
         self._queue()
+        now = time.monotonic()
+        for peer, (when, upto) in list(self._forget.items()):
+            if now >= when:
+                del self._forget[peer]
+                if q := self._waiting.get(peer):
+                    kept = [m for m in q if m[3] > upto]
+                    q.clear()
+                    q.extend(kept)
         for peer, q in list(self._waiting.items()):
             while q:
                 try:
@@ -244,12 +266,19 @@ class Endpoint:
                 except zmq.Again:  # its pipe is full: later
                     break
                 except zmq.ZMQError as e:
-                    if e.errno != zmq.EHOSTUNREACH:  # not connected now (reconnecting): later
+                    if e.errno != zmq.EHOSTUNREACH:
                         raise
+                    since = self._unreachable.setdefault(peer, now)  # not connected now (reconnecting): later
+                    if now - since > self.UNREACHABLE_SECONDS:
+                        logging.warning("rpc: dropped %d messages to a peer unreachable for %.0f s", len(q),
+                                        now - since)
+                        q.clear()
                     break
+                self._unreachable.pop(peer, None)
                 q.popleft()
             if not q:
                 del self._waiting[peer]
+                self._unreachable.pop(peer, None)
         return bool(self._waiting)
 
     def _authenticate(self) -> None:
@@ -273,27 +302,28 @@ class Endpoint:
         next_tick, blocked = 0.0, False
         try:
             while not self._closed.is_set():
-                events = dict(poller.poll(timeout=5 if blocked else max(int(self._tick * 1000), 1)))
-                if self._wake_in in events:
-                    while self._wake_in.poll(0):
-                        self._wake_in.recv()
-                if self._zap is not None and self._zap in events:
-                    self._authenticate()
-                for _ in range(self.BATCH if self.sock in events else 0):  # bounded: sends and ticks go on
-                    if not self.sock.poll(0):
-                        break
-                    try:
-                        self._on_message(self.sock.recv_multipart(copy=False))
-                    except Exception:  # noqa: BLE001 — one bad message must not end the endpoint
-                        logging.exception("rpc: handling a message failed")
                 try:
+                    events = dict(poller.poll(timeout=5 if blocked else max(int(self._tick * 1000), 1)))
+                    if self._wake_in in events:
+                        while self._wake_in.poll(0):
+                            self._wake_in.recv()
+                    if self._zap is not None and self._zap in events:
+                        self._authenticate()
+                    for _ in range(self.BATCH if self.sock in events else 0):  # bounded: sends and ticks go on
+                        if not self.sock.poll(0):
+                            break
+                        try:
+                            self._on_message(self.sock.recv_multipart(copy=False))
+                        except Exception:  # noqa: BLE001 — one bad message must not end the endpoint
+                            logging.exception("rpc: handling a message failed")
                     blocked = self._flush()
                     now = time.monotonic()
                     if now >= next_tick:
                         next_tick = now + self._tick
                         self._on_tick()
                 except Exception:  # noqa: BLE001 — the endpoint lives on; its owner's heartbeat judges the peer
-                    logging.exception("rpc: a send or a tick failed")
+                    logging.exception("rpc: the I/O loop failed a turn")
+                    time.sleep(0.05)
         finally:
             deadline = time.monotonic() + 1.0
             try:

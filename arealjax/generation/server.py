@@ -173,7 +173,12 @@ class Server:
                               "started": time.perf_counter(), "bytes": 0}
         inc = self._incoming
         if inc is None or inc["version"] != header["version"] or len(inc["arrays"]) != header["index"]:
-            raise RuntimeError(f"weights for version {header['version']} arrived out of order")
+            if inc is not None:  # a gap (a connection broke mid-update): the rest is useless, ask for it again
+                logging.warning("generation server %s: weights for version %s arrived with a gap: asking again",
+                                self.name, header["version"])
+                self.send("resend", version=header["version"])
+            self._incoming = None  # until an update starts again (index 0)
+            return
         x = rpc.array_from_wire(header, buffers[0])
         inc["arrays"].append((header["path"], x))
         inc["bytes"] += x.nbytes
@@ -284,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             folder = rpc.new_keys(args.new_keys)
         except OSError as e:
             p.error(str(e))
-        print(f"{folder}: the trainer's keys (trainer.key_secret) and the servers' (server.key_secret). Give the "
-              f"trainer --config.generator.servers.keys_dir={folder}, each server --keys={folder}; copy it to every "
-              f"host privately (it holds secrets)")
+        print(f"{folder}: the trainer's keys and the servers'. The trainer: --config.generator.servers.keys_dir="
+              f"{folder}. Each server host needs {folder}/trainer.key and {folder}/server.key_secret only (copy "
+              f"those two privately, never trainer.key_secret), then --keys=THEIR_FOLDER")
         return 0
     if not args.trainer:
         p.error("--trainer=HOST:PORT is required")
