@@ -288,6 +288,42 @@ def test_a_late_server_joins_with_the_current_weights_and_servers_stop_when_the_
     assert "no word from the trainer" in log, log[-2000:]
 
 
+def test_a_server_started_by_hand_rejoins_a_trainer_that_died_and_came_back(tmp_path):
+    """A trainer killed with kill -9 and started again at the same address (a resume): the server started by hand
+    notices the silence, drops what it held, says hello again and serves the new trainer."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = ("import sys, time; sys.path.insert(0, '.'); from tests.test_server import small_config, backends; "
+              "from pathlib import Path; backends(small_config(spawn=0, address=sys.argv[2]), Path(sys.argv[1]), "
+              "kinds=('remote',)); print('ready', flush=True); time.sleep(600)")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    first = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "a"), f"127.0.0.1:{port}"], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True, env=env)
+    server = subprocess.Popen([sys.executable, "-m", "arealjax.generation.server", f"--trainer=127.0.0.1:{port}",
+                               "--devices=2", "--name=hand", "--rejoin-seconds=60"], cwd=ROOT, env=runtime.child_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    remote = None
+    try:
+        assert first.stdout.readline().strip() == "ready"
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        c = small_config(spawn=0, address=f"127.0.0.1:{port}", start_seconds=60.0)
+        tokenizer, _, made = backends(c, tmp_path / "b", kinds=("remote",))
+        remote, _ = made["remote"]
+        assert remote.servers()["hand"]["state"] == "ready"
+        rid, prompt, j = requests(tokenizer, groups=1, samples=1)[0]
+        assert len(remote.submit(prompt, SamplingParams(max_new_tokens=4), request_id=rid).result(timeout=60)) == 1
+    finally:
+        if remote is not None:
+            remote.close()
+        first.kill()
+    assert server.wait(timeout=30) == 0, server.stdout.read()[-3000:]  # the new trainer's stop
+    assert "saying hello again for up to 60 s" in server.stdout.read()
+
+
 @pytest.mark.slow
 def test_a_synchronous_run_on_two_servers_trains_what_the_in_process_run_trains(tmp_path):
     """η = 0 through main.py, the in-process generator vs two generation servers: the same prompts in every step,

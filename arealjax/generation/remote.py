@@ -247,7 +247,8 @@ class RemoteBackend:
         log = logs / (f"{name}.log" if jax.process_count() == 1 else f"p{self.process}-{name}.log")
         cmd = [sys.executable, "-m", "arealjax.generation.server", f"--trainer={host}:{self.endpoint.port}",
                f"--devices={int(self.config.mesh.generator.devices) or 1}", f"--name={name}",
-               f"--cpus={cpus[i % len(cpus)]}", *([f"--keys={self.keys_dir}"] if self.keys_dir else [])]
+               f"--cpus={cpus[i % len(cpus)]}", "--rejoin-seconds=0",  # this trainer starts it again instead
+               *([f"--keys={self.keys_dir}"] if self.keys_dir else [])]
         with open(log, "a" if name in self._spawned else "w") as f:
             # in their own session: a Ctrl-C meant for the trainer reaches them as its 'stop', and a trainer
             # that dies without one leaves them to notice its silence (servers.heartbeat_seconds)
@@ -317,8 +318,9 @@ class RemoteBackend:
                 header = rpc.unpack(frames[2])
                 if not isinstance(header, dict):
                     raise rpc.WireError(f"its header is {type(header).__name__}, not a map")
-                if kind == "hello":
-                    raise rpc.WireError("a second hello")
+                if kind == "hello":  # it lost this trainer (a partition) and rejoins: as a new server
+                    self._lose(server, "said hello again (it lost the trainer for a while)", respawn=False)
+                    return self._hello(peer, header)
                 if server.state == "dead":
                     return  # a dead server's late words: its requests went elsewhere
                 if kind not in self.HANDLES:

@@ -7,9 +7,11 @@ It connects to the trainer's address (`generator.servers.address`), says hello, 
 trainer: the config, the model's architecture and its current weights (a server started late, or again after a
 crash, joins with the weights the trainer serves now). Then it serves the trainer's `remote` backend
 (generation/remote.py): generate requests, weight updates (applied between two decode steps, as in-process),
-abort, pause/resume and stats. It stops when the trainer says so, refuses it (another protocol version, a name in
-use) or goes silent for `servers.heartbeat_seconds`. With `--keys` the wire is CURVE: the server talks only to the
-trainer whose public key is in DIR (trainer.key), as the holder of DIR/server.key_secret.
+abort, pause/resume and stats. It stops when the trainer says so or refuses it (another protocol version, a name in
+use). When the trainer goes silent for `servers.heartbeat_seconds` (a partition, a crash), a server started by
+hand drops what it was doing and says hello again, for up to `--rejoin-seconds` (a resumed trainer gets it back);
+one the trainer spawned stops (the trainer starts its own again). With `--keys` the wire is CURVE: the server
+talks only to the trainer whose public key is in DIR (trainer.key), as the holder of DIR/server.key_secret.
 
 Its mesh is `mesh.generator` of the trainer's config over this process's devices (on CPU, `--devices` fakes that
 many; `--cpus` pins it to those cores, as `generator.servers.cpus` does for the servers a trainer spawns). The
@@ -31,7 +33,7 @@ from typing import Any
 SERVER_HELP = __doc__
 
 
-FIRST_CONTACT_SECONDS = 600.0  # how long a server waits for its trainer's welcome (it may start first)
+FIRST_CONTACT_SECONDS = 600.0  # how long a server waits for its trainer's welcome (it may start first), and to rejoin
 
 
 class Server:
@@ -39,7 +41,7 @@ class Server:
     (after the first weights) the generator. Messages are handled on the endpoint's thread; what takes long (placing
     weights on the mesh, building the generator, pausing it) on a worker thread, so pings keep flowing."""
 
-    def __init__(self, trainer: str, name: str, keys: str = ""):
+    def __init__(self, trainer: str, name: str, keys: str = "", rejoin: float = FIRST_CONTACT_SECONDS):
         from concurrent.futures import ThreadPoolExecutor
 
         from arealjax.generation import rpc
@@ -50,15 +52,22 @@ class Server:
         self.last_heard = time.monotonic()
         self.done = threading.Event()
         self.exit_code = 0
+        self.rejoin, self.lost = rejoin, None  # how long to try to rejoin a silent trainer; since when it is silent
+        self.epoch = 0  # what was started before a rejoin must not answer after it
         self._incoming: dict[str, Any] | None = None  # a weight update being received
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="arealjax-server-work")  # in order, one at a time
         # A routing id no other peer can guess: the trainer binds it to this server's name at hello.
         self.endpoint = rpc.Endpoint(rpc.zmq.DEALER, trainer, bind=False, on_message=self.on_message,
                                      on_tick=self.on_tick, tick=0.25, identity=secrets.token_bytes(16),
                                      name="server", keys=rpc.server_keys(keys) if keys else None)
+        self.hello()
+
+    def hello(self) -> None:
         import jax
 
-        self.send("hello", protocol=rpc.PROTOCOL, name=name, pid=os.getpid(), host=socket.gethostname(),
+        from arealjax.generation import rpc
+
+        self.send("hello", protocol=rpc.PROTOCOL, name=self.name, pid=os.getpid(), host=socket.gethostname(),
                   devices=[str(d) for d in jax.local_devices()],
                   cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
 
@@ -76,8 +85,19 @@ class Server:
     # ---- messages (endpoint thread) ----
 
     def on_tick(self) -> None:
-        silent = time.monotonic() - self.last_heard
+        now = time.monotonic()
+        silent = now - self.last_heard
         if silent > self.heartbeat:
+            if self.config is not None and self.rejoin > 0 and self.lost is None:  # a trainer it was serving
+                self.lost = now
+                logging.warning("generation server %s: no word from the trainer at %s for %.0f s: dropping what it "
+                                "was doing and saying hello again for up to %g s", self.name, self.trainer, silent,
+                                self.rejoin)
+                self.reset()
+            if self.lost is not None and now - self.lost < self.rejoin:
+                self.last_heard = now  # another hello after another heartbeat without a welcome
+                self.hello()
+                return
             self.stop(f"no word from the trainer at {self.trainer} for {silent:.0f} s "
                       f"(servers.heartbeat_seconds = {self.heartbeat:g}): stopping", code=3)
             return
@@ -125,8 +145,16 @@ class Server:
     def on_refused(self, header, buffers) -> None:
         self.stop(f"the trainer at {self.trainer} refused this server: {header.get('why')}", code=2)
 
+    def reset(self) -> None:
+        """Back to before the welcome: the generator closed (its requests were sent elsewhere by the trainer)."""
+        self.epoch += 1
+        old, self.generator, self.sync, self.config, self._incoming = self.generator, None, None, None, None
+        if old is not None:
+            self._worker.submit(old.close)
+
     def on_welcome(self, header, buffers) -> None:
         """The trainer's config and model: the mesh and the shapes the weights will come in."""
+        self.lost = None
         import ml_collections
 
         from arealjax import models
@@ -185,9 +213,9 @@ class Server:
         if len(inc["arrays"]) == header["count"]:
             self._incoming = None
             self.send("received", version=header["version"])
-            self.later("weights", self.apply, inc)
+            self.later("weights", self.apply, inc, self.epoch)
 
-    def apply(self, inc: dict[str, Any]) -> None:
+    def apply(self, inc: dict[str, Any], epoch: int) -> None:
         """A complete update: the first builds the generator on it; later ones are swapped in between two decode
         steps. Answers 'applied' once the generator serves it (with the fingerprint of what arrived)."""
         import jax
@@ -196,6 +224,8 @@ class Server:
         from arealjax.components import make_backend
         from arealjax.distributed import fingerprint
 
+        if epoch != self.epoch:  # received before a rejoin
+            return
         full = inc["full"]
         paths, treedef = (self.full_paths, self.full_def) if full else (self.trainable_paths, self.trainable_def)
         got = [p for p, _ in inc["arrays"]]
@@ -232,11 +262,15 @@ class Server:
     def on_submit(self, header, buffers) -> None:
         from arealjax.generation import rpc
 
-        rid = header["rid"]
+        rid, epoch = header["rid"], self.epoch
+        if self.generator is None or rid in self.generator.in_flight():  # from before a rejoin; or sent again
+            return
         fut = self.generator.submit(header["prompt"], rpc.sampling_from_wire(header["sampling"]), request_id=rid,
                                     first_sample=header["first_sample"])
 
         def done(f):
+            if epoch != self.epoch:  # from before a rejoin: the trainer sent it elsewhere
+                return
             if f.exception() is not None:
                 from arealjax.runtime import error_text
 
@@ -281,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=0, help="CPU only: fake this many host devices (0: leave as is)")
     p.add_argument("--name", default="", help="this server's name in the trainer's logs (default: host-pid)")
     p.add_argument("--cpus", default="", help="run on these CPU cores ('1', '2-3'; default: all it may use)")
+    p.add_argument("--rejoin-seconds", type=float, default=FIRST_CONTACT_SECONDS,
+                   help="how long to keep saying hello to a trainer gone silent (0: stop at once)")
     args = p.parse_args(argv)
     if args.new_keys:
         from arealjax.generation import rpc
@@ -305,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(message)s", stream=sys.stderr)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:
-        server = Server(args.trainer, args.name or f"{socket.gethostname()}-{os.getpid()}", args.keys)
+        server = Server(args.trainer, args.name or f"{socket.gethostname()}-{os.getpid()}", args.keys,
+                        args.rejoin_seconds)
     except (OSError, ValueError) as e:  # a keys folder that is missing or damaged
         p.error(str(e))
     try:
