@@ -208,12 +208,15 @@ def parse(p) -> argparse.Namespace:
 
 def warm_up(todo: list[dict], args) -> None:
     """Runs, unreported (as warm_<name>), one cell of each kind (layout × weight-swap mode) among `todo`, its largest η
-    at its first seed: the compiled programs of every padded shape that kind meets go into the shared compilation
-    cache, so the reported cells time the steady state alike."""
+    at its first seed, unless a warm cell of that kind finished in --work already: the compiled programs of every
+    padded shape that kind meets go into the shared compilation cache, so the reported cells time the steady state
+    alike."""
+    warmed = {(w["layout"], w["mode"]) for f in Path(args.work).glob("warm_*/cell.json")
+              if (w := json.loads(f.read_text()))}  # a resumed grid: that kind's programs are cached already
     kinds: dict[tuple, dict] = {}
     for c in todo:
         kind = (c["layout"], c["mode"])
-        if kind not in kinds or c["eta"] > kinds[kind]["eta"]:
+        if kind not in warmed and (kind not in kinds or c["eta"] > kinds[kind]["eta"]):
             kinds[kind] = c
     for c in kinds.values():
         run({**c, "name": f"warm_{c['name']}"}, args)

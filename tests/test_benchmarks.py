@@ -175,3 +175,21 @@ def test_benchmark_runs(script, mode, tmp_path):
     for f in files:
         assert (tmp_path / f).is_file() and (tmp_path / f).stat().st_size, f"{script} --smoke wrote no {f}"
     assert results_digest() == before, f"{script} --smoke changed benchmarks/results"
+
+
+def test_a_resumed_grid_does_not_warm_up_a_kind_again(tmp_path, monkeypatch):
+    """--warm-up runs one throwaway cell per kind (layout × swap mode); resuming a grid whose work directory holds
+    a finished warm cell of that kind (its programs in the compilation cache) runs none for it."""
+    ran = []
+    monkeypatch.setattr(cells, "run", lambda c, args: ran.append(c["name"]))
+    todo = [cells.cell("disaggregated", 4, "m2po", "recompute", 2), cells.cell("colocated", 0, "decoupled",
+                                                                                  "recompute", 2)]
+    args = argparse.Namespace(work=str(tmp_path))
+    cells.warm_up(todo, args)
+    assert sorted(ran) == sorted(f"warm_{c['name']}" for c in todo)
+    (tmp_path / "warm_dis_eta4_decoupled_recompute_seed0").mkdir()
+    (tmp_path / "warm_dis_eta4_decoupled_recompute_seed0" / "cell.json").write_text(
+        json.dumps({"layout": "disaggregated", "mode": "recompute"}))
+    ran.clear()
+    cells.warm_up(todo, args)
+    assert ran == [f"warm_{todo[1]['name']}"]
