@@ -171,6 +171,20 @@ def test_under_lora_and_bf16_only_the_adapters_travel_cast_and_servers_serve_the
         local.close()
 
 
+def kill_mid_generation_and_compare(local, remote, reqs, sampling, victim: str) -> int:
+    """Submits `reqs` to both backends, kill -9 of server `victim` once generation started; every remote request
+    must complete with the in-process generator's tokens (re-sent with the same seeds). Returns the victim's pid."""
+    expected = {rid: local.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
+    futures = {rid: remote.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
+    pid = remote.servers()[victim]["pid"]
+    wait_until(lambda: sum(remote.in_flight().values()) > 0, 60, "generation to start")
+    os.kill(pid, signal.SIGKILL)
+    for rid, fut in futures.items():
+        (got,), (want,) = fut.result(timeout=120), expected[rid].result(timeout=120)
+        assert got.output_tokens == want.output_tokens, rid
+    return pid
+
+
 def test_a_killed_server_loses_nothing_and_the_last_one_dying_is_named(tmp_path):
     """kill -9 of one server with requests in flight on both: every request completes with the tokens it would
     have had (re-sent to the other, same seeds), the backend counts the loss. Then the other dies too: what is
@@ -182,14 +196,7 @@ def test_a_killed_server_loses_nothing_and_the_last_one_dying_is_named(tmp_path)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=40, seed=11)  # no stop token: every sample is long
     reqs = requests(tokenizer, groups=24, samples=2)
     try:
-        expected = {rid: local.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
-        futures = {rid: remote.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
-        victim = remote.servers()["server-0"]["pid"]
-        wait_until(lambda: sum(remote.in_flight().values()) > 0, 60, "generation to start")
-        os.kill(victim, signal.SIGKILL)
-        for rid, fut in futures.items():
-            (got,), (want,) = fut.result(timeout=120), expected[rid].result(timeout=120)
-            assert got.output_tokens == want.output_tokens, rid
+        kill_mid_generation_and_compare(local, remote, reqs, sampling, "server-0")
         stats = remote.stats()
         assert stats["servers_lost_total"] == 1 and stats["servers_ready"] == 1
         assert stats["requests_reissued_total"] > 0, "the kill came after every request had finished"
@@ -216,14 +223,7 @@ def test_a_spawned_server_that_dies_is_started_again_and_serves_what_it_was_serv
     sampling = SamplingParams(temperature=1.0, max_new_tokens=40, seed=5)
     reqs = requests(tokenizer, groups=8, samples=2)
     try:
-        expected = {rid: local.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
-        futures = {rid: remote.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
-        first = remote.servers()["server-0"]["pid"]
-        wait_until(lambda: sum(remote.in_flight().values()) > 0, 60, "generation to start")
-        os.kill(first, signal.SIGKILL)
-        for rid, fut in futures.items():
-            (got,), (want,) = fut.result(timeout=120), expected[rid].result(timeout=120)
-            assert got.output_tokens == want.output_tokens, rid
+        first = kill_mid_generation_and_compare(local, remote, reqs, sampling, "server-0")
         again = remote.servers()["server-0"]
         assert again["state"] == "ready" and again["pid"] != first
         assert any("server-0: starting it again (restart 1 of at most 1)" in m for m in caplog.messages)
