@@ -77,14 +77,14 @@ def test_a_finished_cell_is_reused_only_under_its_settings_and_layouts_split_the
     assert "--config.cpus=4-5" in flags and "--config.generator.servers.cpus=6-8" in flags
 
 
-def test_warm_up_runs_each_kind_of_cell_once_at_its_largest_eta(monkeypatch):
+def test_warm_up_runs_each_kind_of_cell_once_at_its_largest_eta(monkeypatch, tmp_path):
     """One unreported cell per (layout, swap mode), the kind's largest η at its first seed, under its own name."""
     ran = []
     monkeypatch.setattr(cells, "run", lambda c, args: ran.append(c["name"]))
     todo = [cells.cell("colocated", 0, "decoupled", "recompute", s) for s in (0, 1)]
     todo += [cells.cell("disaggregated", e, o, m, s) for s in (1, 2) for m in ("recompute", "keep") for e in (1, 4, 2)
              for o in ("standard", "decoupled")]
-    cells.warm_up(todo, argparse.Namespace())
+    cells.warm_up(todo, argparse.Namespace(work=str(tmp_path)))
     assert ran == ["warm_eta0_decoupled_recompute_seed0", "warm_dis_eta4_standard_recompute_seed1",
                    "warm_dis_eta4_standard_keep_seed1"]
 
