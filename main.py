@@ -12,9 +12,7 @@ from arealjax import runtime
 
 STOP = runtime.install_signal_handlers()  # first: a Ctrl-C during the imports below must not be lost either
 
-import logging  # noqa: E402
 import re  # noqa: E402
-import traceback  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -55,31 +53,25 @@ def parse_flags(argv: list[str]) -> list[str]:
 def main(argv):
     if len(argv) > 1:
         fail(f"unexpected arguments: {argv[1:]}", 2)
-    config, debug = flags.FLAGS.config, flags.FLAGS.debug
-    try:
+    config, f = flags.FLAGS.config, flags.FLAGS
+    runtime.log_above_bars()
+
+    def body():
         STOP.check()
-        f = flags.FLAGS
         runtime.setup(config, f.coordinator, f.num_processes, f.process_id)  # before JAX starts: its flags
-        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # quiet "no TPU found" probes on CPU
-        logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every step of every save at INFO
-        from arealjax import serve, train
+        from arealjax import export, train
 
         STOP.check()
-        if flags.FLAGS.export_to:
-            serve.export(config, flags.FLAGS.workdir, flags.FLAGS.export_to)
+        if f.export_to:
+            export.export(config, f.workdir, f.export_to)
         else:
-            train.run(config, flags.FLAGS.workdir, stop=STOP)
-    except runtime.Interrupted as e:
-        # train.run has stopped the controller, the generator loop and the reward workers and written the summary
-        print(f"interrupted ({e}): generator, reward workers and controller stopped; metrics and summary.json are "
-              f"in {flags.FLAGS.workdir}", file=sys.stderr, flush=True)
-        raise SystemExit(e.exit_code) from None
-    except Exception as e:  # noqa: BLE001 — one paragraph instead of a traceback
-        if debug:
-            traceback.print_exc()
-        fail(runtime.error_text(e) + ("" if debug else "\n(run with --debug for the traceback)"), 1)
+            train.run(config, f.workdir, stop=STOP)
+
+    try:  # train.run has stopped the controller, the generator loop and the reward workers on a signal
+        runtime.guarded(body, f.debug, f"generator, reward workers and controller stopped; metrics and "
+                        f"summary.json are in {f.workdir}")
     finally:
-        if flags.FLAGS.coordinator or config.get("distributed", False):
+        if f.coordinator or config.distributed:
             from arealjax import distributed
 
             distributed.shutdown()  # a barrier: no process leaves while the others still need the coordinator

@@ -1,14 +1,15 @@
-"""The interfaces between the RL loop's parts: what a rollout backend serves and how trainer params reach it.
+"""The interfaces between the RL loop's parts: what a rollout backend serves, how trainer params reach it, what
+scores completions and where prompts come from.
 
-    backend = components.make_backend(config, model, version, meshes, rules)   # a RolloutBackend
+    backend = builders.make_backend(config, model, version, meshes, rules)   # a RolloutBackend
     fut = backend.submit(prompt_ids, SamplingParams(n=4))    # Future[list[Completion]]: tokens, logprobs, versions
     transport.push(trainer.params, trainer.version)          # Future: resolves once the backend serves that version
 
 The controller, the workflows and evaluation see only `RolloutBackend`; the loop sees only `WeightTransport` and
-the backend's `stats()`. Today's backend is the in-process interruptible generator (generation/generator.py,
-`generator.backend = 'local'`); a generation server in another process, or an external engine, is another
-implementation of the same two protocols and owns its weight mapping (the transport), as in AReaL's
-InferenceEngine and Tunix's BaseRollout.
+the backend's `metrics()`. Two backends implement both protocols: the in-process interruptible generator
+(generation/generator.py, `generator.backend = 'local'`) and generation servers in processes of their own
+(generation/remote.py, `'remote'`); each owns its weight mapping (the transport), as in AReaL's InferenceEngine and
+Tunix's BaseRollout.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class RolloutBackend(Protocol):
     def in_flight(self) -> dict[str, int]:
         """request id -> tokens generated so far, for unfinished requests."""
 
-    def stats(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """Its metrics: keys ending in `_total` are cumulative counters (the meter reports their change per step),
         the others gauges (metrics.Meter)."""
 
@@ -137,3 +138,35 @@ class WeightTransport(Protocol):
 
     def fingerprint(self, params: Any) -> float:
         """A digest of what the backend would serve for `params` (equal across processes when they agree)."""
+
+
+@runtime_checkable
+class Rewards(Protocol):
+    """Scores completions off the caller's thread (rewards/service.py: a pool of worker processes, timeouts,
+    retries). The controller's workflows and evaluation see only this."""
+
+    def submit(self, completion: str, **kwargs: Any) -> Future:
+        """Future of the reward (a float) of `completion`; kwargs go to the reward function (answer=, tests=)."""
+
+    async def score(self, completion: str, **kwargs: Any) -> float:
+        """The reward, awaited from asyncio code without blocking its event loop."""
+
+    def metrics(self) -> dict[str, float]:
+        """Its metrics (metrics.Meter), e.g. calls that failed or timed out."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """The RL job's prompts (data/prompts.py): an iterator of workflows.Prompt whose position is its state, so a
+    checkpoint resumes it exactly; `admitted` prompts (admitted, not trained) are issued again first."""
+
+    def __next__(self) -> Any: ...
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def set_state(self, state: dict[str, Any], admitted: list[dict] = ()) -> None: ...
+
+    def metrics(self) -> dict[str, float]:
+        """Its metrics (metrics.Meter), e.g. prompts skipped as too long."""

@@ -4,6 +4,7 @@ problems found are reported together, one per line."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -11,21 +12,17 @@ from typing import Any
 
 import jax
 
-from arealjax import runtime
-from arealjax.components import BACKENDS
+from arealjax import generation, runtime
 from arealjax.data import TASKS
-from arealjax.generation import rpc
-from arealjax.generation.generator import MODES
 from arealjax.models import attention as attn
-from arealjax.models.hf import DTYPES
 from arealjax.models.lora import EXPORTS as LORA_EXPORT
 from arealjax.models.lora import SERVING as LORA_GENERATOR
 from arealjax.models.lora import TARGETS as LORA_TARGETS
-from arealjax.models.paged import ATTENTION_KINDS
 from arealjax.models.transformer import REMAT
 from arealjax.rl.advantages import GROUP_BASELINES, AdvantageConfig
 from arealjax.rl.losses import PPOConfig
 from arealjax.rl.trainer import COMPUTE_DTYPES, OptimConfig
+from arealjax.validate import Problems, get, number
 
 
 class ConfigError(ValueError):
@@ -35,70 +32,38 @@ class ConfigError(ValueError):
 def check_config(config: Any, processes: int = 1) -> None:
     """Raises ConfigError listing every problem with `config` (a configs/*.py ConfigDict), for a run of
     `processes` processes (multi-host: each takes an equal share of every batch)."""
-    problems: list[str] = []
-
-    def need(ok: bool, key: str, expected: str) -> None:
-        if not ok:
-            problems.append(f"{key} = {_get(config, key)!r}: expected {expected}")
-
-    def positive(*keys: str, minimum: int = 1) -> None:
-        for key in keys:
-            value = _get(config, key)
-            need(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, key,
-                 f"an integer ≥ {minimum}")
+    problems = Problems(config)
+    need, positive = problems.need, problems.positive
 
     rl, g, t, s = config.rl, config.generator, config.trainer, config.sft
-    positive("rl.batch_size", "rl.group_size", "rl.max_concurrent", "rl.max_new_tokens",
-             "generator.slots", "generator.decode_steps", "generator.max_prefill_batch", "trainer.max_tokens",
+    positive("rl.batch_size", "rl.group_size", "rl.max_concurrent", "rl.max_new_tokens", "trainer.max_tokens",
              "trainer.micro_rows", "trainer.ppo_n_minibatches", "rewards.workers", "checkpoint.max_to_keep",
              "eval.n", "trainer.max_skipped_in_a_row", "rewards.failure_window")
     positive("rl.steps", "rl.max_staleness", "rl.max_filtered_in_a_row", "rl.solved_window", "rl.eval_every",
              "rewards.retries", "sft.steps", "checkpoint.every_steps", "data.epochs", "eval.num_problems",
-             "data.max_prompt_tokens", "generator.kv_pages", minimum=0)
-    positive("generator.max_len", minimum=2)
-    need(_number(rl.temperature) and rl.temperature > 0, "rl.temperature",
+             "data.max_prompt_tokens", minimum=0)
+    need(number(rl.temperature) and rl.temperature > 0, "rl.temperature",
          "> 0 (at 0 all samples of a prompt are the same greedy answer: no group has a learning signal)")
-    need(_number(rl.solved_share) and 0 < rl.solved_share <= 1, "rl.solved_share", "a share in (0, 1]")
-    need(_number(config.rewards.timeout) and config.rewards.timeout > 0, "rewards.timeout", "seconds > 0")
-    need(_number(config.rewards.max_failure_rate) and 0 < config.rewards.max_failure_rate <= 1,
+    need(isinstance(rl.top_k, int) and rl.top_k >= 0, "rl.top_k", "an integer ≥ 0 (0 = off)")
+    need(number(rl.top_p) and 0 < rl.top_p <= 1, "rl.top_p", "in (0, 1] (1 = off)")
+    need(number(rl.solved_share) and 0 < rl.solved_share <= 1, "rl.solved_share", "a share in (0, 1]")
+    need(number(config.rewards.timeout) and config.rewards.timeout > 0, "rewards.timeout", "seconds > 0")
+    need(number(config.rewards.max_failure_rate) and 0 < config.rewards.max_failure_rate <= 1,
          "rewards.max_failure_rate", "a share in (0, 1]")
-    need(_number(config.checkpoint.every_seconds) and config.checkpoint.every_seconds >= 0,
+    need(number(config.checkpoint.every_seconds) and config.checkpoint.every_seconds >= 0,
          "checkpoint.every_seconds", "seconds ≥ 0")
-    cpus = [("cpus", config.get("cpus", ""))]
-    need(g.get("backend", "local") in BACKENDS, "generator.backend", f"one of {BACKENDS}")
-    if g.get("backend", "local") == "remote":
-        sv = g.servers
-        positive("generator.servers.spawn", minimum=0)
-        positive("generator.servers.min")
-        positive("generator.servers.respawns", minimum=0)
-        for key in ("start_seconds", "wait_seconds", "heartbeat_seconds", "progress_seconds"):
-            need(_number(sv[key]) and sv[key] > 0, f"generator.servers.{key}", "seconds > 0")
-        host, _, port = str(sv.address).rpartition(":")
-        need(bool(host) and port.isdigit() and int(port) < 65536, "generator.servers.address", "'host:port'")
-        need(sv.auth in rpc.AUTH, "generator.servers.auth", f"one of {rpc.AUTH}")
-        curve = sv.auth == "curve" or sv.auth == "auto" and not rpc.loopback(str(sv.address))
-        need(not curve or sv.spawn > 0 or bool(sv.keys_dir), "generator.servers.keys_dir",
-             f"a keys folder: servers started by hand at {sv.address} (not loopback) must hold a key (make one: "
-             f"python -m arealjax.generation.server --new-keys=DIR; or generator.servers.auth = 'none' to let "
-             f"anyone who reaches the port join)")
-        if sv.keys_dir:
-            try:
-                rpc.trainer_keys(sv.keys_dir)
-            except (OSError, ValueError) as e:
-                problems.append(f"generator.servers.keys_dir: {e}")
-        groups = str(sv.get("cpus", "")).split(";")
-        need(len(groups) in (1, sv.spawn), "generator.servers.cpus",
-             f"one set of cores for all spawned servers or one per spawned server (servers.spawn = {sv.spawn}), "
-             "';' between")
-        cpus.extend(("generator.servers.cpus", group) for group in groups)
-    for key, text in cpus:
-        try:
-            runtime.parse_cpus(text, key)
-        except ValueError as e:
-            problems.append(str(e))
-    need(g.mode in MODES, "generator.mode", f"one of {MODES}")
-    need(g.attention in ATTENTION_KINDS, "generator.attention", f"one of {ATTENTION_KINDS}")
-    need(g.prefill_attention in attn.KINDS, "generator.prefill_attention", f"one of {attn.KINDS}")
+    try:
+        generation.backend(g.backend).check(config, problems)
+    except ValueError as e:
+        problems.append(str(e))
+    w = config.wandb
+    need(w.mode in ("online", "offline", "disabled"), "wandb.mode", "one of ('online', 'offline', 'disabled')")
+    need(not w.project or importlib.util.find_spec("wandb") is not None, "wandb.project",
+         "'' (off) without the wandb package: pip install wandb")
+    try:
+        runtime.parse_cpus(config.cpus, "cpus")
+    except ValueError as e:
+        problems.append(str(e))
     need(t.attention in attn.KINDS, "trainer.attention", f"one of {attn.KINDS}")
     need(t.remat in REMAT, "trainer.remat", f"one of {REMAT}")
     need(t.remat != "offload" or jax.default_backend() in ("gpu", "tpu"), "trainer.remat",
@@ -106,19 +71,12 @@ def check_config(config: Any, processes: int = 1) -> None:
     need(isinstance(t.scan_layers, bool), "trainer.scan_layers", "True or False")
     positive("trainer.logits_chunk", minimum=0)
     need(t.compute_dtype in COMPUTE_DTYPES, "trainer.compute_dtype", f"one of {sorted(COMPUTE_DTYPES)}")
-    need(g.dtype in DTYPES, "generator.dtype", f"one of {sorted(DTYPES)}")
-    size = g.page_size
-    need(isinstance(size, int) and size >= 1 and not size & (size - 1), "generator.page_size", "a power of two")
-    if isinstance(size, int) and size >= 1 and isinstance(g.max_len, int) and isinstance(g.kv_pages, int):
-        per_seq = -(-g.max_len // size)
-        need(g.kv_pages == 0 or g.kv_pages >= per_seq, "generator.kv_pages",
-             f"0 (room for every slot) or ≥ {per_seq}, the pages of one sequence at generator.max_len = {g.max_len}")
     need(isinstance(config.rewards.fn, str) and re.fullmatch(r"[\w.]+:\w+", config.rewards.fn or "") is not None,
          "rewards.fn", "'package.module:function'")
     need(isinstance(config.workflow.path, str) and ":" in config.workflow.path, "workflow.path",
          "'package.module:Class'")
     need(rl.steps != 0 or s.steps != 0, "rl.steps", "≥ 1, or sft.steps ≥ 1 for an SFT-only run (rl.steps = 0)")
-    if s.steps and s.get("data") and s.data.path:
+    if s.steps and s.data.path:
         path = Path(s.data.path)
         need(path.is_dir() and (path / "dataset_info.json").is_file(), "sft.data.path",
              "a converted dataset directory (python -m arealjax.data.convert --layout=sft ...)")
@@ -129,14 +87,14 @@ def check_config(config: Any, processes: int = 1) -> None:
                                                          for k in e.k), "eval.k",
          f"a tuple of integers in [1, eval.n = {e.n}], e.g. (1, 4) (on the command line: --config.eval.k='(1,4)')")
     need(isinstance(e.greedy, bool), "eval.greedy", "True or False")
-    need(_number(e.temperature) and (e.temperature >= 0 or e.temperature == -1), "eval.temperature",
+    need(number(e.temperature) and (e.temperature >= 0 or e.temperature == -1), "eval.temperature",
          "≥ 0 (0 = greedy samples), or -1 for rl.temperature")
     need(isinstance(e.answer_fn, str) and (not e.answer_fn or re.fullmatch(r"[\w.]+:\w+", e.answer_fn)),
          "eval.answer_fn", "'' (no maj@k) or 'package.module:function' returning a completion's final answer")
     lo = config.lora
     positive("lora.rank", minimum=0)
     if lo.rank:
-        need(_number(lo.alpha) and lo.alpha > 0, "lora.alpha", "> 0 (adapters are scaled by alpha / rank)")
+        need(number(lo.alpha) and lo.alpha > 0, "lora.alpha", "> 0 (adapters are scaled by alpha / rank)")
         need(isinstance(lo.targets, (tuple, list)) and lo.targets and set(lo.targets) <= set(LORA_TARGETS),
              "lora.targets", f"a non-empty tuple of {LORA_TARGETS} (on the command line: "
              f"--config.lora.targets='(\"q_proj\",\"v_proj\")')")
@@ -161,19 +119,19 @@ def check_config(config: Any, processes: int = 1) -> None:
         except ValueError as e:
             text = str(e)
             problems.append(text.replace(f"{cls.__name__}.", f"{key}.") if cls.__name__ in text else f"{key}: {text}")
-    if config.advantage.get("estimator", "grpo") in GROUP_BASELINES:
+    if config.advantage.estimator in GROUP_BASELINES:
         need(rl.group_size != 1, "rl.group_size", f"≥ 2 with advantage.estimator = "
-             f"'{config.advantage.get('estimator', 'grpo')}': a group baseline of one sample is the sample itself, "
+             f"'{config.advantage.estimator}': a group baseline of one sample is the sample itself, "
              f"so every advantage is 0 and nothing is trained (or use advantage.estimator = 'reinforce_pp')")
     if processes > 1:
         why = f"a multiple of the {processes} processes (each takes an equal share)"
         for key in ("rl.batch_size", "trainer.micro_rows", *(("sft.batch_size", "sft.micro_rows") if s.steps else ())):
-            value = _get(config, key)
+            value = get(config, key)
             need(_ints(value) and value % processes == 0, key, why)
         need(config.data.path or _ints(e.num_problems) and e.num_problems >= processes, "eval.num_problems",
              f"≥ the {processes} processes (each evaluates its share)")
     if s.steps and isinstance(s.steps, int):
-        warmup = s.optim.get("warmup_steps", 0)
+        warmup = s.optim.warmup_steps
         need(s.steps > warmup, "sft.steps", f"more than sft.optim.warmup_steps = {warmup} (the learning rate "
              f"would never finish warming up)")
         positive("sft.batch_size", "sft.max_tokens", "sft.micro_rows")
@@ -211,16 +169,6 @@ def output_dir(path: str | os.PathLike, key: str = "--workdir") -> Path:
     except OSError as e:
         raise ConfigError(f"{key}={path}: cannot write there ({e.strerror})") from None
     return path
-
-
-def _get(config: Any, key: str) -> Any:
-    for part in key.split("."):
-        config = config.get(part) if hasattr(config, "get") else getattr(config, part, None)
-    return config
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _formats(text: Any) -> bool:

@@ -19,12 +19,12 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from arealjax.api import RolloutBackend, SamplingParams
-from arealjax.rewards.service import RewardService
+from arealjax.api import PromptSource, Rewards, RolloutBackend, SamplingParams
+from arealjax.metrics import Count
 from arealjax.rl.advantages import AdvantageConfig, dynamic_filter
 from arealjax.rl.trajectory import Trajectory
 from arealjax.runtime import error_text
@@ -61,7 +61,7 @@ class ControllerStats:
 
 
 class RolloutController:
-    def __init__(self, backend: RolloutBackend, rewards: RewardService, tokenizer: Tokenizer, prompts: Iterator[Prompt],
+    def __init__(self, backend: RolloutBackend, rewards: Rewards, tokenizer: Tokenizer, prompts: PromptSource,
                  staleness: StalenessManager, sampling: SamplingParams, advantage: AdvantageConfig, *,
                  workflow: Workflow | None = None, max_filtered_in_a_row: int = 500, solved_reward: float = 1.0,
                  solved_window: int = 0, solved_share: float = 1.0):
@@ -272,8 +272,7 @@ class RolloutController:
         with self._cv:
             for g in batch:
                 self._queue[g.seq] = g
-                self.staleness.queued[g.seq] = g.admitted_at
-            self.staleness.trained -= len(batch)
+            self.staleness.put_back({g.seq: g.admitted_at for g in batch})
             self.stats.trained -= len(batch)
             self._cv.notify_all()
 
@@ -298,9 +297,8 @@ class RolloutController:
         stats = dict(state["stats"])
         stats["submitted"] -= len(state["pending"])  # they are submitted again
         self.stats = ControllerStats(**stats)
-        self.staleness.version = version
-        self.staleness.trained, self.staleness.rejected = self.stats.trained, self.stats.filtered
-        self.staleness.submitted = self.stats.submitted
+        self.staleness.restore(version, trained=self.stats.trained, rejected=self.stats.filtered,
+                               submitted=self.stats.submitted)
 
     def queue_depth(self) -> int:
         with self._cv:
@@ -311,14 +309,14 @@ class RolloutController:
             return len(self._running)
 
     def metrics(self) -> dict[str, float]:
-        """For metrics.Meter: `_total` keys are cumulative counters; the counts of dropped groups, rejected episodes
-        and over-long prompts are reported as run totals."""
+        """For metrics.Meter: `_total` keys are cumulative counters; the counts of dropped groups and rejected
+        episodes are run totals, as are the prompt source's own (over-long prompts skipped)."""
         cs = self.stats
-        return {"queue_depth": self.queue_depth(), "in_flight": self.in_flight(),
+        return {"queue_depth": Count(self.queue_depth()), "in_flight": Count(self.in_flight()),
                 "generated_tokens_total": cs.generated_tokens, "scored_samples_total": cs.scored_samples,
-                "reward_sum_total": cs.reward_sum, "filtered_groups": cs.filtered,
-                "rejected_episodes": cs.rejected_episodes,
-                "prompts_too_long": getattr(getattr(self.prompts, "stream", None), "too_long", 0)}
+                "reward_sum_total": cs.reward_sum, "filtered_groups": Count(cs.filtered),
+                "rejected_episodes": Count(cs.rejected_episodes),
+                **self.prompts.metrics()}
 
     def stop(self) -> dict[str, int]:
         """Stops submitting, aborts what is in flight and returns the final accounting of admitted prompts."""

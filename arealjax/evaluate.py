@@ -16,11 +16,10 @@ training every `rl.eval_every` steps. Estimators, from n ≥ k samples per probl
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
-import logging
 import math
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from arealjax.api import RolloutBackend, SamplingParams
+from arealjax.runtime import Stop
 
 MAJ_EXACT = 20_000
 MAJ_DRAWS = 2_000
@@ -137,11 +137,43 @@ def table(summary: dict[str, float]) -> str:
     return "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {summary[k]:.4f} |\n" for k in keys)
 
 
+@contextlib.contextmanager
+def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | None = None):
+    """(backend, rewards, tokenizer, wait) for evaluation: the model at `model_path` (default config.model_path)
+    or, with `workdir`, the params of that run's latest checkpoint; served by config.generator's backend.
+    Everything is stopped on exit; `wait` raises Interrupted once `stop` is set."""
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.model_path = model_path or config.model_path
+        if not workdir:
+            config.sft.steps = 0  # nothing is trained here
+    from arealjax.builders import build, make_backend, make_rewards, role_meshes_for
+    from arealjax.checks import check_config
+    from arealjax.export import restore_trainer
+    from arealjax.sharding import normalize_rules
+
+    check_config(config)
+    rules = normalize_rules(config.sharding_rules)
+    meshes = role_meshes_for(config)
+    tokenizer, model = build(config, meshes["trainer"], rules)
+    version = 0
+    if workdir:
+        trainer, _ = restore_trainer(config, workdir, tokenizer, model, meshes["trainer"], rules)
+        model, version = trainer.model, trainer.version
+        del trainer  # its optimizer state is not needed to generate
+    stop = stop or Stop()
+    with contextlib.ExitStack() as stack:
+        backend, _ = make_backend(config, model, version, meshes, rules)
+        stack.callback(backend.close)
+        rewards = make_rewards(config)
+        stack.callback(rewards.close)
+        yield backend, rewards, tokenizer, stop.wait
+
+
 def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", progress: bool = True,
         stop=None) -> dict[str, float]:
     """The command: config → model (a HF directory, or a run's latest checkpoint) → rollout backend + reward workers →
     `evaluate` over the first `eval.num_problems` problems of `data.eval_split` (0 = all) → files in `out`."""
-    from arealjax import serve
     from arealjax.data.prompts import eval_prompts
 
     e = config.eval
@@ -150,7 +182,7 @@ def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", pro
     answer_fn = load_fn(e.answer_fn)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with serve.serving(config, model_path=model, workdir=workdir, stop=stop) as (backend, rewards, tokenizer, wait):
+    with serving(config, model_path=model, workdir=workdir, stop=stop) as (backend, rewards, tokenizer, wait):
         prompts = eval_prompts(config, tokenizer)
         summary, rows = evaluate(backend, rewards, tokenizer, prompts, answer_fn=answer_fn, wait=wait,
                                  progress=progress, **sampling_kwargs(config))
@@ -164,8 +196,8 @@ def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", pro
 def sampling_kwargs(config: Any) -> dict[str, Any]:
     """evaluate()'s sampling arguments from a config: eval.* where set, else the RL sampling (rl.*)."""
     e, r = config.eval, config.rl
-    temperature = e.temperature if e.get("temperature", -1.0) >= 0 else r.temperature
-    return dict(n=e.n, ks=list(e.k), temperature=temperature, top_p=r.get("top_p", 1.0), top_k=r.get("top_k", 0),
+    temperature = e.temperature if e.temperature >= 0 else r.temperature
+    return dict(n=e.n, ks=list(e.k), temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                 max_new_tokens=r.max_new_tokens, seed=config.seed, greedy=e.greedy)
 
 
@@ -177,17 +209,13 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"error: unexpected arguments {argv[1:]}")
     from arealjax import runtime
 
-    try:
+    runtime.log_above_bars()
+
+    def body():
         runtime.setup(f.config)
-        summary = run(f.config, f.out, model=f.model, workdir=f.workdir, stop=STOP)
-    except runtime.Interrupted as e:
-        print(f"interrupted ({e}): generator and reward workers stopped", file=sys.stderr)
-        raise SystemExit(e.exit_code) from None
-    except Exception as e:  # noqa: BLE001 — one paragraph instead of a traceback
-        if f.debug:
-            raise
-        print(f"error: {runtime.error_text(e)}\n(run with --debug for the traceback)", file=sys.stderr)
-        raise SystemExit(1) from None
+        return run(f.config, f.out, model=f.model, workdir=f.workdir, stop=STOP)
+
+    summary = runtime.guarded(body, f.debug, "generator and reward workers stopped")
     print(table(summary))
 
 
@@ -205,5 +233,4 @@ if __name__ == "__main__":
     flags.DEFINE_string("out", None, "Directory for problems.jsonl and summary.json.")
     flags.DEFINE_bool("debug", False, "Show the traceback of an error.")
     flags.mark_flags_as_required(["config", "out"])
-    logging.getLogger("absl").setLevel(logging.WARNING)
     app.run(main)

@@ -1,10 +1,13 @@
-"""One metrics writer for a run (TensorBoard event files + metrics.jsonl in the workdir, and a curve PNG), and the
-Meter that turns the components' reports into a step's metrics."""
+"""One metrics writer for a run (TensorBoard event files + metrics.jsonl in the workdir, and a curve PNG), the Meter
+that turns the components' reports into a step's metrics, and the kinds of metric that say how a multi-process run
+combines them: a `Count` adds up over processes, a `Peak` takes the largest, any other number is a gauge, averaged.
+A component marks its metrics' kinds where it reports them; counters (`_total` keys) are Counts by construction."""
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -13,16 +16,29 @@ from typing import Any
 import numpy as np
 
 
+class Count(float):
+    """A metric that adds up over processes: events, tokens, bytes, items held (a process's share of the run's)."""
+
+
+class Peak(float):
+    """A metric whose run value is the largest process's: the worst staleness, the longest wait, the fullest pool."""
+
+
 class MetricsWriter:
-    def __init__(self, workdir: str | Path, purge_step: int | None = None):
+    """A run's metrics, per step: metrics.jsonl and TensorBoard in the workdir, and Weights & Biases when
+    `wandb.project` is set (the run config once, every step's scalars, the curve figure at the end)."""
+
+    def __init__(self, workdir: str | Path, purge_step: int | None = None, wandb: Any = None,
+                 run_config: Mapping[str, Any] | None = None):
         """`purge_step`: after a resume, TensorBoard hides the events a killed run wrote from that step on (the
-        caller cuts metrics.jsonl back the same way)."""
+        caller cuts metrics.jsonl back the same way). `wandb`: a config's wandb section."""
         from tensorboardX import SummaryWriter
 
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.workdir / "metrics.jsonl", "a")
         self._tb = SummaryWriter(str(self.workdir / "tensorboard"), purge_step=purge_step)
+        self._wandb = WandbRun(wandb, self.workdir, run_config or {}) if wandb is not None and wandb.project else None
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -32,10 +48,45 @@ class MetricsWriter:
             if math.isfinite(v):
                 self._tb.add_scalar(k, v, step)
         self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, scalars)
+
+    def figure(self, name: str, path: str | Path) -> None:
+        """An image the run drew (curves.png), for the sinks that keep images."""
+        if self._wandb is not None:
+            self._wandb.image(name, path)
 
     def close(self) -> None:
         self._jsonl.close()
         self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
+
+
+class WandbRun:
+    """Weights & Biases for one run (optional: `pip install wandb`; `wandb.mode` 'offline' writes under
+    workdir/wandb for a later `wandb sync`). The W&B run id is kept in workdir/wandb_run_id, so a resumed run
+    continues the same W&B run (steps it logs again after a kill -9 are dropped by W&B; metrics.jsonl is cut back)."""
+
+    def __init__(self, section: Any, workdir: Path, run_config: Mapping[str, Any]):
+        import wandb
+
+        self._wandb = wandb
+        id_file = workdir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(8)
+        id_file.write_text(run_id + "\n")
+        self.run = wandb.init(project=section.project, entity=section.entity or None, name=section.name or None,
+                              group=section.group or None, tags=list(section.tags), mode=section.mode,
+                              dir=str(workdir), id=run_id, resume="allow", config=dict(run_config))
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.run.log({k: v for k, v in scalars.items() if math.isfinite(v)}, step=step)
+
+    def image(self, name: str, path: str | Path) -> None:
+        self.run.log({name: self._wandb.Image(str(path))})
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -67,8 +118,9 @@ def plot_curves(path: str | Path, out: str | Path, keys: tuple[str, ...] = ("rol
 class Meter:
     """A step's metrics from the components' own reports: each source is a function returning a dict, in which
     keys ending in `_total` are cumulative counters (reported as their change since the last step, the suffix
-    dropped) and the others are gauges (reported as they are). The loop adds its own timings and knows no
-    component's fields. Ratios of two counters over the same step are derived here (RATIOS)."""
+    dropped, a Count) and the others are reported as they are, of their kind (Count, Peak or gauge). The loop adds
+    its own timings and knows no component's fields. Ratios of two counters over the same step are derived here
+    (RATIOS)."""
 
     # metric: (numerator, denominator) over one step; "seconds" is the step's wall time. Numerators listed in
     # INPUTS are kept out of the report (only their ratio means something).
@@ -103,7 +155,7 @@ class Meter:
             last = self._last[name]
             for k, v in report.items():
                 if k.endswith("_total"):
-                    out[k[:-len("_total")]] = v - last.get(k, 0)
+                    out[k[:-len("_total")]] = Count(v - last.get(k, 0))
                 else:
                     out[k] = v
             self._last[name] = {k: v for k, v in report.items() if k.endswith("_total")}
@@ -112,38 +164,20 @@ class Meter:
             if num in out and out.get(den):
                 out[name] = out[num] / out[den]
         out = {k: v for k, v in out.items() if k not in self.INPUTS}
-        out.update(loop, wall_seconds=now - self.start)
+        out.update(loop, wall_seconds=Peak(now - self.start))
         return out
 
 
-# Per-process metrics of a step → the run's: these add up over processes, these take the max, the rest average.
-SUMMED = ("queue_depth", "in_flight", "generated_tokens", "prefill_tokens", "staleness_tokens_",
-          "generator_idle_seconds", "generator_busy_seconds", "interrupts", "refill_tokens", "preemptions",
-          "kv_pages_peak", "filtered_groups", "rejected_episodes", "prompts_too_long", "reward_failures",
-          "reward_timeouts", "servers_ready", "servers_lost", "requests_reissued", "weight_bytes")
-MAXED = ("staleness_max", "batch_wait_seconds", "weight_sync_seconds", "wall_seconds")
-
-
-def reduce_metrics(rows: Sequence[Mapping[str, float]], sums: Sequence[str] = (), maxima: Sequence[str] = ()
-                   ) -> dict[str, float]:
-    """Per-process metric dicts → one: keys in `sums` (or starting with one of them) added, in `maxima` the max,
-    the rest averaged over the processes that report them."""
+def reduce_processes(rows: Sequence[Mapping[str, float]], like: Mapping[str, float]) -> dict[str, float]:
+    """Every process's step metrics → the run's, each by its kind in `like` (this process's own row: the others'
+    came as JSON, without kinds): Counts added, Peaks the largest, the rest averaged over the processes that report
+    them; with the generator's idle share over all of them."""
     out: dict[str, float] = {}
     for k in dict.fromkeys(k for r in rows for k in r):
         values = [float(r[k]) for r in rows if k in r]
-        if k in maxima:
-            out[k] = max(values)
-        elif any(k == s or k.startswith(s) for s in sums):
-            out[k] = sum(values)
-        else:
-            out[k] = float(np.mean(values))
-    return out
-
-
-def reduce_processes(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Every process's step metrics → the run's (SUMMED, MAXED, the rest averaged), with the generator's idle
-    share over all of them."""
-    out = reduce_metrics(rows, SUMMED, MAXED)
+        kind = type(like.get(k))
+        out[k] = (Count(sum(values)) if kind is Count else Peak(max(values)) if kind is Peak else
+                  float(np.mean(values)))
     if "generator_idle_seconds" in out:
         out["generator_idle_share"] = out["generator_idle_seconds"] / max(
             out["generator_idle_seconds"] + out["generator_busy_seconds"], 1e-9)

@@ -15,8 +15,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
-from collections.abc import Mapping
+import traceback
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 
@@ -58,10 +62,59 @@ class Stop:
                 raise self.error
             raise Interrupted(self.signum)
 
+    def wait(self, future: Future) -> Any:
+        """future.result(), checking for a stop twice a second (a signal never lands inside it)."""
+        while True:
+            self.check()
+            try:
+                return future.result(timeout=0.5)
+            except FutureTimeout:
+                pass
+
 
 def error_text(e: BaseException) -> str:
     """An error as the sentence a user reads: its message (a KeyError's without quotes), or its type's name."""
     return str(e.args[0] if isinstance(e, KeyError) and e.args else e) or type(e).__name__
+
+
+def guarded(body: Callable[[], Any], debug: bool, interrupted: str) -> Any:
+    """Runs an entry point's `body`: a stop signal exits with 128 + signal after the line "interrupted (…):
+    `interrupted`"; any other error with 1 after one paragraph (its traceback too with `debug`), never a bare
+    traceback."""
+    try:
+        return body()
+    except Interrupted as e:
+        print(f"interrupted ({e}): {interrupted}", file=sys.stderr, flush=True)
+        raise SystemExit(e.exit_code) from None
+    except Exception as e:  # noqa: BLE001 — one paragraph instead of a traceback
+        if debug:
+            traceback.print_exc()
+        print(f"error: {error_text(e)}" + ("" if debug else "\n(run with --debug for the traceback)"),
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+class _AboveBars(logging.Handler):
+    """Writes each record with `tqdm.write`, which clears the progress bar, writes the line and draws the bar again."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 — logging must never raise
+            self.handleError(record)
+
+
+def log_above_bars(level: int = logging.INFO) -> None:
+    """The process's log lines (arealjax's at `level`; absl's, orbax's and JAX's backend probes at warnings) go above
+    the progress bars instead of into them."""
+    handler = _AboveBars()
+    handler.setFormatter(logging.Formatter("%(levelname).1s%(asctime)s %(message)s", "%m%d %H:%M:%S"))
+    logging.root.handlers = [handler]
+    logging.root.setLevel(level)
+    for name in ("absl", "jax._src.xla_bridge"):  # orbax logs every step of every save at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def install_signal_handlers() -> Stop:
@@ -173,10 +226,10 @@ def setup(config: Any, coordinator: str = "", num_processes: int = 0, process_id
     where the accelerators are the devices) and joins a multi-host run through `jax.distributed` (`initialize`; the
     run itself: arealjax/distributed.py) when `config.distributed` is set (TPU pods, SLURM: from the environment) or
     a coordinator is given (GPU hosts, localhost tests)."""
-    pin(config.get("cpus", ""))
-    fake_cpu_devices(int(config.get("cpu_devices", 0) or 0))
-    if config.get("distributed", False) or coordinator:
-        initialize(coordinator, num_processes, process_id, int(config.get("heartbeat_seconds", 60)))
+    pin(config.cpus)
+    fake_cpu_devices(int(config.cpu_devices))
+    if config.distributed or coordinator:
+        initialize(coordinator, num_processes, process_id, int(config.heartbeat_seconds))
 
 
 def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = -1,

@@ -14,8 +14,8 @@ import numpy as np
 from tqdm import tqdm
 
 from arealjax import models
+from arealjax.builders import trainer_config
 from arealjax.checkpoint import Checkpointer
-from arealjax.components import trainer_config
 from arealjax.data import TASKS
 from arealjax.data.pipeline import SFTStream, format_prompt
 from arealjax.data.prompts import task_problems
@@ -38,7 +38,7 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
     s = config.sft
     processes = processes or Processes(stop)
     key = cache_key(config)
-    out = Path(s.cache_dir) if s.get("cache_dir") else workdir / "sft"
+    out = Path(s.cache_dir) if s.cache_dir else workdir / "sft"
     cached = (out / "sft_config.json").is_file() and (out / "sft_config.json").read_text() == key
     if all(processes.allgather("sft_cache", cached)):
         logging.info("SFT warm start: reusing %s", out)

@@ -81,6 +81,15 @@ class StalenessManager:
     def set_version(self, version: int) -> None:
         self.version = max(self.version, version)
 
+    def put_back(self, admitted: dict[int, int]) -> None:
+        """Groups taken by `take_batch` but not trained (seq -> admission version) wait in the queue again."""
+        self.queued.update(admitted)
+        self.trained -= len(admitted)
+
+    def restore(self, version: int, trained: int, rejected: int, submitted: int) -> None:
+        """A resumed run's counts (nothing running or queued: what was admitted and not trained is re-issued)."""
+        self.version, self.trained, self.rejected, self.submitted = version, trained, rejected, submitted
+
     def deadline(self, admitted_at: int) -> int:
         """The last trainer version whose step may train a group admitted at `admitted_at`."""
         return admitted_at + self.max_staleness

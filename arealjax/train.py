@@ -27,17 +27,17 @@ from tqdm import tqdm
 
 from arealjax import evaluate as evaluation
 from arealjax.api import RolloutBackend, SamplingParams
+from arealjax.builders import build, make_backend, make_rewards, make_trainer, role_meshes_for
 from arealjax.checkpoint import Checkpointer
 from arealjax.checks import check_config, output_dir
-from arealjax.components import build, make_backend, make_rewards, make_trainer, role_meshes_for
 from arealjax.controller import Group, Prompt, RolloutController, TaskSolved, staleness_of, token_staleness
 from arealjax.data.prompts import eval_prompts, train_prompts
 from arealjax.distributed import Processes
-from arealjax.metrics import Meter, MetricsWriter, plot_curves, reduce_processes
+from arealjax.export import save_model
+from arealjax.metrics import Count, Meter, MetricsWriter, Peak, plot_curves, reduce_processes
 from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig, assign_advantages
 from arealjax.runtime import Interrupted, Stop, error_text
-from arealjax.serve import save_model, wait
 from arealjax.sft import warm_start
 from arealjax.sharding import normalize_rules
 from arealjax.staleness import StalenessManager
@@ -55,7 +55,7 @@ def run(config: Any, workdir: str, stop: Stop | None = None) -> dict[str, Any]:
     one is raised in all (its message names the process)."""
     stop = stop or Stop()
     workdir = output_dir(workdir)
-    processes = Processes(stop, grace_seconds=config.get("heartbeat_seconds", 60) / 2)
+    processes = Processes(stop, grace_seconds=config.heartbeat_seconds / 2)
     summary: dict[str, Any] = {"status": "failed"}
     try:
         check_config(config, processes.count)  # every size, count and name: seconds, before anything is built
@@ -97,15 +97,15 @@ def shared_workdir(workdir: Path, processes: Processes) -> None:
                          f"multi-host run needs a workdir on a filesystem every host mounts (NFS, Filestore, gcsfuse)")
 
 
-def evaluate(backend: RolloutBackend, rewards: RewardService, tokenizer: Tokenizer, prompts: list[Prompt],
-             config: Any, stop: Stop, step: int, workdir: Path, processes: Processes) -> dict[str, float]:
+def held_out_metrics(backend: RolloutBackend, rewards: RewardService, tokenizer: Tokenizer, prompts: list[Prompt],
+                     config: Any, stop: Stop, step: int, workdir: Path, processes: Processes) -> dict[str, float]:
     """Held-out evaluation inside training (arealjax/evaluate.py: pass@k, maj@k, greedy accuracy, lengths); the
     per-problem rows go to workdir/eval/<step>.jsonl. On several processes each evaluates its share of the
     problems on its generator and every process gets the summary over all of them; the rows process 0 writes
     then carry the completions of its own share only."""
     kwargs = evaluation.sampling_kwargs(config)
     summary, rows = evaluation.evaluate(backend, rewards, tokenizer, prompts[processes.index::processes.count],
-                                        wait=lambda f: wait(f, stop),
+                                        wait=stop.wait,
                                         answer_fn=evaluation.load_fn(config.eval.answer_fn), **kwargs)
     if processes.count > 1:
         mine = {"completions", "greedy_completion"}
@@ -179,11 +179,12 @@ class RLLoop:
                 truncate_jsonl(workdir / name, self.done)
             # what produced the run (the capacity planner reads it: python -m arealjax.plan)
             write_json(workdir / "config.json", json.loads(config.to_json_best_effort()))
-        writer = MetricsWriter(workdir, purge_step=self.done + 1 if self.restored else None) \
-            if processes.primary else None
+        writer = MetricsWriter(workdir, purge_step=self.done + 1 if self.restored else None, wandb=config.wandb,
+                               run_config=json.loads(config.to_json_best_effort())) if processes.primary else None
         if writer is not None:
             stack.callback(writer.close)
         self.log = writer.write if writer is not None else lambda step, metrics: None
+        self.writer = writer
         self.backend, self.transport = make_backend(config, self.trainer.model, self.trainer.version, meshes, rules,
                                                     workdir=str(workdir))
         stack.callback(self.backend.close)
@@ -192,7 +193,8 @@ class RLLoop:
         # Each process admits its share of every batch: the staleness budget (η + v + 1)·B is divided among them.
         share = StalenessManager(rl.batch_size // processes.count, rl.max_staleness,
                                  -(-rl.max_concurrent // processes.count))
-        sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, n=rl.group_size,
+        sampling = SamplingParams(temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
+                                  max_new_tokens=rl.max_new_tokens, n=rl.group_size,
                                   stop_token_ids=tuple(self.tokenizer.eos_ids), seed=config.seed)
         self.advantage = AdvantageConfig(**config.advantage.to_dict())
         self.controller = RolloutController(
@@ -207,7 +209,7 @@ class RLLoop:
         self.skipped_in_a_row, self.eval_seconds = 0, 0.0
 
     def _controller_states(self) -> list[dict]:
-        """One controller state per process (checkpoints of single-process runs before issue 18: one)."""
+        """One controller state per process (a single-process checkpoint may hold its one state as "controller")."""
         meta = self.restored[1]
         states = meta.get("controllers") or [meta["controller"]]
         if len(states) != self.processes.count:
@@ -229,13 +231,13 @@ class RLLoop:
         if self.restored:
             self.first = self.restored[1]["first_eval"]
         else:
-            self.first = self.evaluate(0)
+            self.first = self.held_out_metrics(0)
             self.log(0, self.first)
             logging.info("after warm start: %s", self.first)
         summary.update(steps=self.done, eval_accuracy_start=self.first["eval_accuracy"],
                        eval_greedy_accuracy_start=self.first.get("eval_greedy_accuracy"))
         self.controller.start()
-        self.meter = Meter({"backend": self.backend.stats, "controller": self.controller.metrics,
+        self.meter = Meter({"backend": self.backend.metrics, "controller": self.controller.metrics,
                             "rewards": self.rewards.metrics})
         self.latest_eval, last_reward = self.first, float("nan")  # what the progress bar shows between updates
         bar = tqdm(range(self.done, rl.steps), desc="async RL", mininterval=1, initial=self.done, total=rl.steps,
@@ -250,8 +252,8 @@ class RLLoop:
                 trained = self.train(batch)
                 sync_s = self.publish()
                 self.done = step + 1
-                metrics, report = self.measure(batch, version, trained, batch_wait_seconds=wait_s,
-                                               weight_sync_seconds=sync_s)
+                metrics, report = self.measure(batch, version, trained, batch_wait_seconds=Peak(wait_s),
+                                               weight_sync_seconds=Peak(sync_s))
                 if rl.eval_every and self.done % rl.eval_every == 0 or self.done == rl.steps:
                     metrics.update(self.evaluate_in_run())
                 self.record(metrics, report)
@@ -342,25 +344,25 @@ class RLLoop:
         by_staleness = np.bincount(token_staleness(batch, version), minlength=self.config.rl.max_staleness + 1)
         rewards = np.array([tr.reward for grp in batch for tr in grp.trajectories])
         local = {"reward": float(rewards.mean()), "accuracy": float(np.mean(rewards > 0.5)),
-                 "staleness_max": float(stale.max()), "staleness_mean": float(stale.mean()),
-                 **{f"staleness_tokens_{k}": int(n) for k, n in enumerate(by_staleness)},
+                 "staleness_max": Peak(stale.max()), "staleness_mean": float(stale.mean()),
+                 **{f"staleness_tokens_{k}": Count(n) for k, n in enumerate(by_staleness)},
                  **self.meter.step(weight_sync_bytes=self.transport.bytes, **timings),
                  **trained[0]}
         report = self.processes.allgather("report", {"metrics": local, "ids": [grp.prompt.id for grp in batch],
                                                      "due": self.ckpt.due(self.done)})
-        metrics = reduce_processes([r["metrics"] for r in report])
+        metrics = reduce_processes([r["metrics"] for r in report], like=local)
         metrics.update(trained[1], version=self.trainer.version)
         return metrics, report
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        return evaluate(self.backend, self.rewards, self.tokenizer, self.held_out, self.config, self.stop, step,
-                        self.workdir, self.processes)
+    def held_out_metrics(self, step: int) -> dict[str, float]:
+        return held_out_metrics(self.backend, self.rewards, self.tokenizer, self.held_out, self.config, self.stop,
+                                step, self.workdir, self.processes)
 
     def evaluate_in_run(self) -> dict[str, float]:
         """Held-out evaluation after a step; its time is left out of the next step's rates and the backend's
         counts."""
         t0 = time.perf_counter()
-        self.latest_eval = self.evaluate(self.done)
+        self.latest_eval = self.held_out_metrics(self.done)
         self.eval_seconds += time.perf_counter() - t0
         self.meter.mark("backend")
         return self.latest_eval
@@ -389,13 +391,14 @@ class RLLoop:
         the model and (multi-host) what every process serves."""
         config = self.config
         if self.done < config.rl.steps:
-            self.latest_eval = self.evaluate(self.done)
+            self.latest_eval = self.held_out_metrics(self.done)
             self.log(self.done, self.latest_eval)
             self.checkpoint()
         self.summary.update(eval_accuracy_end=self.latest_eval["eval_accuracy"],
                             eval_greedy_accuracy_end=self.latest_eval.get("eval_greedy_accuracy"))
         if self.processes.primary:
             plot_curves(self.workdir / "metrics.jsonl", self.workdir / "curves.png")
+            self.writer.figure("curves", self.workdir / "curves.png")
         save_model(self.trainer.model, self.tokenizer, self.workdir / "model", config.model_path, config.lora.export)
         if self.processes.count > 1:  # what every process serves at the end: equal on all of them
             print(f"process {self.processes.index} of {self.processes.count}: version {self.trainer.version}, "

@@ -335,7 +335,7 @@ def generator(size: dict, args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from arealjax.generation import Engine
+    from arealjax.generation.engine import Engine
     from arealjax.models import ModelConfig, from_config
     from benchmarks.generator import best, decode_step_seconds, run_arealjax, workload
 
@@ -436,7 +436,7 @@ def trainer(size: dict, args) -> dict:
 
 def e2e(size: dict, args) -> dict:
     from benchmarks import cells
-    from benchmarks.learning import smoke_flags
+    from benchmarks.cells import smoke_flags
 
     e = size["e2e"]
     work = Path(args.work) / "e2e"
@@ -463,8 +463,8 @@ def real_model(size: dict, args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from arealjax.components import trainer_config
-    from arealjax.generation import Engine
+    from arealjax.builders import trainer_config
+    from arealjax.generation.engine import Engine
     from arealjax.models import load_pretrained, lora
     from arealjax.rl.trainer import Trainer
     from arealjax.tokenizer import load_tokenizer
@@ -692,7 +692,7 @@ def main() -> None:
 
     import jax
 
-    from benchmarks.cells import commit
+    from benchmarks.cells import commit, portable
 
     device = jax.devices()[0]
     size = SIZES["smoke" if args.smoke else "full"]
@@ -705,7 +705,7 @@ def main() -> None:
         size = {**size, "requests": args.requests}
     res = {"device": device.device_kind, "platform": device.platform, "devices": jax.device_count(),
            "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M"), "smoke": args.smoke,
-           "command": " ".join(["python benchmarks/accelerator.py", *sys.argv[1:]]),
+           "command": " ".join(["python benchmarks/accelerator.py", *portable(sys.argv[1:])]),
            "peaks": dict(zip(("hbm_bytes_per_s", "bf16_flops"), peaks(device.device_kind))), "parts": {}}
     if wheels:
         res["wheels"] = wheels

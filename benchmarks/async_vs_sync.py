@@ -15,7 +15,7 @@ step and wait, the staleness of trained tokens (mean, max and histogram, token-w
 held-out accuracy after the last step (pass@1 at the training temperature).
 
 The table goes to stdout (and --json to a file); the runs' directories to --out. --smoke runs one η (default 1;
---etas still applies) for 2 steps with tiny sizes (benchmarks/learning.py `SMOKE`), in --out/smoke, and writes its
+--etas still applies) for 2 steps with tiny sizes (benchmarks/cells.py `SMOKE`), in --out/smoke, and writes its
 results to --out/smoke/results.json.
 """
 
@@ -89,7 +89,7 @@ def main():
     args, args.extra = p.parse_known_args()
     args.etas = args.etas or ("1" if args.smoke else "0,4")
     if args.smoke:
-        from benchmarks.learning import smoke_flags
+        from benchmarks.cells import smoke_flags
 
         args.steps, args.warmup, args.eval_problems = 2, 1, 4
         args.out = str(Path(args.out) / "smoke")

@@ -56,6 +56,46 @@ def disaggregated_flags() -> list[str]:
 
 LAYOUTS = {"colocated": lambda: [], "disaggregated": disaggregated_flags}
 
+# --smoke: main.py overrides for a seconds-long run of the same code path (a 1-layer model, two RL steps of 4 prompts
+# x 2 samples, a small evaluation); every benchmark that runs main.py uses them in its --smoke mode.
+SMOKE = ["--config.sft.steps=2", "--config.sft.optim.warmup_steps=1", "--config.sft.batch_size=8",
+         "--config.sft.micro_rows=4", "--config.sft.max_tokens=64", "--config.rl.steps=2", "--config.rl.eval_every=2",
+         "--config.rl.batch_size=4", "--config.rl.group_size=2", "--config.rl.max_concurrent=8",
+         "--config.rl.max_new_tokens=16", "--config.eval.num_problems=4", "--config.model.num_layers=1",
+         "--config.model.hidden_size=32", "--config.model.intermediate_size=64", "--config.model.num_heads=2",
+         "--config.model.num_kv_heads=1", "--config.model.head_dim=16", "--config.generator.slots=8",
+         "--config.generator.max_prefill_batch=4", "--config.generator.max_len=64", "--config.trainer.max_tokens=64",
+         "--config.trainer.micro_rows=4", "--config.advantage.filter_uniform=False"]
+
+
+def smoke_flags(*own: str) -> list[str]:
+    """`SMOKE` less the config keys a benchmark sets itself (e.g. "rl.steps")."""
+    return [f for f in SMOKE if f.split("=")[0].removeprefix("--config.") not in own]
+
+
+# Options that say where a benchmark reads and writes, not what it measures: left out of the command a results file
+# records, so the command runs from the repository on any machine.
+LOCATIONS = ("--work", "--results", "--out", "--wheels")
+
+
+def portable(argv: list[str]) -> list[str]:
+    """A benchmark's arguments as anyone can rerun them: LOCATIONS dropped, and `--checkout=DIR` (a worktree of
+    this machine) written as the commit it holds, `--checkout=<worktree of abc1234>`."""
+    out, skip = [], False
+    for a in argv:
+        name, eq, value = a.partition("=")
+        if skip:
+            skip = False
+        elif name in LOCATIONS:
+            skip = not eq
+        elif name == "--checkout" and eq:
+            sha = subprocess.run(["git", "-C", value, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip()
+            out.append(f"--checkout=<worktree of {sha or 'an older commit'}>")
+        else:
+            out.append(a)
+    return out
+
 
 def commit() -> str:
     """This checkout's short commit, '+dirty' with uncommitted changes outside benchmarks/results (a result names the
@@ -186,14 +226,12 @@ def add_arguments(p, work: str, steps: int = 30) -> None:
 
 def parse(p) -> argparse.Namespace:
     """Parses a grid script's options (unknown ones are main.py flags for every cell); with --smoke: one seed, 2
-    tiny steps (benchmarks/learning.py `SMOKE`) in --work/smoke, started afresh, without warm-up cells (unless
+    tiny steps (`SMOKE`) in --work/smoke, started afresh, without warm-up cells (unless
     asked: tiny cells compile in seconds)."""
     args, args.overrides = p.parse_known_args()
     args.warm_up = not args.smoke if args.warm_up is None else args.warm_up
-    args.argv = [a for a in sys.argv[1:] if a != "--report-only"]  # the command that ran the grid
+    args.argv = portable([a for a in sys.argv[1:] if a != "--report-only"])  # the command that ran the grid
     if args.smoke:
-        from benchmarks.learning import smoke_flags
-
         args.seeds, args.steps, args.warmup, args.eval_every, args.eval_problems = "0", 2, 1, 2, 4
         args.work = args.results = str(Path(args.work) / "smoke")
         args.overrides = [*smoke_flags("rl.steps", "rl.eval_every", "eval.num_problems"), *args.overrides]

@@ -30,7 +30,7 @@ measured and predicted side by side in the table and the JSON.
 
 Written to --results: disaggregated.md (table), disaggregated.png (throughput vs η; accuracy vs wall-clock) and
 disaggregated.json (every cell, the configurations, the planner check, speedup_eta4, the commits measured).
---smoke runs the baseline and disaggregated η = 1 for 2 tiny steps (benchmarks/learning.py `SMOKE`), into
+--smoke runs the baseline and disaggregated η = 1 for 2 tiny steps (benchmarks/cells.py `SMOKE`), into
 --work/smoke, never into --results.
 """
 

@@ -60,7 +60,8 @@ def workload(n: int, seed: int, prompt_range: tuple[int, int], median: float, si
 
 def run_arealjax(engine, params, prompts, lens, static: bool, decode_steps: int, mode: str = "recompute",
                  swap_every: int = 0, alt_params=None):
-    from arealjax.generation import Generator, SamplingParams
+    from arealjax.api import SamplingParams
+    from arealjax.generation.generator import Generator
 
     gen = Generator(engine, params, mode=mode, decode_steps=decode_steps, max_prefill_batch=16)
     swaps = []
@@ -178,8 +179,8 @@ def decode_step_seconds(model, slots: int, lengths: list[int], max_len: int, pag
     decoding from position lengths[i], in an engine of `slots` slots (its default attention: 'auto')."""
     import jax
 
-    from arealjax.generation import Engine, SamplingParams
-    from arealjax.generation.engine import PageWrites, SlotSampling, pack
+    from arealjax.api import SamplingParams
+    from arealjax.generation.engine import Engine, PageWrites, SlotSampling, pack
     from arealjax.generation.pages import PagePool, decode_index
 
     engine = Engine(model, slots=slots, max_len=max_len, page_size=page_size)
@@ -244,7 +245,7 @@ def main():
 
     import jax
 
-    from arealjax.generation import Engine
+    from arealjax.generation.engine import Engine
     from arealjax.models import ModelConfig, from_config, load_pretrained, save_pretrained
 
     cap, max_prompt = size["cap"], size["max_prompt"]

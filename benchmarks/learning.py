@@ -18,8 +18,8 @@ and greedy), seconds per RL step over training wall-clock (evaluations left out,
 compilation), the mean gradient norm. Results accumulate in --results/learning.json over invocations (a cell is
 keyed by tag, job, η, seed), and learning.md / learning.png are redrawn from all of them: mean ± sd over seeds per
 (tag, job, η), every seed's final value, and the difference of each tag against the first one.
---smoke runs one cell (default job, its own η, seed 0; --jobs / --etas still apply) with tiny sizes (`SMOKE`), from
-scratch, and writes the table and figure to --work/smoke, never to --results.
+--smoke runs one cell (default job, its own η, seed 0; --jobs / --etas still apply) with tiny sizes
+(benchmarks/cells.py `SMOKE`), from scratch, and writes the table and figure to --work/smoke, never to --results.
 """
 
 from __future__ import annotations
@@ -40,23 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from arealjax.runtime import child_env  # noqa: E402
-from benchmarks.cells import training_curve  # noqa: E402
-
-# --smoke: main.py overrides for a seconds-long run of the same code path (a 1-layer model, two RL steps of 4 prompts
-# x 2 samples, a small evaluation); every benchmark that runs main.py uses them in its --smoke mode.
-SMOKE = ["--config.sft.steps=2", "--config.sft.optim.warmup_steps=1", "--config.sft.batch_size=8",
-         "--config.sft.micro_rows=4", "--config.sft.max_tokens=64", "--config.rl.steps=2", "--config.rl.eval_every=2",
-         "--config.rl.batch_size=4", "--config.rl.group_size=2", "--config.rl.max_concurrent=8",
-         "--config.rl.max_new_tokens=16", "--config.eval.num_problems=4", "--config.model.num_layers=1",
-         "--config.model.hidden_size=32", "--config.model.intermediate_size=64", "--config.model.num_heads=2",
-         "--config.model.num_kv_heads=1", "--config.model.head_dim=16", "--config.generator.slots=8",
-         "--config.generator.max_prefill_batch=4", "--config.generator.max_len=64", "--config.trainer.max_tokens=64",
-         "--config.trainer.micro_rows=4", "--config.advantage.filter_uniform=False"]
-
-
-def smoke_flags(*own: str) -> list[str]:
-    """`SMOKE` less the config keys a benchmark sets itself (e.g. "rl.steps")."""
-    return [f for f in SMOKE if f.split("=")[0].removeprefix("--config.") not in own]
+from benchmarks.cells import SMOKE, portable, training_curve  # noqa: E402
 
 
 def git(checkout: Path, *args: str) -> str:
@@ -215,7 +199,8 @@ def main():
     bad = [o for o in args.overrides if not o.startswith("--config.")]
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)} (extra arguments must be --config.key=value)")
-    args.command = " ".join(["python benchmarks/learning.py", *[a for a in sys.argv[1:] if a != "--report-only"]])
+    args.command = " ".join(["python benchmarks/learning.py", *portable([a for a in sys.argv[1:]
+                                                                          if a != "--report-only"])])
     args.checkout = Path(args.checkout).resolve()
     args.commit = git(args.checkout, "rev-parse", "--short", "HEAD") + ("+dirty" if git(
         args.checkout, "status", "--porcelain", "--untracked-files=no") else "")

@@ -12,7 +12,7 @@
 4. (--accuracy) `main.py --config=configs/default.py` full and with LoRA from one shared SFT warm start: held-out
    accuracy every 10 RL steps and wall-clock.
 The tables are printed to stdout; the --accuracy runs' directories go to a fresh temporary directory. --smoke shrinks
-the default job's model, batch and generator (and, with --accuracy, runs main.py at benchmarks/learning.py `SMOKE`
+the default job's model, batch and generator (and, with --accuracy, runs main.py at benchmarks/cells.py `SMOKE`
 sizes).
 """
 
@@ -35,13 +35,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from arealjax import models  # noqa: E402
-from arealjax.generation import Engine, Generator, SamplingParams  # noqa: E402
+from arealjax.api import SamplingParams  # noqa: E402
+from arealjax.generation.engine import Engine  # noqa: E402
+from arealjax.generation.generator import Generator  # noqa: E402
+from arealjax.generation.local import WeightSync  # noqa: E402
 from arealjax.models.lora import add_lora  # noqa: E402
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig  # noqa: E402
 from arealjax.rl.trajectory import Trajectory  # noqa: E402
 from arealjax.runtime import child_env  # noqa: E402
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes  # noqa: E402
-from arealjax.weights import WeightSync  # noqa: E402
 from benchmarks.trainer import best_of  # noqa: E402
 from configs import default  # noqa: E402
 
@@ -65,7 +67,7 @@ def batch(n: int, vocab: int, seed: int = 0) -> list[Trajectory]:
 def micro(rank: int, repeats: int, smoke: bool = False) -> None:
     config = default.get_config()
     prompts_n, new_tokens = 128, 40
-    if smoke:  # the sizes of benchmarks/learning.py SMOKE
+    if smoke:  # the sizes of benchmarks/cells.py SMOKE
         config.model.update(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
                             head_dim=16)
         config.rl.batch_size, config.rl.group_size = 4, 2
@@ -176,7 +178,7 @@ def main():
         args.rank, args.repeats = 2, 1
     micro(args.rank, args.repeats, args.smoke)
     if args.accuracy:
-        from benchmarks.learning import SMOKE
+        from benchmarks.cells import SMOKE
 
         accuracy(args.rank, args.lr, SMOKE if args.smoke else [])
 

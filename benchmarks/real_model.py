@@ -166,7 +166,9 @@ def part_parity(args, model_dir: Path, raw: Path) -> dict:
     import jax.numpy as jnp
     import torch
 
-    from arealjax.generation import Engine, Generator, SamplingParams
+    from arealjax.api import SamplingParams
+    from arealjax.generation.engine import Engine
+    from arealjax.generation.generator import Generator
     from arealjax.models import load_pretrained
     from arealjax.tokenizer import load_tokenizer
 
@@ -253,7 +255,7 @@ def long_tail_lengths(n: int, seed: int, median: float, sigma: float, cap: int) 
 
 
 def part_generator(args, model_dir: Path, raw: Path) -> dict:
-    from arealjax.generation import Engine
+    from arealjax.generation.engine import Engine
     from arealjax.models import load_pretrained
     from arealjax.tokenizer import load_tokenizer
     from benchmarks.generator import decode_step_seconds, run_arealjax, run_transformers
@@ -332,7 +334,7 @@ def rss_peak_of(cmd: list[str], env: dict) -> tuple[int, float, int]:
 def part_trainer(args, model_dir: Path, data: Path) -> dict:
     import jax
 
-    from arealjax.components import trainer_config
+    from arealjax.builders import trainer_config
     from arealjax.models import load_pretrained, lora
     from arealjax.rl.trainer import Trainer
     from benchmarks.trainer import matmul_peak
@@ -578,7 +580,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="rl: first steps left out of s/step (compilation)")
     p.add_argument("--eval-problems", type=int, default=200, help="rl: held-out problems")
     args, args.overrides = p.parse_known_args()
-    args.argv = sys.argv[1:]
+    from benchmarks.cells import portable
+
+    args.argv = portable(sys.argv[1:])
     args.parts = [p for p in args.parts.split(",") if p]  # none: the report and figure drawn again
     if set(args.parts) - set(PARTS):
         p.error(f"--parts: unknown {sorted(set(args.parts) - set(PARTS))}; parts: {PARTS}")

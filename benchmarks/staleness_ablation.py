@@ -29,7 +29,7 @@ and staleness_ablation.json (every cell, for notebooks/staleness_ablation.ipynb)
 staleness_ablation_disaggregated.{md,png,json}.
 
 --smoke runs two cells from scratch (η = 0, and η = 1 standard PPO with keep swaps as an --extra cell; --etas /
---extra still apply), 2 RL steps each at tiny sizes (benchmarks/learning.py `SMOKE`), and writes the table, figure
+--extra still apply), 2 RL steps each at tiny sizes (benchmarks/cells.py `SMOKE`), and writes the table, figure
 and JSON to --work/smoke, never to --results.
 """
 

@@ -25,7 +25,7 @@ GRPO advantages with the unbiased group std. Tunix 0.1.7's Qwen3 ignores ModelCo
     acts (as in arealjax with one minibatch, where π_θ = π_prox), and there is no behaviour-policy correction.
 
 The rows (one per step, see `train_tunix`) go to --out as JSON. --smoke writes a random tiny model (the config at
-benchmarks/learning.py `SMOKE` sizes) as the warm start, trains it one step and evaluates it on 4 problems, all in a
+benchmarks/cells.py `SMOKE` sizes) as the warm start, trains it one step and evaluates it on 4 problems, all in a
 temporary directory (its rows: smoke/rows.json there). Without google-tunix installed, --smoke checks the arealjax
 side alone (config overrides, the warm-start directory and its tokenizer, the prompt round trip through the adapter,
 prompts, rewards, the optimizer) and says in one printed line that Tunix was skipped.
@@ -302,11 +302,11 @@ def train_tunix(sft_dir: str, config_path: str, steps: int, eval_every: int, eva
 
 def write_warm_start(config, out: Path) -> None:
     """A random model of `config.model` and its tokenizer as the HF directory arealjax's SFT stage writes."""
-    from arealjax import components, serve
+    from arealjax import builders, export
     from arealjax.sharding import normalize_rules
 
-    tokenizer, model = components.build(config, None, normalize_rules(config.sharding_rules))
-    serve.save_model(model, tokenizer, out)
+    tokenizer, model = builders.build(config, None, normalize_rules(config.sharding_rules))
+    export.save_model(model, tokenizer, out)
 
 
 def check_task_side(config, sft_dir: str, steps: int) -> dict[str, Any]:
@@ -340,7 +340,7 @@ def main():
     args = p.parse_args()
     have_tunix = importlib.util.find_spec("tunix") is not None
     if args.smoke:
-        from benchmarks.learning import SMOKE
+        from benchmarks.cells import SMOKE
 
         work = Path(tempfile.gettempdir()) / "arealjax_tunix_grpo" / "smoke"
         shutil.rmtree(work, ignore_errors=True)

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from arealjax.runtime import child_env  # noqa: E402
-from benchmarks.cells import training_curve  # noqa: E402
+from benchmarks.cells import portable, training_curve  # noqa: E402
 
 TASKS = {  # the task's config and what the comparison runs of it
     "default": dict(config="configs/default.py", steps=60, eval_every=10, targets=(0.70, 0.80)),
@@ -198,11 +198,11 @@ def main():
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--smoke", action="store_true", help="2 steps of the default task at tiny sizes, into --work/smoke")
     args = p.parse_args()
-    args.argv = sys.argv[1:]
+    args.argv = portable(sys.argv[1:])
     args.overrides = []
     have_tunix = importlib.util.find_spec("tunix") is not None
     if args.smoke:
-        from benchmarks.learning import smoke_flags
+        from benchmarks.cells import smoke_flags
 
         if args.tasks == p.get_default("tasks"):
             args.tasks = "default"

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from arealjax import components, models  # noqa: E402
+from arealjax import builders, models  # noqa: E402
 from arealjax.runtime import child_env  # noqa: E402
 from arealjax.sharding import normalize_rules  # noqa: E402
 from configs.default import get_config  # noqa: E402
@@ -67,25 +67,25 @@ def case(shape: str, dtype: str, servers: int, reps: int, work: Path) -> dict:
     c.generator.servers.spawn = servers
     c.mesh.generator.devices = 1
     rules = normalize_rules(c.sharding_rules)
-    meshes = components.role_meshes_for(c)
+    meshes = builders.role_meshes_for(c)
     if shape == "default":
-        _, model = components.build(c, meshes["trainer"], rules)
+        _, model = builders.build(c, meshes["trainer"], rules)
     else:
         model = models.from_config(models.ModelConfig(**SHAPES[shape]), seed=0, mesh=meshes["trainer"], rules=rules)
     params = sum(x.size for x in __import__("jax").tree.leaves(model.params))
     t0 = time.perf_counter()
-    backend, transport = components.make_backend(c, model, 0, meshes, rules, workdir=str(work))
+    backend, transport = builders.make_backend(c, model, 0, meshes, rules, workdir=str(work))
     join = time.perf_counter() - t0
     pushes, transfers, streams = [], [], []
     try:
         for v in range(1, reps + 1):
-            before = backend.stats()["weight_transfer_seconds_total"]
+            before = backend.metrics()["weight_transfer_seconds_total"]
             t0 = time.perf_counter()
             fut = transport.push(model.params, v)
             pushes.append(time.perf_counter() - t0)
             fut.result(timeout=1800)
             streams.append(time.perf_counter() - t0)
-            transfers.append(backend.stats()["weight_transfer_seconds_total"] - before)
+            transfers.append(backend.metrics()["weight_transfer_seconds_total"] - before)
         assert backend.version == reps
     finally:
         backend.close()

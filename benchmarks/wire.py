@@ -75,7 +75,7 @@ def peer(port: int, name: str, read: bool) -> None:
 
 
 def measure(peers: list[tuple[str, bool]], updates: int, mb: int, workdir: str) -> dict:
-    from arealjax import components
+    from arealjax import builders
     from arealjax.generation.remote import SEND_HWM
     from arealjax.sharding import normalize_rules, role_meshes
     from configs.default import get_config
@@ -88,12 +88,12 @@ def measure(peers: list[tuple[str, bool]], updates: int, mb: int, workdir: str) 
     c.generator.update(backend="remote", max_len=48)
     c.generator.servers.update(address=f"127.0.0.1:{port}", spawn=0, min=1, start_seconds=60.0)
     rules = normalize_rules(c.sharding_rules)
-    _, model = components.build(c, role_meshes(c.mesh)["trainer"], rules)
+    _, model = builders.build(c, role_meshes(c.mesh)["trainer"], rules)
     procs = [subprocess.Popen([sys.executable, __file__, f"--peer={port}", f"--name={name}"]
                               + ([] if read else ["--no-read"]), cwd=ROOT) for name, read in peers]
     backend = None
     try:
-        backend, _ = components.make_backend(c, model, 0, components.role_meshes_for(c), rules, workdir=workdir)
+        backend, _ = builders.make_backend(c, model, 0, builders.role_meshes_for(c), rules, workdir=workdir)
         deadline = time.monotonic() + 60
         while len(backend.servers()) < len(peers):
             assert time.monotonic() < deadline, "the peers did not say hello"

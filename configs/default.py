@@ -96,7 +96,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rl.solved_reward = 1.0
     config.rl.solved_window = 256
     config.rl.solved_share = 0.95
+    # Rollout sampling: temperature, then top_k (0: off) and top_p (1: off) truncation. Behaviour logprobs are of the
+    # tempered distribution over the whole vocabulary, the one the trainer computes.
     config.rl.temperature = 1.0
+    config.rl.top_k = 0
+    config.rl.top_p = 1.0
     config.rl.max_new_tokens = 40
     config.rl.eval_every = 10
 
@@ -122,7 +126,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.trainer.max_tokens = 128  # packed row length
     config.trainer.micro_rows = 16
     # Optimizer steps per RL step, each on 1/n of the batch. With 1, π_θ = π_prox at the only update and the
-    # decoupled objective's clip never acts (fine at this job's short outputs and η = 2; configs/longtail.py uses 4).
+    # decoupled objective's clip never acts (docs/objectives.md).
     config.trainer.ppo_n_minibatches = 1
     # The objective (arealjax/rl/losses.py; docs/objectives.md says which to use when): decoupled | standard | gspo |
     # cispo | m2po, and decoupled's correction of the behaviour weight π_prox/μ: none | truncate (token TIS) | mask
@@ -157,8 +161,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # The interruptible generator (arealjax/generation): KV-cache slots, cache length, weight-swap mode.
     config.generator = ml_collections.ConfigDict()
-    # The rollout backend (components.BACKENDS): "local" = the generator in this process on its own devices;
-    # "remote" = generation servers in their own processes (docs/servers.md), which take mesh.generator.
+    # The rollout backend (arealjax/generation/__init__.py): "local" = the generator in this process on its own
+    # devices; "remote" = generation servers in their own processes (docs/servers.md), which take mesh.generator; or
+    # the path of a module of your own.
     config.generator.backend = "local"
     config.generator.servers = ml_collections.ConfigDict()
     config.generator.servers.address = "127.0.0.1:0"  # where the trainer listens for servers (port 0: any free one)
@@ -188,6 +193,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.generator.attention = "auto"  # "auto": the Pallas paged kernel on GPU, "ragged" (pure JAX) elsewhere
     config.generator.prefill_attention = "auto"  # prompt attention, as trainer.attention
     config.generator.dtype = "float32"  # params and KV cache; "bfloat16" halves both (the weight sync casts)
+
+    # Weights & Biases beside metrics.jsonl and TensorBoard (pip install wandb): off while project is empty. mode
+    # "offline" writes workdir/wandb for a later `wandb sync`; a resumed run continues its W&B run.
+    config.wandb = dict(project="", entity="", name="", group="", tags=(), mode="online")
 
     # orbax checkpoints of the whole RL state (see arealjax/checkpoint.py); resume continues the latest one.
     config.resume = False

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from arealjax import components, evaluate
+from arealjax import builders, evaluate
 from arealjax.api import RolloutBackend, SamplingParams, WeightTransport
 from arealjax.controller import RolloutController
 from arealjax.data.prompts import eval_prompts, train_prompts
@@ -53,7 +53,7 @@ class ProtocolOnly:
     """The real backend seen through the protocol alone: any other attribute (`engine`, `counters`, ...) raises,
     so a component that reaches through the interface fails here."""
 
-    MEMBERS = {"version", "max_len", "submit", "update_weights", "abort", "pause", "resume", "in_flight", "stats",
+    MEMBERS = {"version", "max_len", "submit", "update_weights", "abort", "pause", "resume", "in_flight", "metrics",
                "close"}
 
     def __init__(self, backend):
@@ -74,14 +74,14 @@ def test_backends_and_transports_satisfy_the_protocols_and_serve_through_them(ki
     c.generator.backend = kind
     c.generator.servers.spawn = 2
     rules = normalize_rules(c.sharding_rules)
-    meshes = components.role_meshes_for(c)
-    tokenizer, model = components.build(c, meshes["trainer"], rules)
-    backend, transport = components.make_backend(c, model, 0, meshes, rules, workdir=str(tmp_path))
+    meshes = builders.role_meshes_for(c)
+    tokenizer, model = builders.build(c, meshes["trainer"], rules)
+    backend, transport = builders.make_backend(c, model, 0, meshes, rules, workdir=str(tmp_path))
     try:
         assert isinstance(backend, RolloutBackend) and isinstance(transport, WeightTransport)
         assert backend.max_len == 48 and transport.bytes > 0
         proxy = ProtocolOnly(backend)
-        assert isinstance(proxy.stats(), dict) and all(isinstance(v, (int, float)) for v in proxy.stats().values())
+        assert isinstance(proxy.metrics(), dict) and all(isinstance(v, (int, float)) for v in proxy.metrics().values())
 
         # the controller with a multi-turn workflow, through the protocol only
         sampling = SamplingParams(max_new_tokens=6, n=2, stop_token_ids=tuple(tokenizer.eos_ids), seed=1)
@@ -113,7 +113,76 @@ def test_unknown_backend_is_refused_by_name():
     c.generator.backend = "vllm"
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
-    _, model = components.build(c, meshes["trainer"], rules)
+    _, model = builders.build(c, meshes["trainer"], rules)
     with pytest.raises(ValueError, match="generator.backend = 'vllm'"):
-        components.make_backend(c, model, 0, meshes, rules)
+        builders.make_backend(c, model, 0, meshes, rules)
 
+
+
+BACKEND_OF_ONES_OWN = '''
+"""A rollout backend of one's own: the local generator behind a wrapper that counts submits, in one file."""
+from arealjax.generation import local
+
+OWNS_GENERATOR_DEVICES = True
+SUBMITTED = []
+
+
+def check(config, problems):
+    local.check(config, problems)
+    problems.need(config.generator.slots <= 16, "generator.slots", "≤ 16 with the counting backend")
+
+
+class Counting:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def submit(self, prompt, sampling, **kw):
+        SUBMITTED.append(list(prompt))
+        return self.inner.submit(prompt, sampling, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def build(config, model, version, meshes, rules, workdir=None):
+    generator, transport = local.build(config, model, version, meshes, rules, workdir)
+    return Counting(generator), transport
+'''
+
+
+def test_a_backend_of_ones_own_is_one_file(tmp_path, monkeypatch):
+    """generator.backend names any module with build, check and OWNS_GENERATOR_DEVICES: the start-up check runs
+    its check, the builders build it, and it serves the controller; nothing else in arealjax changes."""
+    from arealjax.checks import ConfigError, check_config
+
+    (tmp_path / "counting_backend.py").write_text(BACKEND_OF_ONES_OWN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    c = small_config()
+    c.generator.backend = "counting_backend"
+    c.generator.slots = 32
+    with pytest.raises(ConfigError, match=r"generator\.slots = 32: expected ≤ 16 with the counting backend"):
+        check_config(c)
+    c.generator.slots = 8
+    check_config(c)
+    rules = normalize_rules(c.sharding_rules)
+    meshes = builders.role_meshes_for(c)
+    tokenizer, model = builders.build(c, meshes["trainer"], rules)
+    backend, transport = builders.make_backend(c, model, 0, meshes, rules)
+    import counting_backend
+
+    try:
+        assert isinstance(backend, counting_backend.Counting) and isinstance(backend, RolloutBackend)
+        sampling = SamplingParams(max_new_tokens=4, n=2, stop_token_ids=tuple(tokenizer.eos_ids), seed=1)
+        with RewardService(c.rewards.fn, workers=1) as rewards:
+            controller = RolloutController(backend, rewards, tokenizer, train_prompts(c, tokenizer),
+                                           StalenessManager(2, 0, 2), sampling,
+                                           AdvantageConfig(filter_uniform=False)).start()
+            try:
+                assert len(controller.get_batch(0)) == 2
+            finally:
+                controller.stop()
+        assert len(counting_backend.SUBMITTED) >= 2
+        transport.push(model.params, 1).result(timeout=60)
+        assert backend.version == 1
+    finally:
+        backend.close()

@@ -33,6 +33,10 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     # a rollout backend is reached through arealjax.api only (tests/test_api.py: evaluate.py, directly)
     "arealjax.controller": ("arealjax.generation",),
     "arealjax.workflows": ("arealjax.generation",),
+    # the backends sit below the loop that builds them (a generation server runs one without the loop)
+    "arealjax.generation": ("arealjax.builders", "arealjax.train", "arealjax.export", "arealjax.checks",
+                            "arealjax.controller", "arealjax.sft", "arealjax.evaluate"),
+    "arealjax.validate": ("arealjax",),  # what every component's check imports
 }
 
 # module -> modules (a package covers its submodules) that `import module` must leave unloaded in a fresh interpreter
@@ -41,6 +45,9 @@ LOADED: dict[str, tuple[str, ...]] = {
     "arealjax.models": ABOVE_THE_MODEL + HEAVY,
     "arealjax.sharding": ABOVE_THE_MODEL + HEAVY,
     "arealjax.runtime": ("arealjax.distributed", "arealjax.sharding", "jax"),  # signals are caught before JAX loads
+    # a generation server reads the wire and its flags before it configures JAX (--devices, --cpus)
+    "arealjax.generation": ("jax",),
+    "arealjax.generation.rpc": ("jax",),
 }
 
 

@@ -193,3 +193,17 @@ def test_a_resumed_grid_does_not_warm_up_a_kind_again(tmp_path, monkeypatch):
     ran.clear()
     cells.warm_up(todo, args)
     assert ran == [f"warm_{todo[1]['name']}"]
+
+
+def test_results_files_record_commands_anyone_can_rerun():
+    """Every command a results file records runs from the repository on any machine: no path of the machine that
+    measured it (work folders, worktrees, output folders); `portable` writes a worktree as its commit."""
+    from benchmarks.cells import portable
+
+    assert portable(["--etas=4", "--work=/tmp/w", "--results", "/tmp/r", "--checkout=" + str(ROOT), "--tag=x"]) == [
+        "--etas=4", f"--checkout=<worktree of {cells.commit().removesuffix('+dirty')}>", "--tag=x"]
+    commands = [(f.name, m.group(0)) for f in sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+                for m in re.finditer(r"python benchmarks/[\w.]+\.py[^`\n]*", f.read_text())]
+    assert commands
+    for name, cmd in commands:
+        assert not re.search(r"(^|[\s=])/(tmp|work|root|home)\b", cmd), f"{name}: {cmd}"

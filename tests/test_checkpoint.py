@@ -222,7 +222,7 @@ def test_the_kl_reference_policy_is_checkpointed(tmp_path):
     import jax
     from test_controller import small_config
 
-    from arealjax import components
+    from arealjax import builders
     from arealjax.checkpoint import Checkpointer
     from arealjax.rl.trainer import Trainer
     from arealjax.sharding import normalize_rules, role_meshes
@@ -233,8 +233,8 @@ def test_the_kl_reference_policy_is_checkpointed(tmp_path):
 
     def trainer(seed):
         c.seed = seed
-        model = components.build(c, mesh, rules)[1]
-        return Trainer(model, components.trainer_config(c.trainer), mesh=mesh, rules=rules)
+        model = builders.build(c, mesh, rules)[1]
+        return Trainer(model, builders.trainer_config(c.trainer), mesh=mesh, rules=rules)
 
     first = trainer(0)
     ckpt = Checkpointer(tmp_path, every_steps=1)

@@ -13,11 +13,13 @@ import jax
 import numpy as np
 import pytest
 
-from arealjax import components, train
+from arealjax import builders, train
+from arealjax.api import SamplingParams
 from arealjax.controller import Prompt, RolloutController
 from arealjax.data.pipeline import format_prompt
 from arealjax.data.prompts import train_prompts
-from arealjax.generation import Engine, Generator, SamplingParams
+from arealjax.generation.engine import Engine
+from arealjax.generation.generator import Generator
 from arealjax.metrics import Meter
 from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig
@@ -158,8 +160,8 @@ def test_generator_scores_like_the_trainer_after_a_sync():
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
     assert not set(meshes["trainer"].devices.flat) & set(meshes["generator"].devices.flat)
-    tokenizer, model = components.build(c, meshes["trainer"], rules)
-    trainer = Trainer(model, components.trainer_config(c.trainer), mesh=meshes["trainer"], rules=rules)
+    tokenizer, model = builders.build(c, meshes["trainer"], rules)
+    trainer = Trainer(model, builders.trainer_config(c.trainer), mesh=meshes["trainer"], rules=rules)
     gen_model = model.to_mesh(meshes["generator"], rules)
     shard = LogicalSharding(meshes["generator"], rules)
     prompt = format_prompt(tokenizer, "12+34=")
@@ -215,7 +217,7 @@ def test_stop_with_groups_in_flight_is_quiet_and_accounted(caplog):
     c = small_config(4)
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
-    tokenizer, model = components.build(c, meshes["generator"], rules)
+    tokenizer, model = builders.build(c, meshes["generator"], rules)
     engine = Engine(model, slots=2, max_len=32, shard=LogicalSharding(meshes["generator"], rules))
     generator = Generator(engine, model.params)
     sampling = SamplingParams(max_new_tokens=20, n=2, stop_token_ids=tuple(tokenizer.eos_ids))
@@ -256,7 +258,7 @@ def test_fast_late_groups_do_not_strand_slow_early_ones():
     c = small_config(2)
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
-    tokenizer, model = components.build(c, meshes["generator"], rules)
+    tokenizer, model = builders.build(c, meshes["generator"], rules)
     gates = {f"p{i}": threading.Event() for i in range(8)}
     prompts = iter([Prompt(pid, format_prompt(tokenizer, f"{i}+{i}="), {}) for i, pid in enumerate(gates)])
     generator = Generator(Engine(model, slots=4, max_len=32, shard=LogicalSharding(meshes["generator"], rules)),
@@ -312,7 +314,7 @@ def test_prompts_draw_independent_samples_and_a_reissued_prompt_the_same_ones():
     c = small_config(0)
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
-    tokenizer, model = components.build(c, meshes["generator"], rules)
+    tokenizer, model = builders.build(c, meshes["generator"], rules)
     zero = jax.tree.map(jax.numpy.zeros_like, model.params)
     tokens = format_prompt(tokenizer, "12+34=")
     batch = [Prompt("a", tokens, {}), Prompt("b", tokens, {}), Prompt("a", tokens, {}, epoch=1)]

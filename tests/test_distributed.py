@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from arealjax.metrics import reduce_metrics, reduce_processes
+from arealjax.metrics import Count, Peak, reduce_processes
 from arealjax.runtime import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,18 +207,23 @@ def test_an_error_in_one_process_is_raised_in_every_process(tmp_path, warm_start
     assert rc0 == 1 and "error: process 1 failed:" in out0 and "broken on this host" in out0, out0[-3000:]
 
 
-def test_reduce_metrics_sums_counts_takes_maxima_and_averages_the_rest():
-    a = {"reward": 0.5, "staleness_max": 1.0, "staleness_tokens_0": 10, "queue_depth": 3, "only_here": 7.0}
-    b = {"reward": 1.0, "staleness_max": 2.0, "staleness_tokens_0": 5, "queue_depth": 1}
-    out = reduce_metrics([a, b], sums=("staleness_tokens_", "queue_depth"), maxima=("staleness_max",))
+def test_reduce_processes_combines_each_metric_by_its_kind():
+    """Kinds come from this process's row (the others arrive as JSON): Counts add, Peaks take the largest, gauges
+    average over the processes that report them."""
+    a = {"reward": 0.5, "staleness_max": Peak(1.0), "staleness_tokens_0": Count(10), "queue_depth": Count(3),
+         "only_here": 7.0}
+    b = json.loads(json.dumps({"reward": 1.0, "staleness_max": Peak(2.0), "staleness_tokens_0": Count(5),
+                               "queue_depth": Count(1)}))
+    out = reduce_processes([a, b], like=a)
     assert out == {"reward": 0.75, "staleness_max": 2.0, "staleness_tokens_0": 15, "queue_depth": 4,
                    "only_here": 7.0}
+    assert type(out["queue_depth"]) is Count and type(out["staleness_max"]) is Peak
 
 
 def test_reduce_processes_sums_generator_time_before_its_idle_share():
     """The idle share is of the summed seconds over processes, not the mean of each process's share."""
-    a = {"generator_idle_seconds": 1.0, "generator_busy_seconds": 3.0, "weight_sync_seconds": 0.2}
+    a = {"generator_idle_seconds": Count(1.0), "generator_busy_seconds": Count(3.0), "weight_sync_seconds": Peak(0.2)}
     b = {"generator_idle_seconds": 3.0, "generator_busy_seconds": 1.0, "weight_sync_seconds": 0.5}
-    out = reduce_processes([a, b])
+    out = reduce_processes([a, b], like=a)
     assert out["generator_idle_share"] == 0.5 and out["weight_sync_seconds"] == 0.5
     assert out["generator_idle_seconds"] == 4.0

@@ -125,11 +125,14 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
     (["--config.generator.backend=remote", "--config.generator.servers.address=0.0.0.0:5555"],
      r"generator\.servers\.keys_dir = '': expected a keys folder: servers started by hand at 0\.0\.0\.0:5555 \(not "
      r"loopback\) must hold a key \(make one: python -m arealjax\.generation\.server --new-keys=DIR"),
-    (["--config.generator.backend=vllm"], r"generator\.backend = 'vllm': expected one of \('local', 'remote'\)"),
+    (["--config.generator.backend=vllm"], r"generator\.backend = 'vllm': expected one of \('local', 'remote'\) or "
+     r"the path of a module with build, check, OWNS_GENERATOR_DEVICES"),
     (["--config.sft.steps=10"], r"sft\.steps = 10: expected more than sft\.optim\.warmup_steps = 20"),
     (["--config.trainer.max_tokens=32"], r"trainer\.max_tokens = 32: expected ≥ generator\.max_len = 64"),
     (["--config.rl.temperature=0.0"], r"rl\.temperature = 0\.0: expected > 0"),
     (["--config.rl.solved_share=1.5"], r"rl\.solved_share = 1\.5: expected a share in \(0, 1\]"),
+    (["--config.rl.top_p=0"], r"rl\.top_p = 0\.0: expected in \(0, 1\]"),
+    (["--config.rl.top_k=-1"], r"rl\.top_k = -1: expected an integer ≥ 0"),
     (["--config.rl.solved_window=-1"], r"rl\.solved_window = -1: expected an integer ≥ 0"),
     (["--config.model_path=/nonexistent/model"], r"model_path = '/nonexistent/model': expected an existing dir"),
     (["--config.task.name=sudoku"], r"task\.name = 'sudoku': expected one of \['addition', 'remainder'\]"),
@@ -146,6 +149,14 @@ def test_cores_the_machine_lacks_are_refused_before_jax_starts(tmp_path):
     assert_clean_failure(main_py(tmp_path, f"--config.cpus=0-{os.cpu_count()}"),
                          r"cpus: '0-\d+' names cores this process may not run on \(it may use 0-\d+\)", within=30,
                          summary=False)
+
+
+def test_rollouts_sample_with_the_configs_top_k(tmp_path):
+    """rl.top_k = 1 makes every sample of a group the same answer: dynamic filtering drops each group, and the run
+    stops with that diagnosis (the rollouts are sampled with the config's truncation, not the full vocabulary)."""
+    run = main_py(tmp_path, "--config.rl.top_k=1", "--config.advantage.filter_uniform=True",
+                  "--config.rl.max_filtered_in_a_row=6")
+    assert_clean_failure(run, r"dynamic filtering dropped 6 groups in a row")
 
 
 def test_every_problem_is_listed_at_once(tmp_path):

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arealjax.generation import Engine, Generator, SamplingParams
+from arealjax.api import SamplingParams
+from arealjax.generation.engine import Engine
+from arealjax.generation.generator import Generator
 from arealjax.generation.pages import decode_index
 from arealjax.models import Model, ModelConfig, decode_step, from_config, init_pages, prefill
 from arealjax.models.paged import write_prefill
@@ -255,15 +257,15 @@ def test_stats_count_the_idle_wait_in_progress():
         gen.pause()  # returns once the loop waits; with no work, it goes on waiting after resume()
         gen.resume()
         t0 = time.perf_counter()
-        first = gen.stats()
+        first = gen.metrics()
         time.sleep(0.3)
-        second = gen.stats()
+        second = gen.metrics()
         waited = time.perf_counter() - t0
         idle = second["generator_idle_seconds_total"] - first["generator_idle_seconds_total"]
         assert 0.3 <= idle <= waited, (idle, waited)
         assert second["generator_busy_seconds_total"] == first["generator_busy_seconds_total"]
         gen.submit(prompt, sampling).result(timeout=60)  # the same shapes: nothing compiles
-        third = gen.stats()  # the wait that ended is counted once, not again on top of what was read during it
+        third = gen.metrics()  # the wait that ended is counted once, not again on top of what was read during it
         assert 0.3 <= third["generator_idle_seconds_total"] - first["generator_idle_seconds_total"] \
             <= time.perf_counter() - t0
 

@@ -12,13 +12,15 @@ import torch
 from flax import nnx
 
 from arealjax import models
-from arealjax.generation import Engine, Generator, SamplingParams
+from arealjax.api import SamplingParams
+from arealjax.generation.engine import Engine
+from arealjax.generation.generator import Generator
+from arealjax.generation.local import WeightSync
 from arealjax.models import LoraConfig, ModelConfig, from_config, save_pretrained
 from arealjax.models.lora import SERVING, adapter_pairs, add_lora, merge, save_adapters, split
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh
-from arealjax.weights import WeightSync
 
 CFG = ModelConfig.make(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8)

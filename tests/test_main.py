@@ -2,6 +2,9 @@
 exported model through --config.model_path."""
 
 import json
+import math
+import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +30,53 @@ SMALL = ["--config.sft.steps=10", "--config.sft.optim.warmup_steps=2", "--config
 
 
 @pytest.mark.slow
+def wandb_records(path: Path) -> list:
+    """The records of an offline W&B run file (LevelDB log blocks of protobuf `Record`s, wandb's own format)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, out, part = path.read_bytes(), 7, [], b""
+    assert data[:4] == b":W&B", data[:7]
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == kind == 0:
+            break
+        part, pos = part + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or its last piece
+            out.append(pb.Record.FromString(part))
+            part = b""
+    return out
+
+
+def log_lines_inside_bars(stderr: str) -> list[str]:
+    """Log records (absl's form: 'I1126 10:26:59…') that do not start their line: written after a progress bar's
+    text, which ends with a carriage return, not a newline."""
+    return [seg for line in stderr.split("\n") for seg in line.split("\r")
+            if re.search(r".[IWE]\d{4} \d\d:\d\d:\d\d", seg)]
+
+
 def test_default_job_then_reload_exported_model(tmp_path):
-    first = run_main(f"--workdir={tmp_path / 'a'}", *SMALL)
+    first = run_main(f"--workdir={tmp_path / 'a'}", *SMALL, "--config.checkpoint.every_steps=1",
+                     "--config.wandb.project=arealjax-test", "--config.wandb.mode=offline")
     assert first.returncode == 0, first.stderr[-3000:]
+    # a checkpoint's log line at every step, each above the RL bar, never inside it
+    assert first.stderr.count("checkpoint ") >= 3 and not log_lines_inside_bars(first.stderr), first.stderr[-3000:]
+    # Weights & Biases (offline): the run config, every step's metrics as metrics.jsonl has them, the curves
+    run_file, = (tmp_path / "a/wandb").glob("offline-run-*/run-*.wandb")
+    assert run_file.stem == "run-" + (tmp_path / "a/wandb_run_id").read_text().strip()
+    logged = wandb_records(run_file)
+    run_config = {u.key: json.loads(u.value_json) for r in logged if r.WhichOneof("record_type") == "run"
+                  for u in r.run.config.update}
+    assert run_config["trainer"]["optim"]["lr"] == 5e-4 and run_config["rl"]["steps"] == 3
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in logged
+               if r.WhichOneof("record_type") == "history"]
+    jsonl = [json.loads(x) for x in (tmp_path / "a/metrics.jsonl").read_text().splitlines()]
+    for row in jsonl:
+        got = {k: v for h in history if h.get("_step") == row["step"] for k, v in h.items()}
+        assert all(got[k] == pytest.approx(v) for k, v in row.items() if k != "step" and math.isfinite(v)), row
+    assert any(h.get("curves/_type") == "image-file" for h in history)
     summary = json.loads((tmp_path / "a/summary.json").read_text())
     assert summary["steps"] == 3 and summary["prompts"]["trained"] == 3 * 16
     assert (tmp_path / "a/sft/sft_config.json").is_file() and (tmp_path / "a/curves.png").is_file()

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from conftest import hf_logits
 
-from arealjax.generation import Engine, Generator, SamplingParams
+from arealjax.api import SamplingParams
+from arealjax.generation.engine import Engine
+from arealjax.generation.generator import Generator
 from arealjax.models import load_pretrained, lora
 from arealjax.models.gguf import GGUFFile, model_config, packaged
 from arealjax.rl.advantages import AdvantageConfig, assign_advantages

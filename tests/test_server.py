@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from arealjax import components, runtime
+from arealjax import builders, runtime
 from arealjax.api import SamplingParams
 from arealjax.sharding import normalize_rules, role_meshes
 from configs.default import get_config
@@ -37,11 +37,11 @@ def small_config(**servers):
 def backends(c, tmp_path, kinds=("local", "remote")):
     """(tokenizer, model, {kind: (backend, transport)}) for the same model."""
     rules = normalize_rules(c.sharding_rules)
-    tokenizer, model = components.build(c, role_meshes(c.mesh)["trainer"], rules)
+    tokenizer, model = builders.build(c, role_meshes(c.mesh)["trainer"], rules)
     out = {}
     for kind in kinds:
         c.generator.backend = kind
-        out[kind] = components.make_backend(c, model, 0, components.role_meshes_for(c), rules,
+        out[kind] = builders.make_backend(c, model, 0, builders.role_meshes_for(c), rules,
                                             workdir=str(tmp_path))
     return tokenizer, model, out
 
@@ -105,7 +105,7 @@ def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_th
         (after,) = remote.submit(reqs[0][1], SamplingParams(max_new_tokens=4)).result(timeout=60)
         assert list(after.versions) == [2] * 4
         assert {n: s["cpus"] for n, s in remote.servers().items()} == {"server-0": [0], "server-1": [last]}
-        stats = remote.stats()
+        stats = remote.metrics()
         assert stats["servers_ready"] == 2 and stats["decode_steps_total"] > 0
         assert stats["weight_bytes_total"] >= 2 * 3 * transport.bytes  # the first weights and two updates, ×2
     finally:
@@ -143,23 +143,23 @@ def test_under_lora_and_bf16_only_the_adapters_travel_cast_and_servers_serve_the
     c = small_config()
     c.lora.rank, c.generator.dtype = 2, "bfloat16"
     rules = normalize_rules(c.sharding_rules)
-    tokenizer, base = components.build(c, role_meshes(c.mesh)["trainer"], rules)
-    trainer = components.make_trainer(c, base, role_meshes(c.mesh)["trainer"], rules)
+    tokenizer, base = builders.build(c, role_meshes(c.mesh)["trainer"], rules)
+    trainer = builders.make_trainer(c, base, role_meshes(c.mesh)["trainer"], rules)
     made = {}
     for kind in ("local", "remote"):
         c.generator.backend = kind
-        made[kind] = components.make_backend(c, trainer.model, 0, components.role_meshes_for(c), rules,
+        made[kind] = builders.make_backend(c, trainer.model, 0, builders.role_meshes_for(c), rules,
                                              workdir=str(tmp_path))
     (local, _), (remote, transport) = made["local"], made["remote"]
     try:
         rng = np.random.RandomState(0)
         adapters = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype), trainer.params)
-        sent = remote.stats()["weight_bytes_total"]
+        sent = remote.metrics()["weight_bytes_total"]
         for _, t in made.values():
             t.push(adapters, 1).result(timeout=60)
         count = sum(x.size for x in jax.tree.leaves(adapters))
         assert transport.bytes == 2 * count and count < sum(x.size for x in jax.tree.leaves(trainer.model.params)) / 5
-        assert remote.stats()["weight_bytes_total"] - sent == 2 * transport.bytes  # two servers, adapters only
+        assert remote.metrics()["weight_bytes_total"] - sent == 2 * transport.bytes  # two servers, adapters only
         assert {s["fingerprint"] for s in remote.servers().values()} == {transport.fingerprint(adapters)}
         sampling = SamplingParams(temperature=0.8, max_new_tokens=16, seed=5)
         for rid, p, j in requests(tokenizer, groups=4, samples=2):
@@ -197,13 +197,13 @@ def test_a_killed_server_loses_nothing_and_the_last_one_dying_is_named(tmp_path)
     reqs = requests(tokenizer, groups=24, samples=2)
     try:
         kill_mid_generation_and_compare(local, remote, reqs, sampling, "server-0")
-        stats = remote.stats()
+        stats = remote.metrics()
         assert stats["servers_lost_total"] == 1 and stats["servers_ready"] == 1
         assert stats["requests_reissued_total"] > 0, "the kill came after every request had finished"
         assert "exited with code -9" in remote.servers()["server-0"]["why"]
 
         os.kill(remote.servers()["server-1"]["pid"], signal.SIGKILL)
-        wait_until(lambda: remote.stats()["servers_ready"] == 0, 30, "the second loss to be noticed")
+        wait_until(lambda: remote.metrics()["servers_ready"] == 0, 30, "the second loss to be noticed")
         unsent = remote.submit(reqs[0][1], sampling, request_id="unsent")  # no server: aborting it is immediate
         assert remote.abort("unsent") and [c.stop_reason for c in unsent.result(timeout=5)] == ["abort"]
         orphan = remote.submit(reqs[0][1], sampling, request_id="orphan")

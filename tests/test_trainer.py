@@ -219,7 +219,9 @@ def test_on_policy_data_at_any_temperature_has_unit_weights_and_ratios(model):
     """The generator records log softmax(logits / T); the trainer must score π_θ and π_prox at the same T, or the
     behaviour weight w = π_prox/μ and the ratio compare different distributions (at T = 0.6 w ranged 0.86–1.09
     on fully on-policy data). On-policy samples at T ∈ {0.6, 1.0, 1.3}: w ≡ 1 and the ratio ≡ 1 at step start."""
-    from arealjax.generation import Engine, Generator, SamplingParams
+    from arealjax.api import SamplingParams
+    from arealjax.generation.engine import Engine
+    from arealjax.generation.generator import Generator
 
     rng = np.random.RandomState(1)
     ps = [list(rng.randint(3, 64, rng.randint(2, 8))) for _ in range(6)]
@@ -278,7 +280,9 @@ def test_bf16_generator_and_bf16_compute_trainer_agree_on_policy(model):
     """Mixed precision: a bf16 generator (the weight sync casts fp32 master params) and a trainer computing in
     bf16 on fp32 params score the same on-policy tokens to bf16 tolerance: the behaviour weight π_prox/μ at the
     step start stays ≈ 1, and the step moves the fp32 master params."""
-    from arealjax.generation import Engine, Generator, SamplingParams
+    from arealjax.api import SamplingParams
+    from arealjax.generation.engine import Engine
+    from arealjax.generation.generator import Generator
     from arealjax.models import Model
 
     bf16 = Model(model.cfg, model.graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params))

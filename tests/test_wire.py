@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import zmq
 
-from arealjax import components
+from arealjax import builders
 from arealjax.api import SamplingParams
 from arealjax.generation import rpc
 from arealjax.sharding import normalize_rules, role_meshes
@@ -146,10 +146,10 @@ def trainer(tmp_path, peers=({"name": "honest"},), **servers):
     c = small_config(port, **{"min": len(peers), **servers})
     started = [Peer(port, **p) for p in peers]
     rules = normalize_rules(c.sharding_rules)
-    _, model = components.build(c, role_meshes(c.mesh)["trainer"], rules)
+    _, model = builders.build(c, role_meshes(c.mesh)["trainer"], rules)
     backend = None
     try:
-        backend, _ = components.make_backend(c, model, 0, components.role_meshes_for(c), rules,
+        backend, _ = builders.make_backend(c, model, 0, builders.role_meshes_for(c), rules,
                                              workdir=str(tmp_path))
         yield backend, port, started
     finally:
@@ -212,7 +212,7 @@ def test_a_malformed_completion_drops_its_server_by_name_and_the_request_complet
         rogue = backend.servers()["rogue"]
         assert rogue["state"] == "dead" and "sent a malformed 'done' message" in rogue["why"], rogue
         assert re.search(why, rogue["why"]), rogue["why"]
-        assert backend.stats()["requests_reissued_total"] >= 1
+        assert backend.metrics()["requests_reissued_total"] >= 1
 
 
 @pytest.mark.parametrize("stats", [{"decode_steps_total": "many"}, {"x": float("inf")}, ["not", "a", "map"]])
@@ -223,7 +223,7 @@ def test_non_numeric_stats_drop_their_server_and_the_run_goes_on(tmp_path, stats
         assert re.search(r"sent a malformed 'ping' message \(stats(: .* is not a finite number| is list, not a map)",
                          backend.servers()["rogue"]["why"]), backend.servers()["rogue"]["why"]
         assert_honest_answers(spread(backend))
-        assert backend.stats()["servers_ready"] == 1
+        assert backend.metrics()["servers_ready"] == 1
 
 
 # ---- who may join ----
@@ -481,4 +481,4 @@ def test_stats_a_generator_does_not_keep_drop_the_server(tmp_path):
     with trainer(tmp_path, peers=peers, min=1) as (backend, _, _):
         wait_until(lambda: backend.servers().get("rogue", {}).get("state") == "dead", 10, "the rogue's drop")
         assert "['made_up_total'] are not a generator's" in backend.servers()["rogue"]["why"]
-        assert "made_up_total" not in backend.stats()
+        assert "made_up_total" not in backend.metrics()

@@ -22,6 +22,7 @@ import grain
 import jax
 import tensorflow_datasets as tfds
 
+from arealjax.metrics import Count
 from arealjax.tokenizer import Tokenizer
 from arealjax.workflows import Prompt
 
@@ -158,6 +159,10 @@ class PromptStream:
     def get_state(self) -> dict[str, Any]:
         return {"grain": self._iter.get_state(), "too_long": self.too_long, "position": self.position}
 
+    def metrics(self) -> dict[str, float]:
+        """The prompts skipped as longer than max_prompt_tokens so far (the rollout controller reports them)."""
+        return {"prompts_too_long": Count(self.too_long)}
+
     def set_state(self, state: dict[str, Any]) -> None:
         self._iter.set_state(state["grain"])
         self.too_long, self.position = state["too_long"], state["position"]
@@ -221,6 +226,9 @@ class ReissueFirst:
 
     def get_state(self) -> dict[str, Any]:
         return {"stream": self.stream.get_state(), "reissue": [dataclasses.asdict(p) for p in self._reissue]}
+
+    def metrics(self) -> dict[str, float]:
+        return self.stream.metrics()
 
     def set_state(self, state: dict[str, Any], admitted: list[dict] = ()) -> None:
         """`admitted`: prompts admitted but not trained at the checkpoint; they go first, in admission order."""

@@ -65,6 +65,9 @@ class SyntheticPrompts:
     def set_state(self, state: dict[str, int]) -> None:
         self.next_index = state["next_index"]
 
+    def metrics(self) -> dict[str, float]:
+        return {}  # every synthetic prompt fits
+
 
 def eval_prompts(config: Any, tokenizer: Tokenizer) -> list[Prompt]:
     """`eval.num_problems` held-out prompts: the first of `data.eval_split` (unshuffled; 0 = all of them), or

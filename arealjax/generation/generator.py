@@ -34,10 +34,11 @@ from flax import nnx
 from arealjax.api import Completion, checked_prompt
 from arealjax.generation.engine import Engine, Packed, PageWrites, SamplingParams, SlotSampling, bucket, pack
 from arealjax.generation.pages import PagePool, decode_index
+from arealjax.metrics import Peak
 
 MODES = ("recompute", "keep")
 STATS = ("decode_steps_total", "prefill_tokens_total", "refill_tokens_total", "interrupts_total", "preemptions_total",
-         "generator_busy_seconds_total", "generator_idle_seconds_total", "kv_pages_peak")  # stats()' keys
+         "generator_busy_seconds_total", "generator_idle_seconds_total", "kv_pages_peak")  # metrics()' keys
 MIN_PREFILL_LEN = 16
 
 
@@ -127,15 +128,15 @@ class Generator:
     def max_len(self) -> int:
         return self.engine.max_len
 
-    def stats(self) -> dict[str, float]:
-        """The loop's metrics (api.RolloutBackend.stats): `_total` keys are cumulative counters."""
+    def metrics(self) -> dict[str, float]:
+        """The loop's metrics (api.RolloutBackend.metrics): `_total` keys are cumulative counters."""
         c = self.counters
         with self._cv:  # the wait in progress counts as idle now: a reader mid-wait must not see 0 idle, 0 busy
             idle = c.idle_seconds + (time.perf_counter() - self._idle_since if self._idle_since is not None else 0.0)
         return {"decode_steps_total": c.steps, "prefill_tokens_total": c.prefill_tokens,
                 "refill_tokens_total": c.refill_tokens, "interrupts_total": c.interrupts,
                 "preemptions_total": c.preemptions, "generator_busy_seconds_total": c.busy_seconds,
-                "generator_idle_seconds_total": idle, "kv_pages_peak": c.peak_pages}
+                "generator_idle_seconds_total": idle, "kv_pages_peak": Peak(c.peak_pages)}
 
     def submit(self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
                request_id: str | None = None, first_sample: int = 0) -> Future:

@@ -55,14 +55,58 @@ import numpy as np
 from arealjax import models, runtime
 from arealjax.api import Completion, SamplingParams, checked_prompt
 from arealjax.distributed import fingerprint
-from arealjax.generation import rpc
+from arealjax.generation import local, rpc
 from arealjax.generation.generator import STATS
+from arealjax.metrics import Count, Peak
 from arealjax.sharding import localize
+from arealjax.validate import Problems
+
+OWNS_GENERATOR_DEVICES = False  # the servers' devices are theirs: the trainer's process takes only its own
 
 Snapshot = list[tuple[str, np.ndarray]]  # (tree path, host array) in leaf order
 SEND_HWM = 32  # messages per server in ZeroMQ's pipe; more wait in the endpoint, where a newer update replaces
 HELLO_BYTES = 64 << 10  # the most of a hello read from a peer not yet known
 RESEND_SECONDS = 1.0  # a request its server's pings have not listed this long after it was sent is sent again
+
+
+def build(config: Any, model: models.Model, version: int, meshes: dict[str, jax.sharding.Mesh], rules,
+          workdir: str | None = None) -> tuple[RemoteBackend, RemoteTransport]:
+    """Generation servers of `config.generator.servers` (their logs in workdir/servers when this process starts
+    them) serving `model`'s params as `version`, fed by streaming."""
+    remote = RemoteBackend(config, model, version, workdir)
+    return remote, remote.transport
+
+
+def check(config: Any, problems: Problems) -> None:
+    """The servers' keys, and the generator's (each server runs the local backend)."""
+    local.check(config, problems)
+    sv = config.generator.servers
+    problems.positive("generator.servers.spawn", "generator.servers.respawns", minimum=0)
+    problems.positive("generator.servers.min")
+    problems.seconds(*(f"generator.servers.{key}" for key in ("start_seconds", "wait_seconds", "heartbeat_seconds",
+                                                              "progress_seconds")))
+    host, _, port = str(sv.address).rpartition(":")
+    problems.need(bool(host) and port.isdigit() and int(port) < 65536, "generator.servers.address", "'host:port'")
+    problems.need(sv.auth in rpc.AUTH, "generator.servers.auth", f"one of {rpc.AUTH}")
+    curve = sv.auth == "curve" or sv.auth == "auto" and not rpc.loopback(str(sv.address))
+    problems.need(not curve or sv.spawn > 0 or bool(sv.keys_dir), "generator.servers.keys_dir",
+                  f"a keys folder: servers started by hand at {sv.address} (not loopback) must hold a key (make "
+                  f"one: python -m arealjax.generation.server --new-keys=DIR; or generator.servers.auth = 'none' to "
+                  f"let anyone who reaches the port join)")
+    if sv.keys_dir:
+        try:
+            rpc.trainer_keys(sv.keys_dir)
+        except (OSError, ValueError) as e:
+            problems.append(f"generator.servers.keys_dir: {e}")
+    groups = str(sv.cpus).split(";")
+    problems.need(len(groups) in (1, sv.spawn), "generator.servers.cpus",
+                  f"one set of cores for all spawned servers or one per spawned server (servers.spawn = {sv.spawn}), "
+                  "';' between")
+    for group in groups:
+        try:
+            runtime.parse_cpus(group, "generator.servers.cpus")
+        except ValueError as e:
+            problems.append(str(e))
 
 
 def wire_keys(config: Any) -> Path | None:
@@ -209,7 +253,7 @@ class RemoteBackend:
         address = f"{host}:{int(port) + self.process}" if int(port) else str(s.address)
         self.keys_dir = wire_keys(config)
         self._own_keys = self.keys_dir is not None and not s.keys_dir  # made here: removed at close
-        n = max(int(config.rl.get("group_size", 1)), int(config.get("eval", {}).get("n", 1)), 16)
+        n = max(int(config.rl.group_size), int(config.eval.n), 16)
         self.max_message = max(16 << 20, 65536 + n * self._max_len * 32)  # a 'done' of n samples of max_len tokens
         self.endpoint = rpc.Endpoint(
             rpc.zmq.ROUTER, address, bind=True, on_message=self._on_message, on_tick=self._on_tick, tick=0.25,
@@ -765,7 +809,7 @@ class RemoteBackend:
         with self._cv:
             return {rid: out.get(rid, 0) for rid in self._requests}
 
-    def stats(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """The servers' generator counters summed (as of their last ping, a quarter of a second ago at most; lost
         servers' last counts kept: the totals never go back), pages at peak as the largest, and the remote backend's
         own: servers ready, servers lost, requests sent again, weight bytes streamed, the seconds from a push to
@@ -778,8 +822,8 @@ class RemoteBackend:
                     if k.endswith("_total"):
                         out[k] = out.get(k, 0) + v
                     elif k == "kv_pages_peak":
-                        out[k] = max(out.get(k, 0), v)
-            out.update(self.counters, servers_ready=len(self._ready()))
+                        out[k] = Peak(max(out.get(k, 0), v))
+            out.update(self.counters, servers_ready=Count(len(self._ready())))
             return out
 
     def close(self) -> None:

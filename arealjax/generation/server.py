@@ -28,7 +28,12 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from arealjax import runtime
+from arealjax.generation import rpc  # no JAX: the server configures JAX (--devices, --cpus) before it loads it
+from arealjax.runtime import error_text
 
 SERVER_HELP = __doc__
 
@@ -42,10 +47,6 @@ class Server:
     weights on the mesh, building the generator, pausing it) on a worker thread, so pings keep flowing."""
 
     def __init__(self, trainer: str, name: str, keys: str = "", rejoin: float = FIRST_CONTACT_SECONDS):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from arealjax.generation import rpc
-
         self.name, self.trainer = name, trainer
         self.config = self.generator = self.sync = None
         self.heartbeat = FIRST_CONTACT_SECONDS
@@ -65,15 +66,11 @@ class Server:
     def hello(self) -> None:
         import jax
 
-        from arealjax.generation import rpc
-
         self.send("hello", protocol=rpc.PROTOCOL, name=self.name, pid=os.getpid(), host=socket.gethostname(),
                   devices=[str(d) for d in jax.local_devices()],
                   cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
 
     def send(self, kind: str, *buffers: Any, **header: Any) -> None:
-        from arealjax.generation import rpc
-
         self.endpoint.send(kind.encode(), rpc.pack(header), *buffers)
 
     def stop(self, why: str, code: int = 0) -> None:
@@ -102,7 +99,7 @@ class Server:
                       f"(servers.heartbeat_seconds = {self.heartbeat:g}): stopping", code=3)
             return
         g = self.generator
-        self.send("ping", version=g.version if g else -1, stats=g.stats() if g else {},
+        self.send("ping", version=g.version if g else -1, stats=g.metrics() if g else {},
                   progress=g.in_flight() if g else {})
 
     def later(self, what: str, fn, *args) -> None:
@@ -116,15 +113,11 @@ class Server:
         self._worker.submit(run)
 
     def fail(self, what: str, e: BaseException) -> None:
-        from arealjax.runtime import error_text
-
         logging.error("generation server: '%s' failed", what, exc_info=e)
         self.send("fatal", error=f"server {self.name}: {what}: {error_text(e)}")
         self.stop(f"'{what}' failed: {error_text(e)}", code=1)
 
     def on_message(self, frames: list) -> None:
-        from arealjax.generation import rpc
-
         self.last_heard = time.monotonic()
         kind, header, buffers = bytes(frames[0]).decode(), rpc.unpack(frames[1]), frames[2:]
         handler = getattr(self, f"on_{kind}", None)
@@ -158,8 +151,6 @@ class Server:
         import ml_collections
 
         from arealjax import models
-        from arealjax.components import lora_config
-        from arealjax.generation import rpc
         from arealjax.sharding import LogicalSharding, make_mesh, normalize_rules
 
         if header.get("protocol") != rpc.PROTOCOL:
@@ -177,7 +168,7 @@ class Server:
         self.rules = normalize_rules(self.config.sharding_rules)
         self.mesh = make_mesh(dict(g.axes), devices[:count])
         self.cfg = rpc.model_config_from_wire(header["model"])
-        self.lora = lora_config(self.config) if header["lora"] else None
+        self.lora = models.LoraConfig.of(self.config.lora) if header["lora"] else None
         dtype = models.hf.DTYPES[header["dtype"]]
         self.graphdef, abstract = models.abstract_model(self.cfg, dtype, LogicalSharding(self.mesh, self.rules),
                                                         self.lora)
@@ -194,8 +185,6 @@ class Server:
 
     def on_tensor(self, header, buffers) -> None:
         """One array of a weight update (`count` arrays, in the order of the tree's leaves)."""
-        from arealjax.generation import rpc
-
         if header["index"] == 0:
             self._incoming = {"version": header["version"], "full": header["full"], "arrays": [],
                               "started": time.perf_counter(), "bytes": 0}
@@ -221,8 +210,8 @@ class Server:
         import jax
 
         from arealjax import models
-        from arealjax.components import make_backend
         from arealjax.distributed import fingerprint
+        from arealjax.generation import local
 
         if epoch != self.epoch:  # received before a rejoin
             return
@@ -240,8 +229,8 @@ class Server:
             if not full:
                 raise RuntimeError("the first weights a server gets must be the full model")
             model = models.Model(self.cfg, self.graphdef, tree, self.lora)
-            self.generator, self.sync = make_backend(self.config, model, version, {"generator": self.mesh},
-                                                     self.rules, local=True)
+            self.generator, self.sync = local.build(self.config, model, version, {"generator": self.mesh},
+                                                    self.rules)
             self.send("applied", version=version, seconds=time.perf_counter() - inc["started"],
                       bytes=inc["bytes"], fingerprint=received, full=full)
             logging.info("generation server %s: serving version %d", self.name, version)
@@ -260,8 +249,6 @@ class Server:
         self.sync.push(tree, version).add_done_callback(applied)
 
     def on_submit(self, header, buffers) -> None:
-        from arealjax.generation import rpc
-
         rid, epoch = header["rid"], self.epoch
         if self.generator is None or rid in self.generator.in_flight():  # from before a rejoin; or sent again
             return
@@ -272,8 +259,6 @@ class Server:
             if epoch != self.epoch:  # from before a rejoin: the trainer sent it elsewhere
                 return
             if f.exception() is not None:
-                from arealjax.runtime import error_text
-
                 self.send("failed", rid=rid, error=error_text(f.exception()))
             else:
                 self.send("done", rid=rid, completions=[rpc.completion_to_wire(c) for c in f.result()])
@@ -297,7 +282,7 @@ class Server:
 
     def on_stats(self, header, buffers) -> None:
         g = self.generator
-        self.send("stats", token=header["token"], stats=g.stats() if g else {}, in_flight=g.in_flight() if g else {},
+        self.send("stats", token=header["token"], stats=g.metrics() if g else {}, in_flight=g.in_flight() if g else {},
                   version=g.version if g else -1)
 
     def close(self) -> None:
@@ -319,8 +304,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="how long to keep saying hello to a trainer gone silent (0: stop at once)")
     args = p.parse_args(argv)
     if args.new_keys:
-        from arealjax.generation import rpc
-
         try:
             folder = rpc.new_keys(args.new_keys)
         except OSError as e:
@@ -331,8 +314,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.trainer:
         p.error("--trainer=HOST:PORT is required")
-    from arealjax import runtime
-
     try:
         runtime.pin(args.cpus, "--cpus")  # before JAX starts: XLA sizes its CPU thread pools to these cores
     except ValueError as e:

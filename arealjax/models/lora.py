@@ -52,6 +52,11 @@ class LoraConfig:
                              f"subset of {TARGETS}")
         object.__setattr__(self, "targets", tuple(self.targets))
 
+    @classmethod
+    def of(cls, section: Any) -> LoraConfig | None:
+        """The adapters of a config's `lora` section (rank, alpha, targets); None where rank is 0 (LoRA off)."""
+        return cls(section.rank, section.alpha, tuple(section.targets)) if section.rank else None
+
     @property
     def scale(self) -> float:
         return self.alpha / self.rank

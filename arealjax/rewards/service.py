@@ -41,6 +41,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from arealjax.metrics import Count
+
 _STOP = object()
 _MAX_LOGGED = 5  # per kind of problem: the rest only counts
 
@@ -169,7 +171,7 @@ class RewardService:
 
     def metrics(self) -> dict[str, float]:
         """For metrics.Meter: run totals of calls that failed (scored failure_reward) and attempts that timed out."""
-        return {"reward_failures": self.stats.failed, "reward_timeouts": self.stats.timeouts}
+        return {"reward_failures": Count(self.stats.failed), "reward_timeouts": Count(self.stats.timeouts)}
 
     def close(self) -> None:
         """Stops the workers; calls not yet resolved fail with RuntimeError('reward service closed')."""

@@ -1,1 +1,1 @@
-"""RL objectives and (with the trainer issue) advantages and the sharded train step."""
+"""RL: trajectories, packing, advantages, the objectives and the sharded trainer."""

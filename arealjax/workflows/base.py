@@ -24,9 +24,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from arealjax.api import Completion, RolloutBackend, SamplingParams
+from arealjax.api import Completion, Rewards, RolloutBackend, SamplingParams
 from arealjax.rewards.sandbox import Limits, RunResult, run_python
-from arealjax.rewards.service import RewardService, resolve
+from arealjax.rewards.service import resolve
 from arealjax.rl.trajectory import Trajectory
 from arealjax.tokenizer import Tokenizer
 
@@ -60,7 +60,7 @@ class Episode:
     index: int
     request_id: str
     backend: RolloutBackend
-    rewards: RewardService
+    rewards: Rewards
     tokenizer: Tokenizer
     sampling: SamplingParams  # n = 1; max_new_tokens caps each call
     max_len: int  # the backend's max_len: context + new tokens of one call

@@ -1,66 +1,23 @@
-"""A model outside training: served for evaluation (the rollout backend + reward workers), restored from a run's
-checkpoint, exported as a Hugging Face directory."""
+"""A trained model out of a run: restored from the run's checkpoint (the trainer at its latest step) and exported as a
+Hugging Face directory (safetensors + config.json + tokenizer; LoRA merged or as PEFT adapters)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
 import jax
 
 from arealjax import models
+from arealjax.builders import build, make_trainer, role_meshes_for
 from arealjax.checkpoint import Checkpointer
-from arealjax.checks import check_config
-from arealjax.components import build, make_backend, make_rewards, make_trainer, role_meshes_for
 from arealjax.rl.trainer import Trainer
 from arealjax.runtime import Stop
 from arealjax.sft import warm_start
 from arealjax.sharding import normalize_rules
 from arealjax.tokenizer import CharTokenizer, Tokenizer
-
-
-def wait(future: Future, stop: Stop) -> Any:
-    """future.result(), checking for a stop request twice a second (a signal never lands inside it)."""
-    while True:
-        stop.check()
-        try:
-            return future.result(timeout=0.5)
-        except FutureTimeout:
-            pass
-
-
-@contextlib.contextmanager
-def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | None = None):
-    """(backend, rewards, tokenizer, wait) for evaluation: the model at `model_path` (default config.model_path)
-    or, with `workdir`, the params of that run's latest checkpoint; served by config.generator's backend.
-    Everything is stopped on exit; `wait` raises Interrupted once `stop` is set."""
-    config = config.copy_and_resolve_references()
-    with config.unlocked():
-        config.model_path = model_path or config.model_path
-        if not workdir:
-            config.sft.steps = 0  # nothing is trained here
-    check_config(config)
-    rules = normalize_rules(config.sharding_rules)
-    meshes = role_meshes_for(config)
-    tokenizer, model = build(config, meshes["trainer"], rules)
-    version = 0
-    if workdir:
-        trainer, _ = restore_trainer(config, workdir, tokenizer, model, meshes["trainer"], rules)
-        model, version = trainer.model, trainer.version
-        del trainer  # its optimizer state is not needed to generate
-    stop = stop or Stop()
-    with contextlib.ExitStack() as stack:
-        backend, _ = make_backend(config, model, version, meshes, rules)
-        stack.callback(backend.close)
-        rewards = make_rewards(config)
-        stack.callback(rewards.close)
-        yield backend, rewards, tokenizer, lambda f: wait(f, stop)
-
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "vocab.json", "merges.txt")

@@ -1,5 +1,6 @@
 """The RL job's parts, built from a config: tokenizer and model, trainer, rollout backend (+ its weight transport),
-reward service. Each builder reads only its config section; train.py, sft.py and serve.py assemble them."""
+reward service. Each builder reads only its config section; train.py, sft.py, evaluate.py and export.py assemble
+them."""
 
 from __future__ import annotations
 
@@ -7,20 +8,14 @@ from typing import Any
 
 import jax
 
-from arealjax import models
+from arealjax import generation, models
 from arealjax.api import RolloutBackend, WeightTransport
 from arealjax.distributed import Processes
-from arealjax.generation import Engine, Generator
 from arealjax.rewards.service import RewardService
 from arealjax.rl.losses import PPOConfig
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
-from arealjax.sharding import LogicalSharding, role_meshes
+from arealjax.sharding import role_meshes
 from arealjax.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
-from arealjax.weights import WeightSync
-
-# config.generator.backend: the in-process interruptible generator (generation/generator.py), or generation servers
-# in their own processes (generation/server.py) driven through generation/remote.py.
-BACKENDS = ("local", "remote")
 
 
 def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, models.Model]:
@@ -33,14 +28,9 @@ def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, model
     return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)
 
 
-def lora_config(config: Any) -> models.LoraConfig | None:
-    lo = config.lora
-    return models.LoraConfig(lo.rank, lo.alpha, tuple(lo.targets)) if lo.rank else None
-
-
 def make_trainer(config: Any, model: models.Model, mesh, rules, processes: Processes | None = None) -> Trainer:
     """The RL trainer of `config.trainer` on `mesh`; with `lora.rank` > 0 it trains fresh adapters on `model`."""
-    lora = lora_config(config)
+    lora = models.LoraConfig.of(config.lora)
     if lora is not None:
         model = models.lora.add_lora(model, lora, seed=config.seed, mesh=mesh, rules=rules)
     return Trainer(model, trainer_config(config.trainer), mesh=mesh, rules=rules, processes=processes)
@@ -53,44 +43,25 @@ def trainer_config(c: Any, loss: str = "ppo", steps: int = 0, knobs: Any = None)
     knobs = c if knobs is None else knobs
     ppo = PPOConfig(**c.ppo.to_dict()) if loss == "ppo" else PPOConfig()
     optim = c.optim.to_dict()
-    if not optim.get("total_steps"):
-        optim["total_steps"] = steps
+    optim["total_steps"] = optim.get("total_steps") or steps  # 0 or absent: the run's length
     return TrainerConfig(loss=loss, ppo=ppo, optim=OptimConfig(**optim), max_tokens=c.max_tokens,
-                         micro_rows=c.micro_rows, ppo_n_minibatches=c.get("ppo_n_minibatches", 1),
+                         micro_rows=c.micro_rows, ppo_n_minibatches=c.ppo_n_minibatches if loss == "ppo" else 1,
                          **{k: knobs[k] for k in ("attention", "remat", "scan_layers", "logits_chunk",
                                                   "compute_dtype") if k in knobs})
 
 
 def make_backend(config: Any, model: models.Model, version: int, meshes: dict[str, jax.sharding.Mesh],
-                 rules, *, workdir: str | None = None, local: bool = False) -> tuple[RolloutBackend, WeightTransport]:
-    """The rollout backend of `config.generator` serving `model`'s params as `version`, and the transport that
-    brings trainer params to it. 'local' (or `local=True`: what a generation server runs): the interruptible
-    generator on the generator mesh, fed by resharding. 'remote': generation servers (their logs in
-    workdir/servers when this process starts them), fed by streaming."""
-    g = config.generator
-    backend = "local" if local else g.get("backend", "local")
-    if backend not in BACKENDS:
-        raise ValueError(f"config.generator.backend = '{backend}'; expected one of {BACKENDS}")
-    if backend == "remote":
-        from arealjax.generation.remote import RemoteBackend
-
-        remote = RemoteBackend(config, model, version, workdir)
-        return remote, remote.transport
-    sync = WeightSync(model, meshes["generator"], rules, models.hf.DTYPES[g.dtype], config.lora.generator)
-    gen = sync.model
-    engine = Engine(gen, slots=g.slots, max_len=g.max_len, page_size=g.page_size, num_pages=g.kv_pages or None,
-                    attention=g.attention, prefill_attention=g.prefill_attention,
-                    shard=LogicalSharding(meshes["generator"], rules))
-    generator = Generator(engine, gen.params, version=version, mode=g.mode, decode_steps=g.decode_steps,
-                          max_prefill_batch=g.max_prefill_batch)
-    return generator, sync.connect(generator)
+                 rules, *, workdir: str | None = None) -> tuple[RolloutBackend, WeightTransport]:
+    """The rollout backend `config.generator.backend` (generation/__init__.py) serving `model`'s params as
+    `version`, and the transport that brings trainer params to it."""
+    return generation.backend(config.generator.backend).build(config, model, version, meshes, rules, workdir)
 
 
 def role_meshes_for(config: Any) -> dict[str, jax.sharding.Mesh]:
-    """This process's meshes: with generation servers (backend 'remote') the generator's devices are theirs, so the
-    trainer's process takes only its own."""
+    """This process's meshes: where the backend's generator devices are not this process's (generation servers),
+    the trainer's process takes only its own."""
     mesh = config.mesh
-    if config.generator.get("backend", "local") == "remote":
+    if not generation.backend(config.generator.backend).OWNS_GENERATOR_DEVICES:
         mesh = {"trainer": mesh.trainer, "generator": {"devices": 0, "axes": dict(mesh.trainer.axes)}}
     return role_meshes(mesh)
 
