@@ -128,10 +128,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Optimizer steps per RL step, each on 1/n of the batch. With 1, π_θ = π_prox at the only update and the
     # decoupled objective's clip never acts (docs/objectives.md).
     config.trainer.ppo_n_minibatches = 1
-    # The objective (arealjax/rl/losses.py; docs/objectives.md says which to use when): decoupled | standard | gspo |
-    # cispo | m2po, and decoupled's correction of the behaviour weight π_prox/μ: none | truncate (token TIS) | mask
-    # (token MIS; behaviour_lower > 0: IcePop) | sequence_mask | sequence_token_mask | prob_gap.
-    config.trainer.ppo = dict(objective="decoupled", eps_clip=0.2, eps_clip_higher=placeholder(float),
+    # The objective (arealjax/rl/losses.py; docs/objectives.md says which to use when, from the measurements):
+    # standard (PPO's ratio π_θ/μ clipped: a trust region around the behaviour policy) | decoupled (AReaL's:
+    # π_θ/π_prox clipped, weighted by π_prox/μ) | gspo | cispo | m2po, and decoupled's correction of the behaviour
+    # weight: none | truncate (token TIS) | mask (token MIS; behaviour_lower > 0: IcePop) | sequence_mask |
+    # sequence_token_mask | prob_gap.
+    config.trainer.ppo = dict(objective="standard", eps_clip=0.2, eps_clip_higher=placeholder(float),
                               c_clip=placeholder(float), behaviour_weight="mask", behaviour_cap=5.0,
                               behaviour_lower=0.0, sequence_cap=2.0, sequence_lower=0.5, prob_gap=0.2,
                               sequence_eps_clip=3e-4, sequence_eps_clip_higher=4e-4, m2_threshold=0.04, kl_coef=0.0,

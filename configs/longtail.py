@@ -35,16 +35,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.trainer.max_tokens = 512  # ≥ the longest trajectory (prompt + max_new_tokens)
     config.trainer.optim.lr = 1e-4  # a smaller step than the default job's 5e-4, for long traces
-    # Two rows per micro-batch: micro-batches of 8 rows of 512 padded a step's ~10k tokens (a quarter of them with four
-    # PPO minibatches) to 72% real tokens, 2 rows to 97% (a step 1.3x faster; benchmarks/disaggregated.py).
+    # Two rows per micro-batch: rows of 512 padded to far fewer real tokens with 8 (benchmarks/disaggregated.py).
     config.trainer.micro_rows = 2
     # Three layers unrolled: on CPU the scanned layers' backward pass spends much of its time moving stacked
     # residuals (benchmarks/disaggregated.py). Recipes for real models keep the scan (compile time).
     config.trainer.scan_layers = False
-    # One PPO minibatch per step, as AReaL's shipped GSM8K recipe: π_θ = π_prox at the only update, so the decoupled
-    # objective is the behaviour-weighted policy gradient and its clip does not act. With the paper's four, held-out
-    # accuracy fell further with staleness (60 steps at η = 4: 0.68 vs 0.71 decoupled, 0.74 vs 0.81 standard PPO;
-    # benchmarks/staleness_ablation.py, docs/figures.md). On this task standard PPO held accuracy better at every η.
+    # One PPO minibatch per step, as AReaL's shipped GSM8K recipe, with the default objective (standard PPO: the
+    # one that held accuracy at η = 4 and 8 on every seed; docs/objectives.md, "Which to use").
     config.trainer.ppo_n_minibatches = 1
 
     config.generator.max_len = 512
