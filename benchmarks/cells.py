@@ -74,20 +74,22 @@ def smoke_flags(*own: str) -> list[str]:
 
 
 # Options that say where a benchmark reads and writes, not what it measures: left out of the command a results file
-# records, so the command runs from the repository on any machine.
+# records when they name a place outside the repository, so the command runs from the repository on any machine.
 LOCATIONS = ("--work", "--results", "--out", "--wheels")
 
 
 def portable(argv: list[str]) -> list[str]:
-    """A benchmark's arguments as anyone can rerun them: LOCATIONS dropped, and `--checkout=DIR` (a worktree of
-    this machine) written as the commit it holds, `--checkout=<worktree of abc1234>`."""
-    out, skip = [], False
-    for a in argv:
+    """A benchmark's arguments as anyone can rerun them: LOCATIONS outside the repository dropped (inside it: written
+    relative to it), and `--checkout=DIR` (a worktree of this machine) written as the commit it holds,
+    `--checkout=<worktree of abc1234>`."""
+    out, args = [], iter(argv)
+    for a in args:
         name, eq, value = a.partition("=")
-        if skip:
-            skip = False
-        elif name in LOCATIONS:
-            skip = not eq
+        if name in LOCATIONS:
+            value = value if eq else next(args, "")
+            path = Path(value).resolve()
+            if path.is_relative_to(ROOT):
+                out.append(f"{name}={path.relative_to(ROOT)}")
         elif name == "--checkout" and eq:
             sha = subprocess.run(["git", "-C", value, "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip()

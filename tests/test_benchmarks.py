@@ -200,8 +200,10 @@ def test_results_files_record_commands_anyone_can_rerun():
     measured it (work folders, worktrees, output folders); `portable` writes a worktree as its commit."""
     from benchmarks.cells import portable
 
-    assert portable(["--etas=4", "--work=/tmp/w", "--results", "/tmp/r", "--checkout=" + str(ROOT), "--tag=x"]) == [
-        "--etas=4", f"--checkout=<worktree of {cells.commit().removesuffix('+dirty')}>", "--tag=x"]
+    assert portable(["--etas=4", "--work=/tmp/w", "--results", "/tmp/r", "--checkout=" + str(ROOT), "--tag=x",
+                     f"--out={ROOT / 'benchmarks/results/x'}"]) == [
+        "--etas=4", f"--checkout=<worktree of {cells.commit().removesuffix('+dirty')}>", "--tag=x",
+        "--out=benchmarks/results/x"]
     commands = [(f.name, m.group(0)) for f in sorted((ROOT / "benchmarks" / "results").glob("*.md"))
                 for m in re.finditer(r"python benchmarks/[\w.]+\.py[^`\n]*", f.read_text())]
     assert commands
