@@ -99,11 +99,11 @@ def portable(argv: list[str]) -> list[str]:
     return out
 
 
-def commit() -> str:
-    """This checkout's short commit, '+dirty' with uncommitted changes outside benchmarks/results (a result names the
+def commit(checkout: Path = ROOT) -> str:
+    """The checkout's short commit, '+dirty' with uncommitted changes outside benchmarks/results (a result names the
     code it measured; the results files a benchmark adds to are not code); a copy of the tree without its git
     directory (sent to an accelerator host, say) is named by AREALJAX_COMMIT."""
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    git = lambda *a: subprocess.run(["git", *a], cwd=checkout, capture_output=True, text=True).stdout.strip()  # noqa: E731
     if not shutil.which("git") or not (head := git("rev-parse", "--short", "HEAD")):
         return os.environ.get("AREALJAX_COMMIT", "unknown")
     return head + ("+dirty" if git("status", "--porcelain", "-uno", "--", ".", ":!benchmarks/results") else "")

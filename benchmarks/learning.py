@@ -40,11 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from arealjax.runtime import child_env  # noqa: E402
-from benchmarks.cells import SMOKE, portable, training_curve  # noqa: E402
-
-
-def git(checkout: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True).stdout.strip()
+from benchmarks.cells import SMOKE, commit, portable, training_curve  # noqa: E402
 
 
 def config_eta(checkout: Path, job: str) -> int:
@@ -202,8 +198,7 @@ def main():
     args.command = " ".join(["python benchmarks/learning.py", *portable([a for a in sys.argv[1:]
                                                                           if a != "--report-only"])])
     args.checkout = Path(args.checkout).resolve()
-    args.commit = git(args.checkout, "rev-parse", "--short", "HEAD") + ("+dirty" if git(
-        args.checkout, "status", "--porcelain", "--untracked-files=no") else "")
+    args.commit = commit(args.checkout)  # its own results files, which it writes, do not make it dirty
     args.tag = args.tag or args.commit
     args.jobs = (args.jobs or ("default" if args.smoke else "default,longtail")).split(",")
     args.etas = (args.etas or ("config" if args.smoke else "0,config")).split(",")

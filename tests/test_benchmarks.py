@@ -209,3 +209,21 @@ def test_results_files_record_commands_anyone_can_rerun():
     assert commands
     for name, cmd in commands:
         assert not re.search(r"(^|[\s=])/(tmp|work|root|home)\b", cmd), f"{name}: {cmd}"
+
+
+def test_a_checkout_whose_only_changes_are_results_is_clean(tmp_path):
+    """A grid adds to benchmarks/results as it goes: its next cells still name the clean commit (learning.py tagged
+    its second job's cells '+dirty' after its first job wrote learning.md)."""
+    import subprocess
+
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "learning.md").write_text("old\n")
+    (tmp_path / "main.py").write_text("print()\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (tmp_path / "benchmarks" / "results" / "learning.md").write_text("new\n")
+    assert not cells.commit(tmp_path).endswith("+dirty")
+    (tmp_path / "main.py").write_text("print(1)\n")
+    assert cells.commit(tmp_path).endswith("+dirty")
