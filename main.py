@@ -6,13 +6,10 @@ Every failure ends in one paragraph on stderr that names the config key, file or
 code (1: an error, 2: a bad flag or config key, 130: Ctrl-C, 143: SIGTERM); `--debug` shows the traceback too.
 """
 
-import sys
 
 from arealjax import runtime
 
 STOP = runtime.install_signal_handlers()  # first: a Ctrl-C during the imports below must not be lost either
-
-import re  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -29,30 +26,9 @@ flags.DEFINE_integer("process_id", -1, "Multi-host: this process's index, 0 … 
 flags.mark_flags_as_required(["config"])
 
 
-def fail(message: str, code: int) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with ml_collections' traceback for an unknown config key turned into one line."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        fail(f"{e} (python main.py --helpfull lists the flags)", 2)
-    except (AttributeError, KeyError) as e:  # --config.a.b=v where b is not a key of the config
-        text = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'")
-        key = re.match(r"'?([^'\s]+)'?", text)
-        given = [a.split("=")[0] for a in argv if key and re.search(rf"\.{re.escape(key.group(1))}(=|$)",
-                                                                     a.split("=")[0])]
-        fail(f"{given[0] if given else 'a --config flag'}: no such config key. {text}", 2)
-    except Exception as e:  # noqa: BLE001 — a config file that does not load
-        fail(f"--config: {e}", 2)
-
-
 def main(argv):
     if len(argv) > 1:
-        fail(f"unexpected arguments: {argv[1:]}", 2)
+        runtime.fail(f"unexpected arguments: {argv[1:]}", 2)
     config, f = flags.FLAGS.config, flags.FLAGS
     runtime.log_above_bars()
 
@@ -78,4 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=runtime.parse_flags)

@@ -1,9 +1,12 @@
 """The RL job's parts, built from a config: tokenizer and model, trainer, rollout backend (+ its weight transport),
-reward service. Each builder reads only its config section; train.py, sft.py, evaluate.py and export.py assemble
-them."""
+reward service. Each builder reads only its config section. The one assembly every job starts from is `base`
+(rules, meshes, tokenizer, model) and, for jobs that generate, `rollouts` (backend, transport, rewards); train.py,
+evaluate.py and export.py take them from here."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import Any
 
 import jax
@@ -14,8 +17,46 @@ from arealjax.distributed import Processes
 from arealjax.rewards.service import RewardService
 from arealjax.rl.losses import PPOConfig
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
-from arealjax.sharding import role_meshes
+from arealjax.sharding import normalize_rules, role_meshes
 from arealjax.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
+
+
+@dataclasses.dataclass
+class Base:
+    """What every job starts from: the sharding rules, this process's role meshes, and the tokenizer and model
+    (on the trainer mesh)."""
+    rules: list
+    meshes: dict[str, jax.sharding.Mesh]
+    tokenizer: Tokenizer
+    model: models.Model
+
+
+def base(config: Any) -> Base:
+    """`config`'s rules, meshes, tokenizer and model."""
+    rules = normalize_rules(config.sharding_rules)
+    meshes = role_meshes_for(config)
+    tokenizer, model = build(config, meshes["trainer"], rules)
+    return Base(rules, meshes, tokenizer, model)
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """What a job that generates runs beside its model: the rollout backend, the transport that brings it new
+    params, and the reward service."""
+    backend: RolloutBackend
+    transport: WeightTransport
+    rewards: RewardService
+
+
+def rollouts(config: Any, model: models.Model, version: int, base: Base, stack: contextlib.ExitStack, *,
+             workdir: str | None = None) -> Rollouts:
+    """The backend serving `model`'s params as `version`, its transport and the reward service, each closed by
+    `stack` (the reward service first: it is built last)."""
+    backend, transport = make_backend(config, model, version, base.meshes, base.rules, workdir=workdir)
+    stack.callback(backend.close)
+    rewards = make_rewards(config)
+    stack.callback(rewards.close)
+    return Rollouts(backend, transport, rewards)
 
 
 def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, models.Model]:

@@ -28,6 +28,15 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from arealjax.rl.trainer import Trainer
+from arealjax.validate import Problems, number
+
+
+def check(config: Any, problems: Problems) -> None:
+    """The checkpoint section (every_steps, every_seconds, max_to_keep), at start-up."""
+    c = config.checkpoint
+    problems.positive("checkpoint.max_to_keep")
+    problems.positive("checkpoint.every_steps", minimum=0)
+    problems.need(number(c.every_seconds) and c.every_seconds >= 0, "checkpoint.every_seconds", "seconds ≥ 0")
 
 
 class Checkpointer:

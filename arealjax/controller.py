@@ -20,6 +20,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,9 +31,24 @@ from arealjax.rl.trajectory import Trajectory
 from arealjax.runtime import error_text
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import Tokenizer
+from arealjax.validate import Problems, number
 from arealjax.workflows import RLVR, Episode, Prompt, Workflow
 
-__all__ = ["ControllerStats", "Group", "Prompt", "RolloutController", "TaskSolved", "staleness_of", "token_staleness"]
+__all__ = ["ControllerStats", "Group", "Prompt", "RolloutController", "TaskSolved", "check", "staleness_of",
+           "token_staleness"]
+
+
+def check(config: Any, problems: Problems) -> None:
+    """The rl section (batch, groups, rollout sampling, staleness, filtering, steps, eval_every), at start-up."""
+    rl, need = config.rl, problems.need
+    problems.positive("rl.batch_size", "rl.group_size", "rl.max_concurrent", "rl.max_new_tokens")
+    problems.positive("rl.steps", "rl.max_staleness", "rl.max_filtered_in_a_row", "rl.solved_window", "rl.eval_every",
+                      minimum=0)
+    need(number(rl.temperature) and rl.temperature > 0, "rl.temperature",
+         "> 0 (at 0 all samples of a prompt are the same greedy answer: no group has a learning signal)")
+    need(isinstance(rl.top_k, int) and rl.top_k >= 0, "rl.top_k", "an integer ≥ 0 (0 = off)")
+    need(number(rl.top_p) and 0 < rl.top_p <= 1, "rl.top_p", "in (0, 1] (1 = off)")
+    need(number(rl.solved_share) and 0 < rl.solved_share <= 1, "rl.solved_share", "a share in (0, 1]")
 
 
 class TaskSolved(Exception):

@@ -1,8 +1,8 @@
 """Evaluation: n samples per problem on the generator → rewards → pass@k, maj@k and mean@k, plus greedy accuracy.
 
-  python -m arealjax.evaluate --config=configs/math.py:qwen3-1.7b --model=/runs/math/model --out=/tmp/eval \
+  python -m arealjax.evaluate --config=configs/math.py:model=qwen3-1.7b --model=/runs/math/model --out=/tmp/eval \
       --config.eval.n=16 --config.eval.k=1,4,16 --config.eval.num_problems=0 --config.data.eval_split=test
-  python -m arealjax.evaluate --config=configs/math.py:tiny --workdir=/tmp/run --out=/tmp/eval   # latest checkpoint
+  python -m arealjax.evaluate --config=configs/math.py:model=tiny --workdir=/tmp/run --out=/tmp/eval  # last checkpoint
 
 Writes `<out>/problems.jsonl` (per problem: id, reward and extracted answer of every sample, its completions,
 correct count, greedy result) and `<out>/summary.json`, and prints a table. The same `evaluate()` runs inside
@@ -147,27 +147,21 @@ def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | N
         config.model_path = model_path or config.model_path
         if not workdir:
             config.sft.steps = 0  # nothing is trained here
-    from arealjax.builders import build, make_backend, make_rewards, role_meshes_for
+    from arealjax import builders
     from arealjax.checks import check_config
     from arealjax.export import restore_trainer
-    from arealjax.sharding import normalize_rules
 
     check_config(config)
-    rules = normalize_rules(config.sharding_rules)
-    meshes = role_meshes_for(config)
-    tokenizer, model = build(config, meshes["trainer"], rules)
-    version = 0
+    base = builders.base(config)
+    model, version = base.model, 0
     if workdir:
-        trainer, _ = restore_trainer(config, workdir, tokenizer, model, meshes["trainer"], rules)
+        trainer, _ = restore_trainer(config, workdir, base)
         model, version = trainer.model, trainer.version
-        del trainer  # its optimizer state is not needed to generate
+        base.model = trainer = None  # the checkpoint's params are served; no optimizer state is needed to generate
     stop = stop or Stop()
     with contextlib.ExitStack() as stack:
-        backend, _ = make_backend(config, model, version, meshes, rules)
-        stack.callback(backend.close)
-        rewards = make_rewards(config)
-        stack.callback(rewards.close)
-        yield backend, rewards, tokenizer, stop.wait
+        parts = builders.rollouts(config, model, version, base, stack)
+        yield parts.backend, parts.rewards, base.tokenizer, stop.wait
 
 
 def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", progress: bool = True,
@@ -233,4 +227,4 @@ if __name__ == "__main__":
     flags.DEFINE_string("out", None, "Directory for problems.jsonl and summary.json.")
     flags.DEFINE_bool("debug", False, "Show the traceback of an error.")
     flags.mark_flags_as_required(["config", "out"])
-    app.run(main)
+    app.run(main, flags_parser=lambda argv: runtime.parse_flags(argv, "python -m arealjax.evaluate"))

@@ -11,12 +11,11 @@ from typing import Any
 import jax
 
 from arealjax import models
-from arealjax.builders import build, make_trainer, role_meshes_for
+from arealjax.builders import Base, base, make_trainer
 from arealjax.checkpoint import Checkpointer
 from arealjax.rl.trainer import Trainer
 from arealjax.runtime import Stop
 from arealjax.sft import warm_start
-from arealjax.sharding import normalize_rules
 from arealjax.tokenizer import CharTokenizer, Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
@@ -42,13 +41,13 @@ def save_model(model: models.Model, tokenizer: Tokenizer, out: str | Path, model
                 shutil.copyfile(Path(model_path) / name, Path(out) / name)
 
 
-def restore_trainer(config: Any, workdir: str | Path, tokenizer: Tokenizer, model: models.Model, mesh,
-                    rules) -> tuple[Trainer, int]:
+def restore_trainer(config: Any, workdir: str | Path, base: Base) -> tuple[Trainer, int]:
     """The trainer of the run in `workdir` at its latest checkpoint, and that step. A LoRA checkpoint holds only
-    the adapters: their base is `model` after the run's SFT stage (reused from its cache)."""
+    the adapters: their base is `base.model` after the run's SFT stage (reused from its cache)."""
+    model, mesh = base.model, base.meshes["trainer"]
     if config.lora.rank and config.sft.steps:
-        model = warm_start(config, tokenizer, model, mesh, rules, Path(workdir), Stop())
-    trainer = make_trainer(config, model, mesh, rules)
+        model = warm_start(config, base.tokenizer, model, mesh, base.rules, Path(workdir), Stop())
+    trainer = make_trainer(config, model, mesh, base.rules)
     ckpt = Checkpointer(config.checkpoint.dir or Path(workdir) / "checkpoints", create=False)
     try:
         restored = ckpt.restore_latest(trainer)
@@ -62,10 +61,8 @@ def restore_trainer(config: Any, workdir: str | Path, tokenizer: Tokenizer, mode
 def export(config: Any, workdir: str, out: str) -> int:
     """The latest checkpoint's params as a Hugging Face directory (config.json, safetensors, tokenizer) for
     serving — merged, or with LoRA and lora.export = 'adapters' the adapters in PEFT's format; returns its step."""
-    rules = normalize_rules(config.sharding_rules)
-    mesh = role_meshes_for(config)["trainer"]
-    tokenizer, model = build(config, mesh, rules)
-    trainer, step = restore_trainer(config, workdir, tokenizer, model, mesh, rules)
-    save_model(trainer.model, tokenizer, out, config.model_path, config.lora.export)
+    parts = base(config)
+    trainer, step = restore_trainer(config, workdir, parts)
+    save_model(trainer.model, parts.tokenizer, out, config.model_path, config.lora.export)
     logging.info("exported checkpoint %d (version %d) to %s", step, trainer.version, out)
     return step

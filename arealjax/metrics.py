@@ -5,6 +5,7 @@ A component marks its metrics' kinds where it reports them; counters (`_total` k
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import secrets
@@ -14,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from arealjax.validate import Problems
+
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 class Count(float):
@@ -87,6 +92,14 @@ class WandbRun:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def check(config: Any, problems: Problems) -> None:
+    """The wandb section (mode; a project needs the wandb package), at start-up."""
+    w = config.wandb
+    problems.need(w.mode in WANDB_MODES, "wandb.mode", f"one of {WANDB_MODES}")
+    problems.need(not w.project or importlib.util.find_spec("wandb") is not None, "wandb.project",
+                  "'' (off) without the wandb package: pip install wandb")
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

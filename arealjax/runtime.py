@@ -21,7 +21,10 @@ import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:  # annotations only: this module imports nothing of arealjax
+    from arealjax.validate import Problems
 
 
 class Interrupted(Exception):
@@ -155,6 +158,36 @@ def cpu_list(cores) -> str:
     return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in spans)
 
 
+def fail(message: str, code: int) -> NoReturn:
+    """Ends a command with one line on stderr and exit `code`."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def parse_flags(argv: list[str], command: str = "python main.py") -> list[str]:
+    """absl's flag parsing for a command with a --config file, ml_collections' tracebacks turned into one line: a
+    config file whose get_config raised, an unknown --config.a.b key."""
+    import re
+
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        text = str(e)
+        if "Traceback (most recent call last)" in text:  # a config file's get_config raised: its last line says why
+            text = f"{text.split(': Error whilst', 1)[0]}: {text.strip().splitlines()[-1]}"
+        fail(f"{text} ({command} --helpfull lists the flags)", 2)
+    except (AttributeError, KeyError) as e:  # --config.a.b=v where b is not a key of the config
+        text = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'")
+        key = re.match(r"'?([^'\s]+)'?", text)
+        given = [a.split("=")[0] for a in argv if key and re.search(rf"\.{re.escape(key.group(1))}(=|$)",
+                                                                     a.split("=")[0])]
+        fail(f"{given[0] if given else 'a --config flag'}: no such config key. {text}", 2)
+    except Exception as e:  # noqa: BLE001 — a config file that does not load
+        fail(f"--config: {e}", 2)
+
+
 def parse_cpus(text: str, key: str = "cpus") -> set[int]:
     """'0-3,8' → {0, 1, 2, 3, 8}, each a core this process may run on (`START_CPUS`); empty → all of those."""
     text = str(text).strip()
@@ -176,6 +209,14 @@ def parse_cpus(text: str, key: str = "cpus") -> set[int]:
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError(f"{key}: pinning to CPU cores needs Linux (leave it empty here)")
     return cores
+
+
+def check(config: Any, problems: Problems) -> None:
+    """The top-level cpus key (cores this process may run on), at start-up."""
+    try:
+        parse_cpus(config.cpus, "cpus")
+    except ValueError as e:
+        problems.append(str(e))
 
 
 def pin(text: str, key: str = "cpus") -> set[int]:

@@ -20,10 +20,31 @@ from arealjax.data import TASKS
 from arealjax.data.pipeline import SFTStream, format_prompt
 from arealjax.data.prompts import task_problems
 from arealjax.distributed import Processes
-from arealjax.rl.trainer import Trainer
+from arealjax.rl.trainer import OptimConfig, Trainer
 from arealjax.rl.trajectory import Trajectory
 from arealjax.runtime import Stop
 from arealjax.tokenizer import Tokenizer
+from arealjax.validate import Problems, accepts
+
+
+def check(config: Any, problems: Problems) -> None:
+    """The sft section (steps against the warmup, batch sizes, sft.data.path, sft.optim), at start-up."""
+    s, need = config.sft, problems.need
+    problems.positive("sft.steps", minimum=0)
+    if not s.steps:
+        return  # no warm start: the rest is not used
+    if s.data.path:
+        path = Path(s.data.path)
+        need(path.is_dir() and (path / "dataset_info.json").is_file(), "sft.data.path",
+             "a converted dataset directory (python -m arealjax.data.convert --layout=sft ...)")
+    optim = dict(s.optim)
+    optim["total_steps"] = optim.get("total_steps") or s.steps  # what the warm start fills in
+    accepts(problems, "sft.optim", OptimConfig, optim)
+    if isinstance(s.steps, int):
+        warmup = s.optim.warmup_steps
+        need(s.steps > warmup, "sft.steps", f"more than sft.optim.warmup_steps = {warmup} (the learning rate "
+             f"would never finish warming up)")
+        problems.positive("sft.batch_size", "sft.max_tokens", "sft.micro_rows")
 
 
 def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rules, workdir: Path,

@@ -1,6 +1,6 @@
 """Tiny stand-ins for the recipes' real inputs, built locally (no hub): random Hugging Face checkpoints of each
 family with a byte-level BPE tokenizer and that family's chat template, and small datasets in the real files'
-layouts, converted as `arealjax.data.convert` would. The recipes' `:tiny` variants run on them.
+layouts, converted as `arealjax.data.convert` would. The recipes' `:model=tiny` variants run on them.
 
   python -m arealjax.tiny --out=/tmp/arealjax-tiny
   # -> /tmp/arealjax-tiny/{qwen3,qwen2.5-math,r1-distill,llama3}/  (config.json, model.safetensors, tokenizer)

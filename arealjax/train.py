@@ -15,6 +15,7 @@ device slice), the controller's thread and the reward worker processes run besid
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -25,9 +26,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from arealjax import builders
 from arealjax import evaluate as evaluation
 from arealjax.api import RolloutBackend, SamplingParams
-from arealjax.builders import build, make_backend, make_rewards, make_trainer, role_meshes_for
 from arealjax.checkpoint import Checkpointer
 from arealjax.checks import check_config, output_dir
 from arealjax.controller import Group, Prompt, RolloutController, TaskSolved, staleness_of, token_staleness
@@ -39,7 +40,6 @@ from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig, assign_advantages
 from arealjax.runtime import Interrupted, Stop, error_text
 from arealjax.sft import warm_start
-from arealjax.sharding import normalize_rules
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import Tokenizer
 from arealjax.workflows import load_workflow
@@ -137,6 +137,35 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+@dataclasses.dataclass
+class Collected:
+    """What `collect` got: a batch of scored groups, or why there is none. `end`: '' (a batch), 'exhausted' (the
+    dataset ran out), 'solved' (the task is solved: `why`) or 'signal' (`signum`)."""
+    groups: list[Group]
+    end: str = ""
+    why: str = ""
+    signum: int = 0
+
+    def status(self) -> dict[str, Any]:
+        """What the processes agree on (JSON)."""
+        return {"end": self.end, "why": self.why, "signum": self.signum}
+
+
+@dataclasses.dataclass
+class Trained:
+    """What `train` did: the advantages' statistics (this process's) and the trainer's step metrics (the run's)."""
+    advantages: dict[str, float]
+    trainer: dict[str, float]
+
+
+@dataclasses.dataclass
+class Measured:
+    """A step's metrics over every process, and each process's report (its metrics, the prompt ids it trained on,
+    whether its checkpoint is due)."""
+    metrics: dict[str, float]
+    report: list[dict]
+
+
 class RLLoop:
     """run()'s body: builds every component (each stopped by `stack` on any exit), then trains step by step in the
     phases of the module docstring; `summary` is filled in as it goes."""
@@ -145,9 +174,8 @@ class RLLoop:
                  processes: Processes):
         self.config, self.workdir, self.stop, self.summary, self.processes = config, workdir, stop, summary, processes
         rl, c = config.rl, config.checkpoint
-        rules = normalize_rules(config.sharding_rules)
-        meshes = role_meshes_for(config)
-        self.tokenizer, model = build(config, meshes["trainer"], rules)
+        base = builders.base(config)
+        self.tokenizer, model, mesh = base.tokenizer, base.model, base.meshes["trainer"]
         self.ckpt = Checkpointer(c.dir or workdir / "checkpoints", every_steps=c.every_steps,
                                  every_seconds=c.every_seconds, max_to_keep=c.max_to_keep)
         stack.callback(self.ckpt.close)
@@ -162,12 +190,13 @@ class RLLoop:
         workflow = load_workflow(config.workflow.path, config.workflow.kwargs)
         # A checkpoint holds the full params, or (LoRA) only the adapters: then the base is the SFT result again.
         if config.sft.steps and (latest is None or config.lora.rank):
-            model = warm_start(config, self.tokenizer, model, meshes["trainer"], rules, workdir, stop, processes)
+            model = warm_start(config, self.tokenizer, model, mesh, base.rules, workdir, stop, processes)
         self.model, self.trainer = model, None
         if rl.steps == 0:  # an SFT-only run: its model is the result
             return
-        self.trainer = make_trainer(config, model, meshes["trainer"], rules, processes)
-        self.model = model = None  # the trainer holds its own copy: no idle second one on the trainer's devices
+        self.trainer = builders.make_trainer(config, model, mesh, base.rules, processes)
+        # the trainer holds its own copy: no idle second one on the trainer's devices
+        self.model = model = base.model = None
         self.restored = self.ckpt.restore_latest(self.trainer) if latest is not None else None
         self.done = self.start = 0 if self.restored is None else self.restored[0]  # completed RL steps
         if self.done >= rl.steps:
@@ -185,11 +214,8 @@ class RLLoop:
             stack.callback(writer.close)
         self.log = writer.write if writer is not None else lambda step, metrics: None
         self.writer = writer
-        self.backend, self.transport = make_backend(config, self.trainer.model, self.trainer.version, meshes, rules,
-                                                    workdir=str(workdir))
-        stack.callback(self.backend.close)
-        self.rewards = make_rewards(config)
-        stack.callback(self.rewards.close)
+        parts = builders.rollouts(config, self.trainer.model, self.trainer.version, base, stack, workdir=str(workdir))
+        self.backend, self.transport, self.rewards = parts.backend, parts.transport, parts.rewards
         # Each process admits its share of every batch: the staleness budget (η + v + 1)·B is divided among them.
         share = StalenessManager(rl.batch_size // processes.count, rl.max_staleness,
                                  -(-rl.max_concurrent // processes.count))
@@ -245,18 +271,20 @@ class RLLoop:
         try:
             for step in bar:
                 t0 = time.perf_counter()
-                batch, status = self.collect()
-                if not self.agree(batch, status):
+                collected = self.collect()
+                if not self.agree(collected):
                     break
+                batch = collected.groups
                 wait_s, version = time.perf_counter() - t0, self.trainer.version  # what the batch's staleness is of
                 trained = self.train(batch)
                 sync_s = self.publish()
                 self.done = step + 1
-                metrics, report = self.measure(batch, version, trained, batch_wait_seconds=Peak(wait_s),
-                                               weight_sync_seconds=Peak(sync_s))
+                measured = self.measure(batch, version, trained, batch_wait_seconds=Peak(wait_s),
+                                        weight_sync_seconds=Peak(sync_s))
+                metrics = measured.metrics
                 if rl.eval_every and self.done % rl.eval_every == 0 or self.done == rl.steps:
                     metrics.update(self.evaluate_in_run())
-                self.record(metrics, report)
+                self.record(measured)
                 last_reward = metrics.get("rollout_reward", last_reward)
                 bar.set_postfix(reward=f"{last_reward:.2f}", stale=f"{metrics['staleness_mean']:.1f}",
                                 tok_s=f"{metrics['generated_tokens_per_s']:.0f}",
@@ -274,35 +302,33 @@ class RLLoop:
 
     # ---- the phases of a step ----
 
-    def collect(self) -> tuple[list[Group], str]:
-        """A batch from the controller, or why there is none: 'exhausted', 'solved: <why>', or a signal."""
+    def collect(self) -> Collected:
+        """A batch from the controller, or why there is none."""
         try:
             self.stop.check()
             batch = self.controller.get_batch(self.trainer.version, interrupt=self.stop.check)
             self.stop.check()
-            return batch, "ok"
+            return Collected(batch)
         except StopIteration:  # the dataset ran out (data.epochs): the run ends normally
-            return [], "exhausted"
+            return Collected([], "exhausted")
         except TaskSolved as e:  # every recent group all right: the run ends normally, its model kept
-            return [], f"solved: {e}"
+            return Collected([], "solved", why=str(e))
         except Interrupted as e:
-            return [], e.signum
+            return Collected([], "signal", signum=int(e.signum))
 
-    def agree(self, batch: list[Group], status: str | int) -> bool:
+    def agree(self, collected: Collected) -> bool:
         """Every process goes on, or none does (one allgather): False ends the run normally (the dataset ran out,
         the task is solved); a signal on any process raises Interrupted on all."""
-        statuses = self.processes.allgather("step", status)
-        if all(s == "ok" for s in statuses):
+        statuses = self.processes.allgather("step", collected.status())
+        if all(not s["end"] for s in statuses):
             return True
-        self.controller.put_back(batch)  # not trained: a checkpoint keeps it among the prompts to re-issue
-        signals = [s for s in statuses if not isinstance(s, str)]
+        self.controller.put_back(collected.groups)  # not trained: a checkpoint keeps it among the prompts to re-issue
+        signals = [s["signum"] for s in statuses if s["end"] == "signal"]
         if signals:
             self.processes.stopping = True
             raise Interrupted(signals[0])
-        solved = [s for s in statuses if s.startswith("solved")]
-        if solved:
-            why = status[len("solved: "):] if status.startswith("solved") else ""
-            why = why or "so another process found"
+        if any(s["end"] == "solved" for s in statuses):
+            why = collected.why or "so another process found"
             self.summary.update(status="completed", stopped_early=f"the task is solved after step {self.done}: {why}")
             logging.warning("%s; ending the run", self.summary["stopped_early"])
         else:
@@ -311,7 +337,7 @@ class RLLoop:
                             self.config.data.epochs, self.done)
         return False
 
-    def train(self, batch: list[Group]) -> tuple[dict[str, float], dict[str, float]]:
+    def train(self, batch: list[Group]) -> Trained:
         """Advantages (batch statistics over every process's share), then one optimizer step: the statistics of
         each (the advantages' are this process's, the trainer's already the run's)."""
         def reduce(x: np.ndarray) -> np.ndarray:
@@ -326,7 +352,7 @@ class RLLoop:
                                f"was not finite (last loss {m['loss']}, grad norm {m['grad_norm']}): the params "
                                f"stopped moving (trainer.max_skipped_in_a_row = {limit}); lower the learning rate or "
                                f"check the rewards")
-        return adv_stats, {k: v for k, v in m.items() if k != "version"}
+        return Trained(adv_stats, {k: v for k, v in m.items() if k != "version"})
 
     def publish(self) -> float:
         """The new params to the backend (the staleness manager moves on once it serves them); seconds taken."""
@@ -335,8 +361,7 @@ class RLLoop:
             lambda f: self.controller.on_weights_applied(version))
         return time.perf_counter() - t0
 
-    def measure(self, batch: list[Group], version: int, trained: tuple[dict[str, float], dict[str, float]],
-                **timings: float) -> tuple[dict[str, float], list[dict]]:
+    def measure(self, batch: list[Group], version: int, trained: Trained, **timings: float) -> Measured:
         """The step's metrics over every process (one allgather, which also carries the trained prompt ids and
         whether any process's checkpoint is due), and that report. Staleness is of the batch at `version`, the
         trainer's when it took the batch."""
@@ -347,12 +372,12 @@ class RLLoop:
                  "staleness_max": Peak(stale.max()), "staleness_mean": float(stale.mean()),
                  **{f"staleness_tokens_{k}": Count(n) for k, n in enumerate(by_staleness)},
                  **self.meter.step(weight_sync_bytes=self.transport.bytes, **timings),
-                 **trained[0]}
+                 **trained.advantages}
         report = self.processes.allgather("report", {"metrics": local, "ids": [grp.prompt.id for grp in batch],
                                                      "due": self.ckpt.due(self.done)})
         metrics = reduce_processes([r["metrics"] for r in report], like=local)
-        metrics.update(trained[1], version=self.trainer.version)
-        return metrics, report
+        metrics.update(trained.trainer, version=self.trainer.version)
+        return Measured(metrics, report)
 
     def held_out_metrics(self, step: int) -> dict[str, float]:
         return held_out_metrics(self.backend, self.rewards, self.tokenizer, self.held_out, self.config, self.stop,
@@ -367,9 +392,10 @@ class RLLoop:
         self.meter.mark("backend")
         return self.latest_eval
 
-    def record(self, metrics: dict[str, float], report: list[dict]) -> None:
+    def record(self, measured: Measured) -> None:
         """Metrics, the audit trail of the prompts this step trained on, a checkpoint when due."""
-        self.log(self.done, metrics)
+        report = measured.report
+        self.log(self.done, measured.metrics)
         if self.processes.primary:
             with open(self.workdir / "trained_prompts.jsonl", "a") as f:
                 f.write(json.dumps({"step": self.done, "ids": [i for r in report for i in r["ids"]]}) + "\n")

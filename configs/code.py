@@ -1,64 +1,129 @@
 """Code RL recipes: an SFT stage on a converted conversation dataset, then RL on problems with unit tests run in
 the sandbox (arealjax/rewards/code.py), one host of 8 accelerators.
 
-  python main.py --config=configs/code.py:deepseek-r1-distill-qwen-1.5b --workdir=/runs/code-r1-1.5b
-  python main.py --config=configs/code.py:qwen3-1.7b --config.sft.steps=0 --workdir=/runs/code-qwen3  # no SFT
-  python main.py --config=configs/code.py:tiny --workdir=/tmp/code-tiny      # CI: python -m arealjax.tiny first
+  python main.py --config=configs/code.py:model=deepseek-r1-distill-qwen-1.5b --workdir=/runs/code-r1-1.5b
+  python main.py --config=configs/code.py:model=qwen3-1.7b --config.sft.steps=0 --workdir=/runs/code-qwen3  # no SFT
+  python main.py --config=configs/code.py:model=tiny --workdir=/tmp/code-tiny    # CI: python -m arealjax.tiny first
 
-The argument is a model of configs/math.py's MODELS. Data: the RL problems converted from a code set with tests
-(DeepCoder, APPS, CodeContests, LiveCodeBench: `python -m arealjax.data.convert --out=/data/tfds/code
---train=... --test=...`, layout `code`), the SFT conversations from any chat dataset (`--layout=sft`: `messages`,
-or `prompt` + `response`) at /data/tfds/code_sft. The model writes one ```python block that reads stdin (or
-defines the tested function); a completion's reward is 1 when every test passes. Everything else is
-configs/default.py's job with configs/math.py's `recipe` overrides (the paper's PPO and optimizer settings, meshes,
-generator).
+Arguments, key=value (none: model=deepseek-r1-distill-qwen-1.5b):
+  model  a name of MODELS below: its Hugging Face directory under /ckpt; or tiny, the tiny DeepSeek-R1-style
+         checkpoint and the APPS/SFT fixtures of `python -m arealjax.tiny`, with the recipe shrunk to a size that
+         runs on 2 CPU cores (the `if arg.model == "tiny"` block).
+
+Data: the RL problems converted from a code set with tests (DeepCoder, APPS, CodeContests, LiveCodeBench:
+`python -m arealjax.data.convert --out=/data/tfds/code --train=... --test=...`, layout `code`), the SFT
+conversations from any chat dataset (`--layout=sft`: `messages`, or `prompt` + `response`) at /data/tfds/code_sft.
+The model writes one ```python block that reads stdin (or defines the tested function); a completion's reward is 1
+when every test passes. PPO and optimizer settings are the AReaL paper's, as in configs/math.py (its docstring has
+them); the whole recipe is this file: configs/default.py's job with the overrides below.
 """
 
 import ml_collections
 
-from configs import default, math
+from arealjax.tiny import ROOT as TINY
+from arealjax.validate import parse_arg
+from configs import default
 
-DATA = "/data/tfds/code/code/1.0.0"
+# name -> (checkpoint directory, max new tokens): the math recipes' models, lengths capped at 16,384 (and the context)
+MODELS = {
+    "qwen3-0.6b": ("/ckpt/Qwen3-0.6B", 8192),
+    "qwen3-1.7b": ("/ckpt/Qwen3-1.7B", 16384),
+    "qwen3-4b": ("/ckpt/Qwen3-4B", 16384),
+    "qwen3-8b": ("/ckpt/Qwen3-8B", 16384),
+    "qwen2.5-math-1.5b": ("/ckpt/Qwen2.5-Math-1.5B", 2048),  # its context is 4,096 tokens, prompts take 2,048
+    "deepseek-r1-distill-qwen-1.5b": ("/ckpt/DeepSeek-R1-Distill-Qwen-1.5B", 16384),
+    "llama-3.2-1b-instruct": ("/ckpt/Llama-3.2-1B-Instruct", 4096),
+    "llama-3.2-3b-instruct": ("/ckpt/Llama-3.2-3B-Instruct", 4096),
+    "smollm2-135m-instruct": ("/ckpt/SmolLM2-135M-Instruct", 512),
+    "tiny": (f"{TINY}/r1-distill", 24),  # python -m arealjax.tiny: a random 2-layer DeepSeek-R1-style Qwen2
+}
+DATA = "/data/tfds/code/code/1.0.0"  # RL problems with tests (layout code)
+SFT_DATA = "/data/tfds/code_sft/sft/1.0.0"  # conversations (layout sft)
 MAX_PROMPT = 2048
 INSTRUCTION = ("{prompt}\n\nWrite a Python 3 solution that reads from standard input and writes to standard output, "
                "in one ```python code block.")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    name = arg or "deepseek-r1-distill-qwen-1.5b"
-    if name == "tiny":
-        return tiny()
-    if name not in math.MODELS:
-        raise ValueError(f"configs/code.py:{arg}: unknown model '{name}'; expected one of {sorted(math.MODELS)} or "
-                         f"tiny")
-    max_new = min(math.MODELS[name][1], 16384)
-    config = math.recipe(default.get_config(), name, DATA, "test", MAX_PROMPT, max_new)
+    arg = parse_arg(arg, "configs/code.py", model="deepseek-r1-distill-qwen-1.5b")
+    if arg.model not in MODELS:
+        raise ValueError(f"configs/code.py: model={arg.model}: unknown model; expected one of {', '.join(MODELS)}")
+    model_path, max_new = MODELS[arg.model]
+
+    config = default.get_config()
+    config.cpu_devices = 0  # real accelerators
+    config.model_path = model_path
+    config.data.path, config.data.eval_split, config.data.max_prompt_tokens = DATA, "test", MAX_PROMPT
+    config.data.template = "chat"
     config.data.instruction = INSTRUCTION
-    config.rewards.fn = "arealjax.rewards.code:code_reward"
-    config.rewards.workers = 32  # test runs are CPU-bound: one worker per host core
-    config.rewards.timeout = 60.0  # per completion; each test is bounded by code_reward's own timeouts
-    config.eval.answer_fn = ""  # programs have no final answer to vote on: pass@k only
 
     # SFT stage (the warm start real code recipes use): conversations, loss on the assistant turns.
     config.sft.steps = 200
-    config.sft.data = dict(path="/data/tfds/code_sft/sft/1.0.0", split="train", epochs=0)
+    config.sft.data = dict(path=SFT_DATA, split="train", epochs=0)
     config.sft.batch_size = 64
-    config.sft.max_tokens = config.trainer.max_tokens
+    config.sft.max_tokens = MAX_PROMPT + max_new  # as trainer.max_tokens
     config.sft.micro_rows = 1
     config.sft.optim = dict(lr=1e-5, schedule="cosine", warmup_steps=10, total_steps=0, min_lr_ratio=0.1,
                             weight_decay=0.05)
-    return config
 
+    # One host of 8: 4 accelerators train (FSDP), 4 generate (tensor parallel).
+    config.mesh.trainer = dict(devices=4, axes=dict(data=1, fsdp=-1, tensor=1))
+    config.mesh.generator = dict(devices=4, axes=dict(data=1, fsdp=1, tensor=-1))
 
-def tiny() -> ml_collections.ConfigDict:
-    """The recipe on the tiny DeepSeek-R1-style checkpoint and the APPS/SFT fixtures (arealjax/tiny.py), at
-    configs/math.py's tiny size."""
-    from arealjax.tiny import ROOT
+    config.rl.steps = 250
+    config.rl.batch_size = 64
+    config.rl.group_size = 16
+    config.rl.max_staleness = 4
+    config.rl.solved_window = 0  # real datasets: easy prompts all right is no reason to stop training the rest
+    config.rl.max_concurrent = 256
+    config.rl.temperature = 1.0
+    config.rl.max_new_tokens = max_new
+    config.rl.eval_every = 25
+    config.advantage = dict(estimator="grpo", filter_uniform=True, reward_bias=-0.5, reward_scale=10.0,
+                            normalize_batch=True)
+    config.rewards.fn = "arealjax.rewards.code:code_reward"
+    config.rewards.workers = 32  # test runs are CPU-bound: one worker per host core
+    config.rewards.timeout = 60.0  # per completion; each test is bounded by code_reward's own timeouts
 
-    config = math.shrink(get_config("deepseek-r1-distill-qwen-1.5b"))
-    config.model_path = f"{ROOT}/r1-distill"
-    config.data.path, config.data.max_prompt_tokens = f"{ROOT}/tfds/code/1.0.0", 96
-    config.sft.steps, config.sft.batch_size, config.sft.max_tokens, config.sft.micro_rows = 4, 8, 128, 4
-    config.sft.data = dict(path=f"{ROOT}/tfds/sft/1.0.0", split="train", epochs=0)
-    config.sft.optim = dict(lr=1e-3, schedule="constant", warmup_steps=0, weight_decay=0.0)
+    config.trainer.max_tokens = MAX_PROMPT + max_new  # one row holds the longest trajectory
+    config.trainer.micro_rows = 1
+    config.trainer.ppo_n_minibatches = 4
+    config.trainer.optim = dict(lr=2e-5, weight_decay=0.05, b1=0.9, b2=0.95, eps=1e-5, grad_clip=1.0)
+    config.trainer.attention = "auto"
+    config.trainer.remat = "full"
+    config.trainer.compute_dtype = "bfloat16"
+    config.trainer.logits_chunk = 1024
+
+    config.generator.slots = 256
+    config.generator.max_len = MAX_PROMPT + max_new
+    config.generator.decode_steps = 16
+    config.generator.max_prefill_batch = 32
+    config.generator.dtype = "bfloat16"
+    config.generator.kv_pages = 0
+
+    config.checkpoint.every_steps = 10
+    config.eval.num_problems = 0  # the whole held-out split
+    config.eval.n = 4
+    config.eval.k = (1, 4)
+    config.eval.answer_fn = ""  # programs have no final answer to vote on: pass@k only
+
+    if arg.model == "tiny":  # the same recipe at a size that runs on 2 CPU cores (CI, tests/test_main.py)
+        config.cpu_devices = 4  # fake CPU devices, two per role
+        config.data.path, config.data.max_prompt_tokens = f"{TINY}/tfds/code/1.0.0", 96
+        config.sft.steps, config.sft.batch_size, config.sft.max_tokens, config.sft.micro_rows = 4, 8, 128, 4
+        config.sft.data = dict(path=f"{TINY}/tfds/sft/1.0.0", split="train", epochs=0)
+        config.sft.optim = dict(lr=1e-3, schedule="constant", warmup_steps=0, weight_decay=0.0)
+        config.mesh.trainer = dict(devices=2, axes=dict(data=1, fsdp=-1, tensor=1))
+        config.mesh.generator = dict(devices=2, axes=dict(data=1, fsdp=1, tensor=-1))
+        config.rl.steps, config.rl.batch_size, config.rl.group_size = 3, 4, 4
+        config.rl.max_staleness, config.rl.max_concurrent = 2, 16
+        config.rl.eval_every = 3
+        config.advantage.filter_uniform = False  # a random model scores all samples alike: train on them anyway
+        config.rewards.workers, config.rewards.timeout = 2, 10.0
+        config.trainer.max_tokens, config.trainer.micro_rows = 128, 4
+        config.trainer.remat, config.trainer.compute_dtype = "none", "float32"
+        config.generator.slots, config.generator.max_len, config.generator.decode_steps = 32, 128, 8
+        config.generator.max_prefill_batch, config.generator.dtype = 8, "float32"
+        config.checkpoint.every_steps = 3
+        config.eval.num_problems, config.eval.n, config.eval.k = 8, 4, (1, 2, 4)
     return config

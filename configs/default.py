@@ -11,10 +11,11 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from arealjax.sharding import DEFAULT_RULES
+from arealjax.validate import parse_arg
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    del arg
+    parse_arg(arg, "configs/default.py")  # takes none
     config = ml_collections.ConfigDict()
     config.seed = 0
     # Fake host devices when running on CPU (set before JAX starts; ignored by GPU/TPU backends).

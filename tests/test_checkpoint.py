@@ -248,11 +248,11 @@ def test_the_kl_reference_policy_is_checkpointed(tmp_path):
 
 @pytest.mark.slow
 def test_kill_minus_9_during_dataset_sft_then_rerun_continues_exactly(tmp_path, tiny_recipes):
-    """An SFT-only run of the code recipe's :tiny variant on the conversation fixture, SIGKILLed at a random moment
-    after SFT checkpoint 4 and rerun with the same command, ends with the uninterrupted run's params (the batches
-    after the checkpoint come from the restored dataset position, none twice)."""
+    """An SFT-only run of the code recipe's :model=tiny variant on the conversation fixture, SIGKILLed at a random
+    moment after SFT checkpoint 4 and rerun with the same command, ends with the uninterrupted run's params (the
+    batches after the checkpoint come from the restored dataset position, none twice)."""
     root = tiny_recipes
-    args = ["--config=configs/code.py:tiny", f"--config.model_path={root / 'r1-distill'}",
+    args = ["--config=configs/code.py:model=tiny", f"--config.model_path={root / 'r1-distill'}",
             f"--config.data.path={root / 'tfds' / 'code' / '1.0.0'}",
             f"--config.sft.data.path={root / 'tfds' / 'sft' / '1.0.0'}", "--config.rl.steps=0",
             "--config.sft.steps=24", "--config.checkpoint.every_steps=4"]  # 20 steps after checkpoint 4: time to kill

@@ -181,6 +181,17 @@ def test_unknown_config_key_is_one_line_with_the_suggestion(tmp_path):
                          within=30, summary=False)
 
 
+def test_a_bad_recipe_argument_is_one_line_naming_the_file_and_the_keys(tmp_path):
+    run = main_py(tmp_path, "--config=configs/math.py:modl=tiny")
+    assert_clean_failure(run, r"--config=configs/math.py:modl=tiny: .*unknown key 'modl'; expected model, data",
+                         code=2, within=30, summary=False)
+    for args in (["--config=configs/math.py:modl=tiny"], ["--config=configs/default.py", "--config.rl.stepz=3"]):
+        ev = subprocess.run([sys.executable, "-m", "arealjax.evaluate", *args, f"--out={tmp_path}"], cwd=ROOT,
+                            env=child_env(), capture_output=True, text=True, timeout=60)
+        assert ev.returncode == 2 and "Traceback" not in ev.stderr, ev.stderr
+        assert re.match(r"error: .*(unknown key 'modl'|--config.rl.stepz: no such config key)", ev.stderr), ev.stderr
+
+
 @pytest.mark.parametrize("kind", ["file", "unwritable"])
 def test_unusable_workdir(tmp_path, kind):
     if kind == "file":

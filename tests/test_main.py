@@ -106,9 +106,9 @@ def test_bad_mesh_config_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["math", "code+lora"])
 def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_recipes, recipe):
-    """Each recipe's :tiny variant (a random checkpoint of the recipe's family with a BPE tokenizer and chat template,
-    a dataset in the real layout; code: an SFT stage on conversations first) trains through main.py, and the
-    evaluation command scores the run's latest checkpoint. The code run trains LoRA adapters after its (full) SFT
+    """Each recipe's :model=tiny variant (a random checkpoint of the recipe's family with a BPE tokenizer and chat
+    template, a dataset in the real layout; code: an SFT stage on conversations first) trains through main.py, and
+    the evaluation command scores the run's latest checkpoint. The code run trains LoRA adapters after its (full) SFT
     stage: the weight sync moves the adapters only, the run exports them in PEFT's format, and the evaluation
     restores them onto the SFT result."""
     root = tiny_recipes
@@ -121,7 +121,7 @@ def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_r
         paths += ["--config.lora.rank=4", "--config.lora.export=adapters", "--config.lora.generator=on_the_fly"]
     workdir = tmp_path_factory.mktemp(name)
     env = child_env()
-    run = subprocess.run([sys.executable, "main.py", f"--config=configs/{name}.py:tiny", f"--workdir={workdir}",
+    run = subprocess.run([sys.executable, "main.py", f"--config=configs/{name}.py:model=tiny", f"--workdir={workdir}",
                           *paths], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())
@@ -136,7 +136,7 @@ def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_r
         assert 0 < rows[-1]["weight_sync_bytes"] < full_bytes / 10  # adapters only (fp32 both)
 
     out = workdir / "evaluation"
-    ev = subprocess.run([sys.executable, "-m", "arealjax.evaluate", f"--config=configs/{name}.py:tiny",
+    ev = subprocess.run([sys.executable, "-m", "arealjax.evaluate", f"--config=configs/{name}.py:model=tiny",
                          f"--workdir={workdir}", f"--out={out}", *paths], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
     assert ev.returncode == 0, ev.stderr[-3000:]

@@ -1,5 +1,7 @@
 """Notebooks run top to bottom, headless, as a reader would run them from notebooks/."""
 
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,11 @@ def test_notebook_runs(path, request, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     assert any(c.cell_type == "code" and c.source.strip() for c in nb.cells), f"{path} has no code cells"
     run = request.getfixturevalue("gs_run") if path.name == "checkpoint_inspection.ipynb" else {}  # the emulator
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the kernel inherits this environment (the emulator's address
-    for k, v in {**run, "AREALJAX_QUICK": "1"}.items():  # is in os.environ once started)
+    # The kernel inherits this environment (the emulator's address is in os.environ once started): the suite's
+    # compiler flags (conftest.py: shared compiled programs) with the device count the notebook itself would set.
+    (count,) = set(re.findall(r"--xla_force_host_platform_device_count=\d+", path.read_text())) or {""}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    monkeypatch.setenv("XLA_FLAGS", " ".join([count, *flags]).strip())
+    for k, v in {**run, "AREALJAX_QUICK": "1"}.items():
         monkeypatch.setenv(k, v)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()

@@ -65,14 +65,15 @@ def test_install_copies_the_checkout_and_installs_on_every_worker(fake_gcloud):
 
 def test_launch_runs_main_on_all_workers_with_the_arguments_intact(fake_gcloud):
     tricky = "--config.data.instruction=Solve: {prompt} (it's \"easy\")"
-    rc, (ssh,), err = dry_run("launch", "--", "--config=configs/math.py:qwen3-1.7b", tricky,
+    rc, (ssh,), err = dry_run("launch", "--", "--config=configs/math.py:model=qwen3-1.7b", tricky,
                               "--config.checkpoint.dir=gs://bucket/run/checkpoints", fake=fake_gcloud)
     assert rc == 0, err
     assert flag(ssh, "worker") == "all"
     remote = shlex.split(flag(ssh, "command"))  # what the worker's shell runs
     main = remote[remote.index("main.py") + 1:remote.index(">")]
-    assert main == ["--config=configs/math.py:qwen3-1.7b", tricky, "--config.checkpoint.dir=gs://bucket/run/checkpoints",
-                    "--config.distributed=True", "--config.cpu_devices=0"]
+    assert main == ["--config=configs/math.py:model=qwen3-1.7b", tricky,
+                    "--config.checkpoint.dir=gs://bucket/run/checkpoints", "--config.distributed=True",
+                    "--config.cpu_devices=0"]
     assert remote[:2] == ["cd", "arealjax"] and "nohup" in remote and remote[-1] == "&"
 
     rc, cmds, err = dry_run("launch", fake=fake_gcloud)

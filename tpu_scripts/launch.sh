@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Starts main.py on every worker at once (multi-controller JAX: one process per host, each calling
 # jax.distributed.initialize()), in the background, its output in ~/arealjax.log (LOG) on each worker.
-#   TPU_NAME=my-pod ZONE=us-east5-b bash tpu_scripts/launch.sh [--dry-run] -- --config=configs/math.py:qwen3-1.7b \
-#       --workdir=/mnt/shared/runs/qwen3-1.7b --config.checkpoint.dir=gs://my-bucket/qwen3-1.7b/checkpoints
+#   TPU_NAME=my-pod ZONE=us-east5-b bash tpu_scripts/launch.sh [--dry-run] -- \
+#       --config=configs/math.py:model=qwen3-1.7b --workdir=/mnt/shared/runs/qwen3-1.7b \
+#       --config.checkpoint.dir=gs://my-bucket/qwen3-1.7b/checkpoints
 # Everything after -- goes to main.py unchanged; every worker gets the same arguments. The workdir must be on a
 # filesystem every worker mounts (README "Running on a TPU pod"); checkpoints may go straight to a GCS bucket.
 set -euo pipefail

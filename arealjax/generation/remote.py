@@ -286,7 +286,7 @@ class RemoteBackend:
         host = "127.0.0.1" if self.address.startswith(("0.0.0.0", "*")) else self.address.rsplit(":", 1)[0]
         env = runtime.child_env()
         env[runtime.START_CPUS_ENV] = runtime.cpu_list(runtime.START_CPUS)  # not only the cores this process is on
-        cpus = [group or env[runtime.START_CPUS_ENV] for group in str(self.config.generator.servers.get("cpus", ""))
+        cpus = [group or env[runtime.START_CPUS_ENV] for group in str(self.config.generator.servers.cpus)
                 .split(";")]
         log = logs / (f"{name}.log" if jax.process_count() == 1 else f"p{self.process}-{name}.log")
         cmd = [sys.executable, "-m", "arealjax.generation.server", f"--trainer={host}:{self.endpoint.port}",

@@ -27,6 +27,7 @@ from flax import nnx
 from arealjax.models.model import Model, _sharding, abstract_model
 from arealjax.models.transformer import Transformer
 from arealjax.sharding import DEFAULT_RULES, tree_shardings
+from arealjax.validate import Problems, number
 
 SERVING = ("merged", "on_the_fly")  # how the generator applies adapters
 EXPORTS = ("merged", "adapters")  # what a run's exported model is
@@ -60,6 +61,19 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def check(config: Any, problems: Problems) -> None:
+    """The lora section (rank, alpha, targets, generator, export), at start-up."""
+    lo, need = config.lora, problems.need
+    problems.positive("lora.rank", minimum=0)
+    if lo.rank:
+        need(number(lo.alpha) and lo.alpha > 0, "lora.alpha", "> 0 (adapters are scaled by alpha / rank)")
+        need(isinstance(lo.targets, (tuple, list)) and lo.targets and set(lo.targets) <= set(TARGETS),
+             "lora.targets", f"a non-empty tuple of {TARGETS} (on the command line: "
+             f"--config.lora.targets='(\"q_proj\",\"v_proj\")')")
+    need(lo.generator in SERVING, "lora.generator", f"one of {SERVING}")
+    need(lo.export in EXPORTS, "lora.export", f"one of {EXPORTS}")
 
 
 def add_lora(model, lora: LoraConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None, rules=None):

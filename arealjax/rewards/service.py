@@ -33,6 +33,7 @@ import multiprocessing.connection
 import numbers
 import os
 import queue
+import re
 import signal
 import threading
 import traceback
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from arealjax.metrics import Count
+from arealjax.validate import Problems, number
 
 _STOP = object()
 _MAX_LOGGED = 5  # per kind of problem: the rest only counts
@@ -59,6 +61,17 @@ def resolve(path: str, what: str = "reward function") -> Callable:
     if not callable(fn):
         raise ValueError(f"{what} '{path}' is not callable")
     return fn
+
+
+def check(config: Any, problems: Problems) -> None:
+    """The rewards section (the function's path, workers, timeout, retries, failure rate and window), at start-up."""
+    r, need = config.rewards, problems.need
+    problems.positive("rewards.workers", "rewards.failure_window")
+    problems.positive("rewards.retries", minimum=0)
+    need(number(r.timeout) and r.timeout > 0, "rewards.timeout", "seconds > 0")
+    need(number(r.max_failure_rate) and 0 < r.max_failure_rate <= 1, "rewards.max_failure_rate", "a share in (0, 1]")
+    need(isinstance(r.fn, str) and re.fullmatch(r"[\w.]+:\w+", r.fn or "") is not None, "rewards.fn",
+         "'package.module:function'")
 
 
 def die_with_parent(parent: int) -> None:

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from arealjax.rl.trajectory import Trajectory
+from arealjax.validate import Problems, accepts
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "none")
 GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")
@@ -61,6 +63,15 @@ class AdvantageConfig:
         if self.overlong_buffer and not 0 < self.overlong_buffer <= self.max_new_tokens:
             raise ValueError(f"AdvantageConfig.overlong_buffer = {self.overlong_buffer} needs "
                              f"0 < overlong_buffer <= max_new_tokens (= {self.max_new_tokens})")
+
+
+def check(config: Any, problems: Problems) -> None:
+    """The advantage section (AdvantageConfig), and the rl.group_size a group baseline needs, at start-up."""
+    accepts(problems, "advantage", AdvantageConfig, config.advantage)
+    if config.advantage.estimator in GROUP_BASELINES:
+        problems.need(config.rl.group_size != 1, "rl.group_size", f"≥ 2 with advantage.estimator = "
+                      f"'{config.advantage.estimator}': a group baseline of one sample is the sample itself, "
+                      f"so every advantage is 0 and nothing is trained (or use advantage.estimator = 'reinforce_pp')")
 
 
 def overlong_penalty(lengths: np.ndarray, max_new_tokens: int, buffer: int, penalty: float) -> np.ndarray:

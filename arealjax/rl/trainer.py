@@ -35,11 +35,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from arealjax.distributed import Processes, put_rows
 from arealjax.models import Model, lora
 from arealjax.models import attention as attn
-from arealjax.models.transformer import remat_policy
+from arealjax.models.transformer import REMAT, remat_policy
 from arealjax.rl.losses import PPOConfig, lag_metrics, m2_cut, ppo_loss
 from arealjax.rl.packing import PackedBatch, pack, split_minibatches
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, constrain, tree_shardings
+from arealjax.validate import Problems, accepts, ints
 
 LOSSES = ("ppo", "sft")
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: compute in the params' dtype
@@ -121,6 +122,29 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.logits_chunk = {self.logits_chunk}; expected ≥ 0 (0: no chunking)")
         attn.pick(self.attention)
         remat_policy(self.remat)
+
+
+def check(config: Any, problems: Problems) -> None:
+    """The trainer section (trainer.*, with trainer.ppo and trainer.optim), at start-up."""
+    t, need = config.trainer, problems.need
+    problems.positive("trainer.max_tokens", "trainer.micro_rows", "trainer.ppo_n_minibatches",
+                      "trainer.max_skipped_in_a_row")
+    problems.positive("trainer.logits_chunk", minimum=0)
+    need(t.attention in attn.KINDS, "trainer.attention", f"one of {attn.KINDS}")
+    need(t.remat in REMAT, "trainer.remat", f"one of {REMAT}")
+    need(t.remat != "offload" or jax.default_backend() in ("gpu", "tpu"), "trainer.remat",
+         f"not 'offload' on {jax.default_backend()} (host offload needs a GPU or TPU)")
+    need(isinstance(t.scan_layers, bool), "trainer.scan_layers", "True or False")
+    need(t.compute_dtype in COMPUTE_DTYPES, "trainer.compute_dtype", f"one of {sorted(COMPUTE_DTYPES)}")
+    accepts(problems, "trainer.ppo", PPOConfig, t.ppo)
+    accepts(problems, "trainer.optim", OptimConfig, t.optim)
+    g, rl = config.generator, config.rl
+    if ints(g.max_len, t.max_tokens):
+        need(t.max_tokens >= g.max_len, "trainer.max_tokens", f"≥ generator.max_len = {g.max_len}: a trajectory "
+             f"can be as long as the generator's context, and a packed row must hold it")
+    if ints(t.ppo_n_minibatches, rl.batch_size):
+        need(t.ppo_n_minibatches <= rl.batch_size, "trainer.ppo_n_minibatches",
+             f"≤ rl.batch_size = {rl.batch_size} (every minibatch needs a trajectory)")
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array]:

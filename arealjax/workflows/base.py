@@ -29,6 +29,7 @@ from arealjax.rewards.sandbox import Limits, RunResult, run_python
 from arealjax.rewards.service import resolve
 from arealjax.rl.trajectory import Trajectory
 from arealjax.tokenizer import Tokenizer
+from arealjax.validate import Problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,12 @@ def user_turn(tokenizer: Tokenizer, text: str, after_eos: bool) -> list[int]:
     if after_eos and eos_text and tail.startswith(eos_text):
         tail = tail[len(eos_text):]
     return tokenizer.encode(tail)
+
+
+def check(config: Any, problems: Problems) -> None:
+    """The workflow section (its import path), at start-up."""
+    path = config.workflow.path
+    problems.need(isinstance(path, str) and ":" in path, "workflow.path", "'package.module:Class'")
 
 
 def load_workflow(path: str, kwargs: dict[str, Any] | None = None) -> Workflow:
