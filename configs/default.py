@@ -3,7 +3,7 @@
   python main.py --config=configs/default.py --workdir=/tmp/arealjax
   python main.py --config=configs/default.py --config.rl.max_staleness=0      # synchronous RL (the baseline)
 
-SFT warm start on imperfect demonstrations (cached in the workdir), then decoupled PPO with GRPO advantages;
+SFT warm start on imperfect demonstrations (cached in the workdir), then PPO with GRPO advantages;
 trainer and generator on disjoint (fake CPU) devices. See arealjax/train.py.
 """
 
