@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import secrets
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,20 @@ class Peak(float):
     """A metric whose run value is the largest process's: the worst staleness, the longest wait, the fullest pool."""
 
 
+def tensorboard_writer() -> type:
+    """tensorboardX's SummaryWriter, imported without the torch it imports when installed (only to accept torch
+    tensors; we log floats): 1-2 s of every run's start-up on a machine with torch, as the test suite's."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # import torch raises ImportError, which tensorboardX expects without torch
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsWriter:
     """A run's metrics, per step: metrics.jsonl and TensorBoard in the workdir, and Weights & Biases when
     `wandb.project` is set (the run config once, every step's scalars, the curve figure at the end)."""
@@ -37,12 +52,10 @@ class MetricsWriter:
                  run_config: Mapping[str, Any] | None = None):
         """`purge_step`: after a resume, TensorBoard hides the events a killed run wrote from that step on (the
         caller cuts metrics.jsonl back the same way). `wandb`: a config's wandb section."""
-        from tensorboardX import SummaryWriter
-
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.workdir / "metrics.jsonl", "a")
-        self._tb = SummaryWriter(str(self.workdir / "tensorboard"), purge_step=purge_step)
+        self._tb = tensorboard_writer()(str(self.workdir / "tensorboard"), purge_step=purge_step)
         self._wandb = WandbRun(wandb, self.workdir, run_config or {}) if wandb is not None and wandb.project else None
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -36,6 +36,9 @@ DEFAULT_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    # Mixture-of-experts weights [layers, expert, embed, mlp]: by default sharded like a dense MLP's (embed, mlp);
+    # ("expert", "fsdp") puts whole experts on the fsdp devices instead: expert parallelism.
+    ("expert", None),
     ("norm", None),
     ("layers", None),
 )

@@ -275,3 +275,15 @@ def test_importing_loads_nothing_above_it(module):
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     bad = sorted(m for m in loaded for name in LOADED[module] if covers(name, m))
     assert not bad, f"`import {module}` loads {bad}"
+
+
+def test_a_runs_metrics_writer_loads_no_torch(tmp_path):
+    """torch (requirements-dev, for parity tests) is no runtime dependency: tensorboardX would import it, 1-2 s of
+    every main.py start, to accept torch tensors; the writer leaves it out and still writes its event file."""
+    code = ("import sys; from arealjax.metrics import MetricsWriter; w = MetricsWriter(sys.argv[1]); "
+            "w.write(1, {'reward': 0.5}); w.close(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "False", "MetricsWriter imported torch"
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -453,12 +453,7 @@ def model_config_to_wire(cfg: Any) -> dict[str, Any]:
 
 
 def model_config_from_wire(d: dict[str, Any]) -> Any:
-    """A ModelConfig from its wire form (msgpack turns tuples into lists)."""
+    """A ModelConfig from its wire form (msgpack turns tuples into lists; the config makes them tuples again)."""
     from arealjax.models import ModelConfig
 
-    d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])
-    if isinstance(d.get("eos_token_id"), list):
-        d["eos_token_id"] = tuple(d["eos_token_id"])
     return ModelConfig(**d)

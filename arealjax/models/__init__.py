@@ -21,14 +21,23 @@ from arealjax.models.config import ModelConfig, from_hf_config, to_hf_config
 from arealjax.models.lora import LoraConfig
 from arealjax.models.model import Model, _sharding, abstract_model
 from arealjax.models.paged import DecodeIndex, PagedKV, init_pages
-from arealjax.models.transformer import KVCache, Transformer, decode_step, forward, prefill, prefill_packed
+from arealjax.models.transformer import (
+    KVCache,
+    Routing,
+    Transformer,
+    decode_step,
+    forward,
+    load_balancing_loss,
+    prefill,
+    prefill_packed,
+)
 from arealjax.sharding import DEFAULT_RULES, Rules, tree_shardings
 
 __all__ = [
-    "DecodeIndex", "KVCache", "LoraConfig", "Model", "ModelConfig", "PagedKV", "Transformer", "abstract_model",
-    "decode_step", "forward",
-    "from_config", "from_hf_config", "init_pages", "load_pretrained", "prefill", "prefill_packed", "save_pretrained",
-    "to_hf_config",
+    "DecodeIndex", "KVCache", "LoraConfig", "Model", "ModelConfig", "PagedKV", "Routing", "Transformer",
+    "abstract_model", "decode_step", "forward",
+    "from_config", "from_hf_config", "init_pages", "load_balancing_loss", "load_pretrained", "prefill",
+    "prefill_packed", "save_pretrained", "to_hf_config",
 ]
 
 

@@ -1,8 +1,8 @@
 """Model hyper-parameters, and their mapping to and from a Hugging Face ``config.json``.
 
 One config covers the decoder-only families users bring: Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm,
-explicit head_dim) and Llama 3 (optional Llama-3 RoPE scaling). Family presets set only the switches that
-distinguish them; everything else is explicit.
+explicit head_dim), Llama 3 (optional Llama-3 RoPE scaling) and Qwen3-MoE (Qwen3 attention, mixture-of-experts
+MLPs). Family presets set only the switches that distinguish them; everything else is explicit.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", dict(qkv_bias=True)),
     "qwen3": ("Qwen3ForCausalLM", dict(qk_norm=True)),
     "llama": ("LlamaForCausalLM", dict()),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qk_norm=True)),
 }
+MOE_FAMILIES = ("qwen3_moe",)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -45,8 +47,25 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Mixture of experts (Qwen3-MoE; 0 experts: dense). A layer l is sparse iff l is not in mlp_only_layers and
+    # (l + 1) % decoder_sparse_step == 0, as in HF; its MLP is a softmax router over num_experts SwiGLU experts of
+    # width moe_intermediate_size, of which each token takes the top num_experts_per_tok (their weights renormalised
+    # to sum to 1 iff norm_topk_prob). router_aux_loss_coef scales the load-balancing loss that SFT adds.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
+        # Lists (JSON, msgpack) to tuples: the config is hashed as a static argument under jit.
+        for key in ("eos_token_id", "mlp_only_layers"):
+            if isinstance(getattr(self, key), list):
+                object.__setattr__(self, key, tuple(getattr(self, key)))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, tuple):
+            object.__setattr__(self, "rope_scaling", tuple(tuple(kv) for kv in self.rope_scaling))
         if self.family not in FAMILIES:
             raise ValueError(f"model family '{self.family}' is unknown; known: {sorted(FAMILIES)}")
         if self.num_heads % self.num_kv_heads:
@@ -56,6 +75,37 @@ class ModelConfig:
         rope_type = dict(self.rope_scaling or ()).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type '{rope_type}' is not supported; supported: {ROPE_TYPES}")
+        self._check_moe()
+
+    def _check_moe(self):
+        if self.family in MOE_FAMILIES and self.num_experts <= 0:
+            raise ValueError(f"{self.family}: num_experts={self.num_experts}; expected > 0 (without experts the "
+                             f"model is a dense qwen3)")
+        if self.family not in MOE_FAMILIES and self.num_experts:
+            raise ValueError(f"{self.family} has no experts (num_experts={self.num_experts}); mixture-of-experts "
+                             f"families: {MOE_FAMILIES}")
+        if not self.num_experts:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                             f"{self.num_experts}] and moe_intermediate_size={self.moe_intermediate_size} > 0")
+        if self.mlp_bias:
+            raise ValueError(f"{self.family}: experts have no biases (mlp_bias=True)")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        dense = [i for i, sparse in enumerate(self.sparse_layers) if not sparse]
+        if dense:
+            # The layers are one Block with params stacked on a `layers` axis (scanned or not): all alike.
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers="
+                             f"{list(self.mlp_only_layers)} make layers {dense} dense among sparse ones; only "
+                             f"all-sparse configs (decoder_sparse_step=1, mlp_only_layers=[], as Qwen3-30B-A3B and "
+                             f"-235B-A22B) are supported")
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Whether each layer's MLP is a mixture of experts (HF's rule)."""
+        return tuple(self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                     for i in range(self.num_layers))
 
     @classmethod
     def make(cls, **kw: Any) -> ModelConfig:
@@ -74,8 +124,6 @@ class ModelConfig:
         kw.setdefault("head_dim", kw["hidden_size"] // kw["num_heads"])
         if isinstance(kw.get("rope_scaling"), Mapping):
             kw["rope_scaling"] = tuple(sorted(kw["rope_scaling"].items()))
-        if isinstance(kw.get("eos_token_id"), list):
-            kw["eos_token_id"] = tuple(kw["eos_token_id"])
         return cls(**kw)
 
     @property
@@ -83,11 +131,14 @@ class ModelConfig:
         return dict(self.rope_scaling or ())
 
     def num_params(self) -> int:
-        """Parameter count (embeddings included), for FLOP and memory estimates."""
+        """Parameter count (embeddings included), for FLOP and memory estimates; every expert counts (a token's
+        forward reads num_experts_per_tok of them)."""
         d, h, kv, hd, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
         attn = d * (h + 2 * kv) * hd + h * hd * d
         attn += (h + 2 * kv) * hd * self.qkv_bias + d * self.o_bias + 2 * hd * self.qk_norm
         mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
+        if self.num_experts:  # router + experts (every layer sparse: see _check_moe)
+            mlp = self.num_experts * (d + 3 * d * self.moe_intermediate_size)
         per_layer = attn + mlp + 2 * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * per_layer + d + head
@@ -130,7 +181,18 @@ def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
     hidden = int(need("hidden_size"))
     attention_bias = bool(hf.get("attention_bias", False))
     eos = hf.get("eos_token_id")
-    return ModelConfig(
+    moe = {}
+    if model_type in MOE_FAMILIES:  # transformers 5 writes num_experts as num_local_experts; the Hub's files do not
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if experts is None:
+            raise KeyError(f"{source}: missing key 'num_experts' required for model_type '{model_type}'")
+        moe = dict(num_experts=int(experts), num_experts_per_tok=int(need("num_experts_per_tok")),
+                   moe_intermediate_size=int(need("moe_intermediate_size")),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                   decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                   mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+                   router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    kw = dict(
         family=model_type,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
@@ -146,11 +208,15 @@ def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
         qkv_bias=True if model_type == "qwen2" else attention_bias,
         o_bias=False if model_type == "qwen2" else attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
     )
+    try:
+        return ModelConfig(**kw, **moe)
+    except ValueError as e:  # e.g. a mixture of dense and sparse layers
+        raise ValueError(f"{source}: {e}") from None
 
 
 def to_hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
@@ -159,8 +225,9 @@ def to_hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         raise ValueError("Qwen2 checkpoints always have q/k/v bias and no o_proj bias")
     if cfg.family != "qwen2" and cfg.qkv_bias != cfg.o_bias:
         raise ValueError(f"{cfg.family}: HF `attention_bias` sets q/k/v and o biases together")
-    if cfg.qk_norm != (cfg.family == "qwen3"):
-        raise ValueError(f"{cfg.family}: q/k norm is {'required' if cfg.family == 'qwen3' else 'not supported'}")
+    qk_norm = cfg.family in ("qwen3", "qwen3_moe")
+    if cfg.qk_norm != qk_norm:
+        raise ValueError(f"{cfg.family}: q/k norm is {'required' if qk_norm else 'not supported'}")
     rope = cfg.rope
     rope_parameters = {"rope_type": "default", **rope, "rope_theta": cfg.rope_theta}
     out = {
@@ -192,6 +259,11 @@ def to_hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out["mlp_bias"] = cfg.mlp_bias
     elif cfg.mlp_bias:
         raise ValueError(f"{cfg.family}: mlp_bias is only expressible in Llama checkpoints")
-    if cfg.family in ("qwen2", "qwen3"):
+    if cfg.family in ("qwen2", "qwen3", "qwen3_moe"):
         out["use_sliding_window"] = False
+    if cfg.family in MOE_FAMILIES:
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
+                   router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False)
     return out

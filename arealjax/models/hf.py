@@ -2,7 +2,8 @@
 
 Our parameter names are HF's module paths, so the mapping is a rename plus, for projection kernels, a transpose:
 HF stores a linear layer as [out, in]; we keep [in..., out...] with heads split out (q_proj: [embed, heads,
-head_dim], o_proj: [heads, head_dim, embed]).
+head_dim], o_proj: [heads, head_dim, embed]). Params stacked on leading `layers` (and `expert`) axes are one HF
+tensor per layer (and expert): model.layers.{l}.mlp.experts.{e}.gate_proj.weight, as on the Hub.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from arealjax.models.config import ModelConfig, from_hf_config, to_hf_config
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters write; recomputed here
+STACKS = {"layers": "layers", "expert": "experts"}  # a stacked leading axis -> the module its index follows in names
 
 
 def hf_name(path: tuple) -> str:
@@ -37,6 +39,22 @@ def hf_name(path: tuple) -> str:
         parts.append("weight")
     parts[-1] = {"kernel": "weight", "bias": "bias", "weight": "weight"}[parts[-1]]
     return ".".join(parts) if parts[0] == "lm_head" else "model." + ".".join(parts)
+
+
+def split_names(path: tuple, axes: tuple, shape: tuple) -> tuple[int, list[str]]:
+    """(n, names): a param's n leading stacked axes (`layers`, then `expert`) and the HF name of each slice over
+    them, in row-major order: ('layers', 'mlp', 'experts', 'up_proj', 'kernel') of [L, E, ...] ->
+    model.layers.{l}.mlp.experts.{e}.up_proj.weight for every l, e."""
+    n = 0
+    while n < len(axes) and axes[n] in STACKS:
+        n += 1
+    names = []
+    for index in np.ndindex(*shape[:n]):
+        parts = list(path)
+        for axis, i in zip(axes[:n], index):
+            parts.insert(parts.index(STACKS[axis]) + 1, i)
+        names.append(hf_name(tuple(parts)))
+    return n, names
 
 
 def _n_in(path: tuple, axes: tuple) -> int | None:
@@ -134,12 +152,9 @@ def load_params(path: str | os.PathLike, abstract: nnx.State, cfg: ModelConfig, 
     try:
         for p, var in nnx.to_flat_state(abstract):
             axes = tuple(var.get_metadata()["axes"])
-            if axes[0] == "layers":  # stacked: one HF tensor per layer
-                w = np.stack([from_hf_tensor(p, axes[1:], *read(hf_name(("layers", i) + p[1:])), var.shape[1:])
-                              for i in range(var.shape[0])])
-            else:
-                w = from_hf_tensor(p, axes, *read(hf_name(p)), var.shape)
-            w = np.asarray(w, dtype=jnp.dtype(dtype))
+            n, names = split_names(p, axes, var.shape)  # stacked: one HF tensor per layer (and expert)
+            ws = [from_hf_tensor(p, axes[n:], *read(name), var.shape[n:]) for name in names]
+            w = np.asarray(np.stack(ws).reshape(var.shape) if n else ws[0], dtype=jnp.dtype(dtype))
             if p in flat_shardings:
                 arr = jax.make_array_from_callback(w.shape, flat_shardings[p].get_value(), lambda idx, w=w: w[idx])
             else:
@@ -171,10 +186,9 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | os.PathLike, ma
         x = np.asarray(jax.device_get(x))
         dtype = dtype or x.dtype
         axes = tuple(var.get_metadata()["axes"])
-        if axes[0] == "layers":
-            tensors.update({hf_name(("layers", i) + p[1:]): to_hf_tensor(p, axes[1:], x[i]) for i in range(len(x))})
-        else:
-            tensors[hf_name(p)] = to_hf_tensor(p, axes, x)
+        n, names = split_names(p, axes, x.shape)
+        slices = x.reshape(-1, *x.shape[n:])
+        tensors.update({name: to_hf_tensor(p, axes[n:], w) for name, w in zip(names, slices)})
     if jax.process_index() != 0:
         return
     path.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Decoder-only transformer for the Qwen2 / Qwen3 / Llama families, in Flax NNX.
+"""Decoder-only transformer for the Qwen2 / Qwen3 / Llama / Qwen3-MoE families, in Flax NNX.
 
 Module and parameter names mirror Hugging Face's (`self_attn.q_proj`, `mlp.gate_proj`, ...) so checkpoint
 conversion is a rename plus a reshape. Every parameter carries logical axis names in its `axes` metadata; see
@@ -7,7 +7,8 @@ conversion is a rename plus a reshape. Every parameter carries logical axis name
 The layers are one Block with every param stacked on a leading `layers` axis and applied by `jax.lax.scan`, so
 compile time does not grow with depth and rematerialisation (`remat`) is a per-layer jax.checkpoint policy; HF
 checkpoints still hold one tensor per layer (models/hf.py splits and stacks). Attention kernels are in
-models/attention.py (training, prefill) and models/paged.py (decode).
+models/attention.py (training, prefill) and models/paged.py (decode). A mixture-of-experts model (Qwen3-MoE) has
+an `MoE` in each Block's place of the MLP: its experts are stacked the same way, on an `expert` axis.
 
 Three entry points, pure functions of (params, inputs) at the bottom of the file:
   forward      packed training rows: tokens, positions, segment ids [B, T] -> fp32 logits [B, T, V]
@@ -37,7 +38,17 @@ from arealjax.sharding import LogicalSharding, constrain
 Array = jax.Array
 INIT_STD = 0.02  # HF `initializer_range` default for all three families
 REMAT = ("none", "full", "save_dots", "offload")
+MAX_TILE = 512  # most rows of one expert matmul in grouped_experts
 HIDDEN_AXES = ("batch", "length", "embed")  # logical axes of the hidden states between layers
+
+
+class Routing(NamedTuple):
+    """What the routers of a mixture-of-experts model did, per token and sparse layer (`hidden(..., with_routes=
+    True)`): the experts each token went to, best first, and the router logits (the load-balancing loss reads
+    them). `experts` is also what `hidden(..., routes=...)` replays."""
+
+    experts: Array  # [B, T, L, k] int32
+    logits: Array  # [B, T, L, E] fp32
 
 
 class KVCache(NamedTuple):
@@ -152,8 +163,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lora=None):
-        d, f = cfg.hidden_size, cfg.intermediate_size
+    """SwiGLU: down(silu(gate(x)) * up(x)), `width` wide (default intermediate_size; an expert's is smaller)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lora=None, width: int | None = None):
+        d, f = cfg.hidden_size, width or cfg.intermediate_size
         kw = dict(use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.gate_proj = Linear((d,), (f,), ("embed",), ("mlp",), lora=_lora_for(lora, "gate_proj"), **kw)
         self.up_proj = Linear((d,), (f,), ("embed",), ("mlp",), lora=_lora_for(lora, "up_proj"), **kw)
@@ -163,27 +176,128 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class MoE(nnx.Module):
+    """Mixture of experts (Qwen3-MoE's sparse block): a softmax router over E SwiGLU experts; each token goes to
+    its top k, weighted by their router probabilities (renormalised to sum to 1 iff `norm_topk_prob`).
+
+    Dropless: every token reaches its k experts whatever the load (`grouped_experts`), no capacity factor. The
+    router is `gate` (HF: mlp.gate.weight [E, D]); the experts are one MLP whose kernels are stacked on a leading
+    `expert` axis ([E, D, F] / [E, F, D]; HF: mlp.experts.{e}.gate_proj.weight ...)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, e = cfg.hidden_size, cfg.num_experts
+        self.k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Linear((d,), (e,), ("embed",), ("expert",), use_bias=False, dtype=dtype, rngs=rngs)
+        self.experts = _stacked(e, "expert", lambda r: MLP(cfg, dtype, r, width=cfg.moe_intermediate_size), rngs)
+
+    def __call__(self, x: Array, routes: Array | None = None) -> tuple[Array, Routing]:
+        """x [..., D] -> (y [..., D], Routing(experts [..., k], logits [..., E])). With `routes` [..., k] (router
+        replay) the tokens go to those experts instead of the top k, weighted by the router's probabilities of
+        them: the router's output still carries its gradient."""
+        logits = self.gate(x)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # over all experts, in fp32 as HF
+        if routes is None:
+            weights, experts = jax.lax.top_k(probs, self.k)
+        else:
+            experts = routes.astype(jnp.int32)
+            weights = jnp.take_along_axis(probs, experts, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        d = x.shape[-1]
+        y = grouped_experts(x.reshape(-1, d), experts.reshape(-1, self.k), weights.astype(x.dtype).reshape(-1, self.k),
+                            self.experts)
+        return y.reshape(x.shape), Routing(experts, logits.astype(jnp.float32))
+
+
+def grouped_experts(x: Array, experts: Array, weights: Array, mlp: MLP) -> Array:
+    """Σ_j weights[n, j] · expert_{experts[n, j]}(x[n]) for tokens x [N, D], experts and weights [N, k], `mlp` the
+    experts' stacked SwiGLU ([E, D, F] kernels). Dropless grouped matmul by sorted segments: the P = N·k (token,
+    expert) pairs are sorted by expert, each expert's contiguous group is cut into tiles of C rows, and a scan over
+    the most tiles there can be (P/C + E) runs each tile through its own expert: matmuls over P + E·C rows (C about
+    P/E: at most ~3P), not the N·E of every token through every expert. (`jax.lax.ragged_dot` is the same grouped
+    matmul, but this JAX lowers it on CPU and GPU to a zero-padded product over all E groups: k times the dense
+    einsum's FLOPs, measured in docs/model.md.)"""
+    n, k = experts.shape
+    e, d = mlp.gate_proj.kernel.shape[:2]
+    p = n * k
+    c = min(MAX_TILE, max(8, 1 << (max(1, p // e) - 1).bit_length()))  # about the mean group: <= 2x padding
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # sorted row r holds pair order[r]: token order[r] // k
+    sizes = jnp.bincount(flat, length=e)
+    starts = jnp.cumsum(sizes) - sizes  # each expert's first sorted row
+    tiles = -(-sizes // c)
+    ends = jnp.cumsum(tiles)  # each expert's tiles end there
+    j = jnp.arange(-(-p // c) + e)
+    te = jnp.minimum(jnp.searchsorted(ends, j, side="right"), e - 1)  # tile j's expert
+    row = jnp.minimum(starts[te] + (j - ends[te] + tiles[te]) * c, p)  # its first row
+    used = jnp.where(j < ends[-1], starts[te] + sizes[te] - row, 0)  # its rows that are its expert's (first `used`)
+    xs = jnp.concatenate([x[order // k], jnp.zeros((c, d), x.dtype)])  # [P + C, D]: every tile's slice in bounds
+    gate, up, down = (m.kernel[...] for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+    def tile(_, t):
+        ex, r, u = t
+        xt = jax.lax.dynamic_slice_in_dim(xs, r, c)
+        y = (jax.nn.silu(xt @ gate[ex]) * (xt @ up[ex])) @ down[ex]
+        return None, jnp.where((jnp.arange(c) < u)[:, None], y, 0)
+
+    # The backward pass keeps the tiles' matmul outputs and re-slices the weights, rather than saving each tile's
+    # slice of them ([tiles, D, F]).
+    tile = jax.checkpoint(tile, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    _, ys = jax.lax.scan(tile, None, (te, row, used))  # [tiles, C, D]
+    rows = (row[:, None] + jnp.arange(c)).reshape(-1)
+    ys = jnp.zeros((p + c, d), x.dtype).at[rows].add(ys.reshape(-1, d))[:p]  # each row from its one tile
+    unsort = jnp.zeros_like(order).at[order].set(jnp.arange(p, dtype=order.dtype))
+    return jnp.sum(ys[unsort].reshape(n, k, d) * weights[..., None], axis=1)
+
+
+def load_balancing_loss(logits: Array, k: int, mask: Array | None = None) -> Array:
+    """The router's auxiliary load-balancing loss, as HF's `load_balancing_loss_func` (Switch Transformer eqs. 4-6)
+    over all sparse layers: E · Σ_e f_e · P_e, f_e the share of (token, layer) rows whose top k include expert e
+    and P_e the mean router probability of e. `logits` [..., L, E] (`Routing.logits`), `mask` [...] (True: a real
+    token; padding is left out). Gradients flow through P only. SFT adds it times cfg.router_aux_loss_coef."""
+    e = logits.shape[-1]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).reshape(-1, e)
+    chosen = jnp.sum(jax.nn.one_hot(jax.lax.top_k(probs, k)[1], e, dtype=jnp.float32), axis=1)  # [rows, E]
+    m = jnp.ones(logits.shape[:-1]) if mask is None else jnp.broadcast_to(mask[..., None], logits.shape[:-1])
+    m = m.astype(jnp.float32).reshape(-1, 1)
+    rows = jnp.sum(m)
+    return e * jnp.sum(jnp.sum(chosen * m, axis=0) / rows * (jnp.sum(probs * m, axis=0) / rows))
+
+
 class Block(nnx.Module):
-    """One pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(x))."""
+    """One pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(x)) (a dense MLP or an MoE)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lora=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs, lora)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs, lora)
+        if cfg.num_experts:
+            expert_targets = sorted(set(lora.targets if lora else ()) & {"gate_proj", "up_proj", "down_proj"})
+            if expert_targets:
+                raise ValueError(f"lora.targets {expert_targets}: in {cfg.family} these are expert projections, "
+                                 f"which take no adapters; target attention projections (q_proj, k_proj, v_proj, "
+                                 f"o_proj)")
+            self.mlp = MoE(cfg, dtype, rngs)
+        else:
+            self.mlp = MLP(cfg, dtype, rngs, lora)
 
     def __call__(self, x: Array, positions: Array, inv_freq: np.ndarray, shard: LogicalSharding | None,
-                 attend: Callable[[Array, Array, Array], tuple[Array, Any]]) -> tuple[Array, Any]:
-        """x [B, T, D] at `positions` [B, T] -> (x [B, T, D], what `attend` returned beside its output).
+                 attend: Callable[[Array, Array, Array], tuple[Array, Any]],
+                 routes: Array | None = None) -> tuple[Array, Any, Routing | None]:
+        """x [B, T, D] at `positions` [B, T] -> (x [B, T, D], what `attend` returned beside its output, the MoE's
+        Routing or None when the MLP is dense).
 
         `attend(q, k, v)` -> (o [B, T, H, head_dim], extra) is the attention core, the only part that differs
         between the entry points: over the rows' own segments (forward, prefill; extra = (k, v)) or over the KV
-        pages after writing the new token's k, v into them (decode; extra = the pages)."""
+        pages after writing the new token's k, v into them (decode; extra = the pages). `routes` [B, T, k]: the
+        experts to send the tokens to (MoE only; see MoE)."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, inv_freq, shard)
         o, extra = attend(q, k, v)
         x = constrain(x + self.self_attn.o_proj(o), shard, HIDDEN_AXES)
-        x = constrain(x + self.mlp(self.post_attention_layernorm(x)), shard, HIDDEN_AXES)
-        return x, extra
+        h = self.post_attention_layernorm(x)
+        y, routing = self.mlp(h, routes) if isinstance(self.mlp, MoE) else (self.mlp(h), None)
+        x = constrain(x + y, shard, HIDDEN_AXES)
+        return x, extra, routing
 
 
 def remat_policy(name: str):
@@ -210,7 +324,7 @@ class Transformer(nnx.Module):
         self.shard = shard
         emb = INIT_STD * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32)
         self.embed_tokens = nnx.Param(emb.astype(dtype), axes=("vocab", "embed"))
-        self.layers = _stacked_blocks(cfg, dtype, rngs, lora)
+        self.layers = _stacked(cfg.num_layers, "layers", lambda r: Block(cfg, dtype, r, lora), rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             (cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",), use_bias=False, dtype=dtype, rngs=rngs)
@@ -253,10 +367,17 @@ class Transformer(nnx.Module):
         return self.forward(tokens, positions, segment_ids)[0]
 
     def hidden(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None, *,
-               attention: str = "xla", scan: bool = True, remat: str = "none") -> tuple[Array, KVCache]:
+               attention: str = "xla", scan: bool = True, remat: str = "none", routes: Array | None = None,
+               with_routes: bool = False) -> tuple[Array, KVCache] | tuple[Array, KVCache, Routing]:
         """Final hidden states [B,T,D] (after the final norm) and per-layer KV [L,B,T,Hkv,D] over rows of one or
         more packed sequences. A token attends to earlier tokens of its own segment only; segment id 0 marks
-        padding. `attention` picks the kernel (models/attention.py)."""
+        padding. `attention` picks the kernel (models/attention.py).
+
+        Mixture-of-experts models only: `routes` [B,T,L,k] int replays routing (each token of each layer goes to
+        the experts given, e.g. those the generator's forward chose); `with_routes` adds a third output, the
+        Routing (experts [B,T,L,k], router logits [B,T,L,E])."""
+        if (routes is not None or with_routes) and not self.cfg.num_experts:
+            raise ValueError(f"routes / with_routes: this {self.cfg.family} model has no experts")
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -268,21 +389,26 @@ class Transformer(nnx.Module):
         def attend(q, k, v):  # within each row's own segments; the layer's k, v come back (prefill caches them)
             return attn.attend(q, k, v, segment_ids, kind), (k, v)
 
-        def layer(block, x, _):
-            return block(x, positions, inv_freq, self.shard, attend)
+        def layer(block, x, xs):  # xs: this layer's routes [B, T, k] when replaying, else its index
+            x, kv, routing = block(x, positions, inv_freq, self.shard, attend, None if routes is None else xs)
+            return x, (kv, routing if with_routes else None)
 
         x = self._act(jnp.take(self.embed_tokens[...], tokens, axis=0))
-        x, (ks, vs) = self._layers(layer, x, scan=scan, remat=remat)
-        return self.norm(x), KVCache(ks, vs)
+        xs = None if routes is None else jnp.moveaxis(jnp.asarray(routes), 2, 0)
+        x, ((ks, vs), routing) = self._layers(layer, x, xs, scan=scan, remat=remat)
+        if not with_routes:
+            return self.norm(x), KVCache(ks, vs)
+        return self.norm(x), KVCache(ks, vs), Routing(*(jnp.moveaxis(a, 0, 2) for a in routing))
 
     def forward(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None,
-                logits_at: Array | None = None, **kw) -> tuple[Array, KVCache]:
-        """Logits [B,T,V] fp32 and per-layer KV (see `hidden`, which takes the keyword options). With `logits_at`
-        [B], logits only at that index of each row ([B,1,V]): prefill needs no vocab projection over the prompt."""
-        x, kv = self.hidden(tokens, positions, segment_ids, **kw)
+                logits_at: Array | None = None, **kw) -> tuple[Array, KVCache] | tuple[Array, KVCache, Routing]:
+        """Logits [B,T,V] fp32 and per-layer KV, and the Routing with `with_routes` (see `hidden`, which takes the
+        keyword options). With `logits_at` [B], logits only at that index of each row ([B,1,V]): prefill needs no
+        vocab projection over the prompt."""
+        x, *rest = self.hidden(tokens, positions, segment_ids, **kw)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-        return self._logits(x), kv
+        return self._logits(x), *rest
 
     def decode(self, pages: PagedKV, tokens: Array, positions: Array, index: DecodeIndex,
                attention: str = "ragged") -> tuple[Array, PagedKV]:
@@ -304,7 +430,7 @@ class Transformer(nnx.Module):
                     o = ragged_attention(q[:, 0], pk_i, pv_i, i, positions, index)
                 return o[:, None], (pk_i, pv_i)
 
-            x, (pk, pv) = block(x, positions[:, None], inv_freq, self.shard, attend)
+            x, (pk, pv), _ = block(x, positions[:, None], inv_freq, self.shard, attend)
             return (x, constrain(pk, self.shard, k_axes), constrain(pv, self.shard, v_axes)), None
 
         x = self._act(jnp.take(self.embed_tokens[...], tokens[:, None], axis=0))
@@ -312,19 +438,19 @@ class Transformer(nnx.Module):
         return self._logits(self.norm(x))[:, 0], PagedKV(pk, pv)
 
 
-def _stacked_blocks(cfg: ModelConfig, dtype, rngs: nnx.Rngs, lora=None) -> Block:
-    """num_layers Blocks as one, every param stacked on a leading axis named `layers`."""
+def _stacked(n: int, axis: str, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
+    """n modules from `make` as one, every param stacked on a leading axis named `axis` (`layers`, `expert`)."""
 
-    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-        return Block(cfg, dtype, rngs, lora)
+    def build(rngs):
+        return make(rngs)
 
-    blocks = make(rngs)
-    for _, node in nnx.iter_graph(blocks):
+    stacked = build(rngs)
+    for _, node in nnx.iter_graph(stacked):
         if isinstance(node, nnx.Param):
-            node.set_metadata("axes", ("layers",) + tuple(node.get_metadata()["axes"]))
-    return blocks
+            node.set_metadata("axes", (axis,) + tuple(node.get_metadata()["axes"]))
+    return stacked
 
 
 # ---- pure entry points: (graphdef, params, inputs) -> outputs, jitted; graphdef is static ----

@@ -1,0 +1,332 @@
+"""Qwen3-MoE: HF parity (logits, greedy decode, export), dropless grouped experts against a dense reference,
+scan/remat, the load-balancing loss, router replay, expert sharding, refused settings."""
+
+import functools
+import json
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import hf_logits
+from flax import nnx
+
+from arealjax.generation.pages import PagePool, decode_index
+from arealjax.models import (
+    LoraConfig,
+    ModelConfig,
+    decode_step,
+    from_config,
+    init_pages,
+    load_balancing_loss,
+    load_pretrained,
+    prefill,
+    save_pretrained,
+)
+from arealjax.models.lora import add_lora
+from arealjax.models.paged import write_prefill
+from arealjax.models.transformer import MLP, _stacked, grouped_experts
+from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh
+
+TOL = 1e-4
+# 8 experts of width 16, top 2, every layer sparse (as Qwen3-30B-A3B); q/k norm with head_dim != hidden/heads.
+HF_MOE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+def make_hf_moe(**overrides):
+    """A random tiny transformers Qwen3MoeForCausalLM (fp32, eval), every weight perturbed beyond HF's init."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**{**HF_MOE, **overrides}))
+    model = model.float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_moe(tmp_path_factory):
+    """norm_topk_prob -> (directory written by transformers' save_pretrained, the torch model)."""
+    out = {}
+    for norm in (False, True):
+        model = make_hf_moe(norm_topk_prob=norm)
+        path = tmp_path_factory.mktemp(f"hf_moe_{norm}")
+        model.save_pretrained(path)
+        out[norm] = (path, model)
+    return out
+
+
+def moe_config(**kw) -> ModelConfig:
+    return ModelConfig.make(**{**dict(family="qwen3_moe", vocab_size=96, hidden_size=32, intermediate_size=64,
+                                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
+                                      num_experts_per_tok=2, moe_intermediate_size=16), **kw})
+
+
+def hf_router_choices(hf_model, tokens: np.ndarray) -> np.ndarray:
+    """HF's top-k expert ids per token and layer, [B, T, L, k], read from its routers' outputs."""
+    import torch
+
+    seen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, args, out: seen.append(out[2].numpy()))
+             for layer in hf_model.model.layers]
+    with torch.no_grad():
+        hf_model(torch.tensor(tokens))
+    for h in hooks:
+        h.remove()
+    return np.stack(seen, axis=1).reshape(*tokens.shape, len(seen), -1)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_logits_and_routes_match_transformers(hf_moe, tokens, norm_topk_prob):
+    path, hf_model = hf_moe[norm_topk_prob]
+    assert "num_local_experts" in json.loads((path / "config.json").read_text())  # transformers 5's spelling
+    model = load_pretrained(path)
+    assert model.cfg.num_experts == 8 and model.cfg.norm_topk_prob == norm_topk_prob
+    assert sum(x.size for x in jax.tree.leaves(model.params)) == model.cfg.num_params()
+    np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(hf_model, tokens), atol=TOL, rtol=0)
+    t = nnx.merge(model.graphdef, model.params)
+    _, _, routing = jax.jit(lambda x: t.forward(x, with_routes=True))(tokens)
+    assert routing.experts.shape == (*tokens.shape, 2, 2) and routing.logits.shape == (*tokens.shape, 2, 8)
+    np.testing.assert_array_equal(np.asarray(routing.experts), hf_router_choices(hf_model, tokens))
+
+
+def test_greedy_decode_equals_transformers_generate(hf_moe):
+    """Our generation path (prefill, then decode steps over KV pages) continues a prompt greedily exactly as
+    transformers' generate does."""
+    import torch
+
+    path, hf_model = hf_moe[True]
+    model = load_pretrained(path)
+    prompt = np.random.RandomState(3).randint(0, 96, 7).astype(np.int32)
+    n_new, size = 12, 4
+    with torch.no_grad():
+        ids = torch.tensor(prompt[None].astype(np.int64))
+        want = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    pool = PagePool(16, size)
+    held = pool.alloc(pool.pages_for(len(prompt) + n_new))
+    pages = init_pages(model.cfg, pool.num_pages, size)
+    padded = np.zeros((1, 8), np.int32)
+    padded[0, :len(prompt)] = prompt
+    logits, kv = prefill(model.graphdef, model.params, padded, np.array([len(prompt)]))
+    n = pool.pages_for(len(prompt))
+    pages = write_prefill(pages, kv.k, kv.v, np.array(held[:n]), np.zeros(n, np.int32), np.arange(n))
+    got, pos = [int(np.argmax(logits[0]))], len(prompt)
+    while len(got) < n_new:
+        index = decode_index([held], [pos], 1, len(held), pool.num_pages, size)
+        logits, pages = decode_step(model.graphdef, model.params, pages, np.array([got[-1]], np.int32),
+                                    np.array([pos], np.int32), index)
+        got.append(int(np.argmax(logits[0])))
+        pos += 1
+    assert got == want
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_roundtrip_through_transformers(tokens, tmp_path, tied):
+    import transformers
+
+    model = from_config(moe_config(norm_topk_prob=True, tie_word_embeddings=tied), seed=3)
+    model.params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), model.params)
+    save_pretrained(model, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["num_experts"] == 8 and cfg["norm_topk_prob"] and cfg["mlp_only_layers"] == []
+    from safetensors.numpy import load_file
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert {"model.layers.1.mlp.experts.7.down_proj.weight", "model.layers.0.mlp.gate.weight"} <= names
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    assert type(hf_model).__name__ == "Qwen3MoeForCausalLM"
+    np.testing.assert_allclose(hf_logits(hf_model, tokens), np.asarray(model(tokens)), atol=TOL, rtol=0)
+    np.testing.assert_array_equal(np.asarray(load_pretrained(tmp_path)(tokens)), np.asarray(model(tokens)))
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "save_dots"])
+def test_scanned_layers_equal_unrolled(hf_moe, tokens, remat):
+    """Scanned, with each remat policy but offload (GPU/TPU only), == unrolled: logits and gradients of a loss that
+    includes the load-balancing loss, so the router gets gradients from both paths."""
+    model = load_pretrained(hf_moe[False][0])
+    x = jnp.asarray(tokens)
+
+    def value_and_grad(scan, remat):
+        def f(params):
+            logits, _, routing = nnx.merge(model.graphdef, params).forward(x, scan=scan, remat=remat,
+                                                                          with_routes=True)
+            aux = load_balancing_loss(routing.logits, model.cfg.num_experts_per_tok)
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 5]) + 0.1 * aux, logits
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(model.params)
+
+    (_, ref_logits), ref_grads = value_and_grad(False, "none")
+    (_, logits), grads = value_and_grad(True, remat)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(grads["layers"]["mlp"]["gate"]["kernel"])).max() > 0
+
+
+def dense_reference(x, experts, weights, mlp):
+    """Every token through every expert (einsums over the expert axis), weighted by its masked top-k weights."""
+    e = mlp.gate_proj.kernel.shape[0]
+    combine = jnp.sum(jax.nn.one_hot(experts, e, dtype=x.dtype) * weights[..., None], axis=1)  # [N, E]
+    h = jax.nn.silu(jnp.einsum("nd,edf->nef", x, mlp.gate_proj.kernel[...]))
+    h = h * jnp.einsum("nd,edf->nef", x, mlp.up_proj.kernel[...])
+    return jnp.einsum("nef,efd,ne->nd", h, mlp.down_proj.kernel[...], combine)
+
+
+def _experts_case(n, d, f, e, k, seed=0):
+    cfg = ModelConfig.make(family="qwen3_moe", vocab_size=8, hidden_size=d, intermediate_size=f, num_layers=1,
+                           num_heads=1, num_kv_heads=1, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f)
+    mlp = _stacked(e, "expert", lambda r: MLP(cfg, jnp.float32, r, width=f), nnx.Rngs(seed))
+    rng = np.random.RandomState(seed)
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    logits = rng.normal(size=(n, e))
+    logits[: n // 2, 0] += 4  # a hot expert: groups of very different sizes
+    experts = jnp.asarray(np.argsort(-logits, axis=1)[:, :k], jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)
+    return mlp, x, experts, weights
+
+
+@pytest.mark.parametrize("n,e,k", [(50, 8, 2), (3, 8, 2), (40, 4, 4)])
+def test_grouped_experts_equal_dense_reference(n, e, k):
+    """Tokens sorted by expert, in tiles == every token through every expert weighted by the masked top-k weights:
+    outputs and gradients (expert kernels, tokens, weights), with a hot expert (several tiles), empty experts (3
+    tokens) and k = E."""
+    mlp, x, experts, weights = _experts_case(n=n, d=32, f=16, e=e, k=k)
+    graphdef, params = nnx.split(mlp)
+
+    def out_and_grads(fn):
+        def f(params, x, w):
+            return jnp.sum(fn(x, experts, w, nnx.merge(graphdef, params)) * jnp.cos(x))
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(params, x, weights)
+
+    (ref, ref_g), (out, g) = out_and_grads(dense_reference), out_and_grads(grouped_experts)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    y = jax.jit(lambda p, x, w: grouped_experts(x, experts, w, nnx.merge(graphdef, p)))(params, x, weights)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_reference(x, experts, weights, mlp)), atol=1e-5)
+
+
+def test_grouped_experts_timing():
+    """Not asserted, printed (pytest -s): forward + backward of both at 2048 tokens, D=256, 32 experts of 128,
+    top 4 (benchmark-grade numbers: docs/model.md)."""
+    mlp, x, experts, weights = _experts_case(n=2048, d=256, f=128, e=32, k=4)
+    graphdef, params = nnx.split(mlp)
+    for name, fn in (("grouped (sorted segments)", grouped_experts), ("dense einsum reference", dense_reference)):
+        step = jax.jit(jax.grad(lambda p, x, fn=fn: jnp.sum(fn(x, experts, weights, nnx.merge(graphdef, p)) ** 2)))
+        jax.block_until_ready(step(params, x))
+        t0 = time.perf_counter()
+        for _ in range(3):
+            jax.block_until_ready(step(params, x))
+        print(f"\n{name}: {(time.perf_counter() - t0) / 3 * 1e3:.1f} ms per forward+backward on "
+              f"{jax.devices()[0].platform}")
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balancing_loss_equals_transformers(hf_moe, tokens, masked):
+    """Our loss == HF's load_balancing_loss_func on the same router logits (with and without a padding mask),
+    and == the aux_loss HF's model reports for the same tokens."""
+    import torch
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    rng = np.random.RandomState(0)
+    logits = rng.normal(size=(2, 9, 3, 8)).astype(np.float32)  # [B, T, L, E]
+    mask = (np.arange(9)[None] < np.array([[9], [5]])).astype(np.int64) if masked else None
+    want = load_balancing_loss_func(tuple(torch.tensor(logits[:, :, i].reshape(-1, 8)) for i in range(3)), 8, 2,
+                                    None if mask is None else torch.tensor(mask))
+    got = load_balancing_loss(jnp.asarray(logits), 2, None if mask is None else jnp.asarray(mask, bool))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+
+    path, hf_model = hf_moe[True]
+    with torch.no_grad():
+        hf_aux = hf_model(torch.tensor(tokens), output_router_logits=True).aux_loss
+    model = load_pretrained(path)
+    _, _, routing = nnx.merge(model.graphdef, model.params).forward(jnp.asarray(tokens), with_routes=True)
+    np.testing.assert_allclose(float(load_balancing_loss(routing.logits, 2)), float(hf_aux), rtol=1e-4)
+
+
+def test_router_replay(hf_moe, tokens):
+    """Replaying the model's own routes gives its logits (scanned or not, with remat); other routes change them;
+    under replay the router's weight still gets gradients (the weights are its probabilities at the given
+    experts)."""
+    model = load_pretrained(hf_moe[True][0])
+    x = jnp.asarray(tokens)
+
+    @functools.partial(jax.jit, static_argnames=("scan", "remat"))
+    def forward(params, routes=None, scan=True, remat="none"):
+        return nnx.merge(model.graphdef, params).forward(x, routes=routes, with_routes=True, scan=scan, remat=remat)
+
+    logits, _, routing = forward(model.params)
+    for kw in (dict(), dict(scan=False, remat="full")):
+        np.testing.assert_allclose(np.asarray(forward(model.params, routing.experts, **kw)[0]), np.asarray(logits),
+                                   atol=1e-6, rtol=0)
+    shifted = (routing.experts + 1) % model.cfg.num_experts  # still k distinct experts per token
+    replayed_logits, _, replayed = forward(model.params, shifted)
+    np.testing.assert_array_equal(np.asarray(replayed.experts), np.asarray(shifted))
+    assert np.abs(np.asarray(replayed_logits) - np.asarray(logits)).max() > 1e-3
+
+    def loss(params):
+        return jnp.mean(jax.nn.log_softmax(forward(params, shifted)[0])[..., 3])
+    router_grad = np.asarray(jax.jit(jax.grad(loss))(model.params)["layers"]["mlp"]["gate"]["kernel"])
+    assert (np.abs(router_grad).max(axis=(1, 2)) > 1e-6).all()  # every layer's router
+
+
+@pytest.mark.parametrize("rules,spec", [
+    (DEFAULT_RULES, (None, None, "fsdp", "tensor")),  # experts sharded like a dense MLP
+    (tuple((n, "fsdp") if n == "expert" else (n, a) for n, a in DEFAULT_RULES), (None, "fsdp", None, "tensor")),
+])
+def test_expert_weights_shard_by_the_rules_table(rules, spec):
+    """The `expert` logical axis: one rule puts whole experts on the fsdp devices (expert parallelism); either
+    way the sharded forward over batch-sharded rows equals the unsharded one."""
+    mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    cfg = moe_config()
+    ref = from_config(cfg, seed=0)
+    sharded = from_config(cfg, seed=0, mesh=mesh, rules=rules)
+    up = sharded.params["layers"]["mlp"]["experts"]["up_proj"]["kernel"].get_value()  # [layers, expert, embed, mlp]
+    assert tuple(up.sharding.spec) == spec
+    rows = np.random.RandomState(0).randint(0, 96, (8, 24)).astype(np.int32)
+    batch_sharded = jax.device_put(rows, LogicalSharding(mesh, rules).named(("batch", "length"), rows.shape))
+    np.testing.assert_allclose(np.asarray(sharded(batch_sharded)), np.asarray(ref(rows)), atol=1e-5, rtol=0)
+
+
+def test_refused_settings(hf_moe, tokens, tmp_path):
+    shutil.copytree(hf_moe[False][0], tmp_path / "m")
+    cfg = json.loads((tmp_path / "m/config.json").read_text())
+    for key, value in (("decoder_sparse_step", 2), ("mlp_only_layers", [1])):
+        (tmp_path / "m/config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ValueError, match=r"m/config\.json: decoder_sparse_step=.*mlp_only_layers=.*make layers "
+                                             r"\[\d\] dense among sparse ones"):
+            load_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match="qwen3_moe: num_experts=0; expected > 0"):
+        moe_config(num_experts=0)
+    with pytest.raises(ValueError, match="qwen3 has no experts"):
+        ModelConfig.make(family="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
+                         num_kv_heads=2, num_experts=4)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=9 must be in \[1, num_experts=8\]"):
+        moe_config(num_experts_per_tok=9)
+    base = from_config(moe_config())
+    with pytest.raises(ValueError, match=r"lora.targets \['up_proj'\]: in qwen3_moe these are expert projections"):
+        add_lora(base, LoraConfig(rank=2, targets=("q_proj", "up_proj")))
+    adapted = add_lora(base, LoraConfig(rank=2, targets=("q_proj", "v_proj")))  # attention adapters are fine
+    np.testing.assert_allclose(np.asarray(adapted(tokens)), np.asarray(base(tokens)), atol=1e-6, rtol=0)
+    dense = from_config(ModelConfig.make(family="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64,
+                                         num_layers=1, num_heads=4, num_kv_heads=2))
+    with pytest.raises(ValueError, match="routes / with_routes: this qwen3 model has no experts"):
+        nnx.merge(dense.graphdef, dense.params).forward(jnp.zeros((1, 4), jnp.int32), with_routes=True)
+
+
+def test_a_config_through_the_wire_stays_hashable():
+    """Generation servers get the model config as msgpack (tuples become lists); the config is static under jit."""
+    import msgpack
+
+    from arealjax.generation.rpc import model_config_from_wire, model_config_to_wire
+
+    cfg = ModelConfig.make(family="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=16, eos_token_id=[1, 2])
+    back = model_config_from_wire(msgpack.unpackb(msgpack.packb(model_config_to_wire(cfg))))
+    assert back == cfg and hash(back) == hash(cfg)
