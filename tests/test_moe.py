@@ -4,7 +4,6 @@ scan/remat, the load-balancing loss, router replay, expert sharding, refused set
 import functools
 import json
 import shutil
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +26,9 @@ from arealjax.models import (
 )
 from arealjax.models.lora import add_lora
 from arealjax.models.paged import write_prefill
-from arealjax.models.transformer import MLP, _stacked, grouped_experts
+from arealjax.models.transformer import grouped_experts
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh
+from benchmarks.moe import case, dense_experts
 
 TOL = 1e-4
 # 8 experts of width 16, top 2, every layer sparse (as Qwen3-30B-A3B); q/k norm with head_dim != hidden/heads.
@@ -168,34 +168,12 @@ def test_scanned_layers_equal_unrolled(hf_moe, tokens, remat):
     assert np.abs(np.asarray(grads["layers"]["mlp"]["gate"]["kernel"])).max() > 0
 
 
-def dense_reference(x, experts, weights, mlp):
-    """Every token through every expert (einsums over the expert axis), weighted by its masked top-k weights."""
-    e = mlp.gate_proj.kernel.shape[0]
-    combine = jnp.sum(jax.nn.one_hot(experts, e, dtype=x.dtype) * weights[..., None], axis=1)  # [N, E]
-    h = jax.nn.silu(jnp.einsum("nd,edf->nef", x, mlp.gate_proj.kernel[...]))
-    h = h * jnp.einsum("nd,edf->nef", x, mlp.up_proj.kernel[...])
-    return jnp.einsum("nef,efd,ne->nd", h, mlp.down_proj.kernel[...], combine)
-
-
-def _experts_case(n, d, f, e, k, seed=0):
-    cfg = ModelConfig.make(family="qwen3_moe", vocab_size=8, hidden_size=d, intermediate_size=f, num_layers=1,
-                           num_heads=1, num_kv_heads=1, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f)
-    mlp = _stacked(e, "expert", lambda r: MLP(cfg, jnp.float32, r, width=f), nnx.Rngs(seed))
-    rng = np.random.RandomState(seed)
-    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-    logits = rng.normal(size=(n, e))
-    logits[: n // 2, 0] += 4  # a hot expert: groups of very different sizes
-    experts = jnp.asarray(np.argsort(-logits, axis=1)[:, :k], jnp.int32)
-    weights = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)
-    return mlp, x, experts, weights
-
-
 @pytest.mark.parametrize("n,e,k", [(50, 8, 2), (3, 8, 2), (40, 4, 4)])
-def test_grouped_experts_equal_dense_reference(n, e, k):
+def test_grouped_experts_equal_dense_experts(n, e, k):
     """Tokens sorted by expert, in tiles == every token through every expert weighted by the masked top-k weights:
     outputs and gradients (expert kernels, tokens, weights), with a hot expert (several tiles), empty experts (3
     tokens) and k = E."""
-    mlp, x, experts, weights = _experts_case(n=n, d=32, f=16, e=e, k=k)
+    mlp, x, experts, weights = case(n=n, d=32, f=16, e=e, k=k)
     graphdef, params = nnx.split(mlp)
 
     def out_and_grads(fn):
@@ -203,27 +181,12 @@ def test_grouped_experts_equal_dense_reference(n, e, k):
             return jnp.sum(fn(x, experts, w, nnx.merge(graphdef, params)) * jnp.cos(x))
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(params, x, weights)
 
-    (ref, ref_g), (out, g) = out_and_grads(dense_reference), out_and_grads(grouped_experts)
+    (ref, ref_g), (out, g) = out_and_grads(dense_experts), out_and_grads(grouped_experts)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     y = jax.jit(lambda p, x, w: grouped_experts(x, experts, w, nnx.merge(graphdef, p)))(params, x, weights)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_reference(x, experts, weights, mlp)), atol=1e-5)
-
-
-def test_grouped_experts_timing():
-    """Not asserted, printed (pytest -s): forward + backward of both at 2048 tokens, D=256, 32 experts of 128,
-    top 4 (benchmark-grade numbers: docs/model.md)."""
-    mlp, x, experts, weights = _experts_case(n=2048, d=256, f=128, e=32, k=4)
-    graphdef, params = nnx.split(mlp)
-    for name, fn in (("grouped (sorted segments)", grouped_experts), ("dense einsum reference", dense_reference)):
-        step = jax.jit(jax.grad(lambda p, x, fn=fn: jnp.sum(fn(x, experts, weights, nnx.merge(graphdef, p)) ** 2)))
-        jax.block_until_ready(step(params, x))
-        t0 = time.perf_counter()
-        for _ in range(3):
-            jax.block_until_ready(step(params, x))
-        print(f"\n{name}: {(time.perf_counter() - t0) / 3 * 1e3:.1f} ms per forward+backward on "
-              f"{jax.devices()[0].platform}")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_experts(x, experts, weights, mlp)), atol=1e-5)
 
 
 @pytest.mark.parametrize("masked", [False, True])
