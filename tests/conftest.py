@@ -168,3 +168,14 @@ LONGEST_FIRST = ["test_benchmarks.py", "test_real_model.py", "test_learning.py",
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def scanned_equals_unrolled(value_and_grad, remat: str):
+    """`value_and_grad(scan, remat)` -> ((loss, logits), grads): the layers scanned with `remat` == unrolled without
+    remat, logits and gradients to 1e-5. Returns the scanned run's gradients."""
+    (_, ref_logits), ref_grads = value_and_grad(False, "none")
+    (_, logits), grads = value_and_grad(True, remat)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    return grads
