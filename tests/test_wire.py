@@ -22,7 +22,7 @@ import zmq
 
 from arealjax import builders
 from arealjax.api import SamplingParams
-from arealjax.generation import rpc
+from arealjax.generation import remote, rpc
 from arealjax.sharding import normalize_rules, role_meshes
 from configs.default import get_config
 
@@ -50,10 +50,13 @@ def honest(header: dict, version: int) -> list[dict]:
              "temperature": temperature} for j in range(s["n"])]
 
 
+DROPPED = object()  # what a peer's `answer` returns for a request it never got (not held, never answered)
+
+
 class Peer:
     """A generation server written by hand: it says hello, takes the weights without a model (answering 'received'
     and 'applied'), pings 4 times a second with its progress, and answers each request with `answer(header,
-    version)` (None: never). Options make it hostile or broken."""
+    version)` (None: held, never answered; DROPPED: lost on the way). Options make it hostile or broken."""
 
     def __init__(self, port: int, name: str, *, answer=honest, keys: rpc.Keys | None = None,
                  identity: bytes | None = None, hello: dict | None = None, apply: bool = True, stats=None,
@@ -117,7 +120,9 @@ class Peer:
                               full=h["full"])
         elif kind == "submit":
             reply = self.answer(h, self.version)
-            if reply is not None:
+            if reply is None:  # held: its pings list it (as a real server's do), or the trainer would send it again
+                self.progress[h["rid"]] = 0
+            elif reply is not DROPPED:
                 self.send("done", rid=h["rid"], completions=reply)
         elif kind == "pause":
             self.send("paused", token=h["token"])
@@ -289,7 +294,7 @@ def test_no_peer_can_take_another_servers_place(tmp_path, caplog):
             thief.send("done", rid="g0#0/0", completions=honest({"rid": "g0#0/0", "first_sample": 0,
                                                                    "prompt": [5, 6, 7], "sampling": {
                                                                        "temperature": 0.7, "n": 2}}, 0))
-            time.sleep(1.0)
+            time.sleep(1.0 + remote.RESEND_SECONDS)  # past the resend of a request its server does not list
             assert "submit" not in thief.got and "submit" not in twin.got and real.got.count("submit") == 2
             assert not any(f.done() for f in futures.values()), "a forged answer was taken"
             assert backend.servers()["server-0"]["state"] == "ready"
@@ -423,7 +428,7 @@ def test_a_request_lost_on_the_way_is_sent_again(tmp_path):
     def first_lost(header, version):
         if header["rid"] not in seen:
             seen.add(header["rid"])
-            return None
+            return DROPPED
         return honest(header, version)
 
     with trainer(tmp_path, peers=({"name": "lossy", "answer": first_lost},)) as (backend, _, (peer,)):
