@@ -73,6 +73,8 @@ class Completion:
     stop_reason: str  # "stop" (a stop token, kept as the last output), "length", or "abort"
     interrupts: int  # weight swaps that happened while this sample was in flight
     temperature: float = 1.0  # logprobs are log softmax(logits / temperature) (1 for greedy): the trainer's too
+    routes: np.ndarray | None = None  # MoE: int16 [P + O, L, k], the experts each layer chose at each position of
+    # prompt + output (-1 where the model did not run: the last output token); what trainer.router_replay replays
 
 
 def checked_prompt(prompt: Sequence[int], max_len: int) -> list[int]:

@@ -87,6 +87,7 @@ def trainer_config(c: Any, loss: str = "ppo", steps: int = 0, knobs: Any = None)
     optim["total_steps"] = optim.get("total_steps") or steps  # 0 or absent: the run's length
     return TrainerConfig(loss=loss, ppo=ppo, optim=OptimConfig(**optim), max_tokens=c.max_tokens,
                          micro_rows=c.micro_rows, ppo_n_minibatches=c.ppo_n_minibatches if loss == "ppo" else 1,
+                         router_replay=loss == "ppo" and c.router_replay,
                          **{k: knobs[k] for k in ("attention", "remat", "scan_layers", "logits_chunk",
                                                   "compute_dtype") if k in knobs})
 

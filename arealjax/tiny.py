@@ -3,11 +3,13 @@ family with a byte-level BPE tokenizer and that family's chat template, and smal
 layouts, converted as `arealjax.data.convert` would. The recipes' `:model=tiny` variants run on them.
 
   python -m arealjax.tiny --out=/tmp/arealjax-tiny
-  # -> /tmp/arealjax-tiny/{qwen3,qwen2.5-math,r1-distill,llama3}/  (config.json, model.safetensors, tokenizer)
+  # -> /tmp/arealjax-tiny/{qwen3,qwen3-moe,qwen2.5-math,r1-distill,llama3}/  (config.json, model.safetensors,
+  #    tokenizer)
   #    /tmp/arealjax-tiny/raw/{gsm8k,math,code,sft}_{train,test}.jsonl   (GSM8K, MATH, APPS, chat-SFT layouts)
   #    /tmp/arealjax-tiny/tfds/{gsm8k,math,code,sft}/1.0.0               (converted)
 
-The checkpoints are the real families' architectures at a toy size (2 layers, width 64); their tokenizers are
+The checkpoints are the real families' architectures at a toy size (2 layers, width 64; the Qwen3-MoE one with 8
+experts of width 96, 2 per token: the dense MLP's 192 active); their tokenizers are
 trained on the fixtures' text, with the real special tokens and the real templates' shape (ChatML for Qwen,
 DeepSeek-R1's <｜User｜>/<｜Assistant｜><think>, Llama 3's headers with a BOS in the template).
 """
@@ -47,6 +49,9 @@ MODELS = {
     "qwen3": ("qwen3", CHATML.replace("SYSTEM", "You are a helpful assistant."),
               ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None, "<|im_end|>",
               ["<|endoftext|>"]),
+    "qwen3-moe": ("qwen3_moe", CHATML.replace("SYSTEM", "You are a helpful assistant."),
+                  ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None, "<|im_end|>",
+                  ["<|endoftext|>"]),
     "qwen2.5-math": ("qwen2", CHATML.replace("SYSTEM", "Please reason step by step, and put your final answer "
                                                         "within \\\\boxed{}."),
                      ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", ["<|endoftext|>"]),
@@ -176,7 +181,9 @@ def write_model(path: Path, family: str, seed: int = 0) -> None:
                                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                                   max_position_embeddings=4096, eos_token_id=tok.eos_ids[0],
                                   bos_token_id=tok.bos_id if tok.bos_id is not None else tok.eos_ids[0],
-                                  tie_word_embeddings=family != "llama")
+                                  tie_word_embeddings=family != "llama",
+                                  **(dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                                          norm_topk_prob=True) if family == "qwen3_moe" else {}))
     models.save_pretrained(models.from_config(cfg, seed=seed), path)
 
 

@@ -505,7 +505,7 @@ def real_model(size: dict, args) -> dict:
     trajs = recipe_trajectories(r["groups"], 8, 62)
     tokens, recipe = sum(len(t) for t in trajs), get_config()
     base = load_pretrained(model_dir)  # fp32 master weights, bf16 compute
-    n = base.cfg.num_params()  # tied: the embedding is the head's matmul
+    n = base.cfg.num_params(active=True)  # tied: the embedding is the head's matmul
     for name, rank in (("full fine-tune", 0), (f"LoRA r = {recipe.lora.rank}", recipe.lora.rank)):
         m = lora.add_lora(base, lora.LoraConfig(rank, recipe.lora.alpha)) if rank else base
         train = Trainer(m, dataclasses.replace(trainer_config(recipe.trainer), scan_layers=True, attention="auto",

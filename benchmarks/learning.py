@@ -43,13 +43,25 @@ from arealjax.runtime import child_env  # noqa: E402
 from benchmarks.cells import SMOKE, commit, portable, training_curve  # noqa: E402
 
 
+def config_file(job: str) -> str:
+    """A job, 'name' or 'name:arg' (`default:model=moe`), as main.py's --config."""
+    name, _, arg = job.partition(":")
+    return f"configs/{name}.py" + (f":{arg}" if arg else "")
+
+
+def slug(job: str) -> str:
+    """A job as a directory name: 'default:model=moe' -> 'default-model-moe'."""
+    return job.replace(":", "-").replace("=", "-").replace(",", "-")
+
+
 def config_eta(checkout: Path, job: str) -> int:
     """The job's own max_staleness, read from the config file of that checkout."""
-    code = f"from configs.{job} import get_config; print(get_config().rl.max_staleness)"
+    name, _, arg = job.partition(":")
+    code = f"from configs.{name} import get_config; print(get_config({arg!r} or None).rl.max_staleness)"
     out = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(checkout)})
     if out.returncode:
-        sys.exit(f"configs/{job}.py in {checkout}: {out.stderr.strip().splitlines()[-1]}")
+        sys.exit(f"{config_file(job)} in {checkout}: {out.stderr.strip().splitlines()[-1]}")
     return int(out.stdout)
 
 
@@ -60,16 +72,16 @@ def cells(args) -> list[dict]:
         for job in args.jobs:
             etas = sorted({config_eta(args.checkout, job) if e == "config" else int(e) for e in args.etas})
             for eta in etas:
-                out.append(dict(tag=args.tag, job=job, eta=eta, seed=seed, name=f"{job}_eta{eta}_seed{seed}"))
+                out.append(dict(tag=args.tag, job=job, eta=eta, seed=seed, name=f"{slug(job)}_eta{eta}_seed{seed}"))
     return out
 
 
 def run_cell(cell: dict, workdir: Path, args) -> None:
     shutil.rmtree(workdir, ignore_errors=True)  # an unfinished cell starts over (metrics.jsonl appends)
     workdir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "main.py", f"--config=configs/{cell['job']}.py", f"--workdir={workdir}",
+    cmd = [sys.executable, "main.py", f"--config={config_file(cell['job'])}", f"--workdir={workdir}",
            f"--config.seed={cell['seed']}", f"--config.rl.max_staleness={cell['eta']}",
-           f"--config.sft.cache_dir={workdir.parent / '{}_sft_seed{}'.format(cell['job'], cell['seed'])}",
+           f"--config.sft.cache_dir={workdir.parent / '{}_sft_seed{}'.format(slug(cell['job']), cell['seed'])}",
            *(SMOKE if args.smoke else []), *args.overrides]
     env = child_env()  # main.py sets the device count from config
     print(f"[{time.strftime('%H:%M:%S')}] {cell['tag']} {cell['name']}", flush=True)
@@ -178,7 +190,8 @@ def figure(results: list[dict], out: Path) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--jobs", default=None, help="config names under configs/ (default: default,longtail; --smoke: "
+    p.add_argument("--jobs", default=None, help="config names under configs/, with an argument after a colon "
+                   "(default:model=moe) (default: default,longtail; --smoke: "
                    "default)")
     p.add_argument("--etas", default=None, help="max staleness values; 'config' = the job's own (default: 0,config; "
                    "--smoke: config)")

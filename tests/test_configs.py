@@ -2,6 +2,7 @@
 a key the default job lacks (a typo would be a new key), and every key the code reads exists in the default job."""
 
 import ast
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import ml_collections
 import pytest
 
 from arealjax.data import TASKS
+from arealjax.models import ModelConfig
 from arealjax.validate import parse_arg
 from configs import code, default, longtail, math, smollm2
 
@@ -47,9 +49,10 @@ def test_parse_arg_errors_name_the_file_the_argument_the_part_and_the_keys(arg, 
 
 
 def test_a_config_without_arguments_refuses_one():
-    for module, name in ((default, "default"), (longtail, "longtail")):
-        with pytest.raises(ValueError, match=f"configs/{name}.py:model=tiny: .*takes none"):
-            module.get_config("model=tiny")
+    with pytest.raises(ValueError, match="configs/longtail.py:model=tiny: .*takes none"):
+        longtail.get_config("model=tiny")
+    with pytest.raises(ValueError, match="configs/default.py: model=tiny: expected dense or moe"):
+        default.get_config("model=tiny")
     with pytest.raises(TypeError, match="default of 'k'"):
         parse_arg("k=1", "configs/x.py", k=None)
 
@@ -57,11 +60,12 @@ def test_a_config_without_arguments_refuses_one():
 # ------------------------------------------------------------------------------------------------ the recipes
 
 VARIANTS = (
-    [("math", f"model={m},data={d}") for m in math.MODELS if m != "tiny" for d in math.DATASETS]
+    [("math", f"model={m},data={d}") for m in math.MODELS if not m.startswith("tiny") for d in math.DATASETS]
     + [("math", f"model={m}") for m in math.MODELS]
-    + [("math", f"model=tiny,data={d}") for d in math.TINY_DATASETS]
+    + [("math", f"model={m},data={d}") for m in ("tiny", "tiny-moe") for d in math.TINY_DATASETS]
     + [("math", ""), ("code", "")] + [("code", f"model={m}") for m in code.MODELS]
-    + [("smollm2", ""), ("smollm2", "device=cpu"), ("smollm2", "device=gpu"), ("longtail", ""), ("default", "")])
+    + [("smollm2", ""), ("smollm2", "device=cpu"), ("smollm2", "device=gpu"), ("longtail", ""), ("default", ""),
+       ("default", "model=moe")])
 MODULES = {"math": math, "code": code, "smollm2": smollm2, "longtail": longtail, "default": default}
 
 
@@ -108,7 +112,7 @@ def test_a_bad_argument_names_the_allowed_values(name, arg, says):
         variant(name, arg)
     assert says in str(e.value), e.value
     if "unknown model" in says:
-        assert str(e.value).endswith(", tiny"), e.value
+        assert str(e.value).endswith(", tiny" + (", tiny-moe" if name == "math" else "")), e.value
 
 
 def test_no_recipe_imports_another():
@@ -138,9 +142,10 @@ def key_paths(config, prefix=""):
 
 def phantom_keys(config: ml_collections.ConfigDict) -> list[str]:
     """Keys of `config` the default job has not (outside FREE); `task`: its keys must be the synthetic task's
-    (`sample_problems` keyword arguments, with name and seed)."""
+    (`sample_problems` keyword arguments, with name and seed); `model`: ModelConfig's fields."""
     known = set(key_paths(default.get_config()))
-    out = [p for p in key_paths(config) if p not in known]
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    out = [p for p in key_paths(config) if p not in known and not (p.startswith("model.") and p[6:] in fields)]
     if config.task.name in TASKS:
         params = set(inspect.signature(TASKS[config.task.name].sample_problems).parameters) - {"n"}
         out += [f"task.{k}" for k in config.task if k not in params | {"name"}]
@@ -158,7 +163,8 @@ def test_a_phantom_key_is_caught():
     config.eval.nn = 2
     config.task.median_step = 3.0
     config.trainer.optim.b3 = 0.9  # a free section: the optimizer's dataclass checks it at start-up
-    assert sorted(phantom_keys(config)) == ["eval.nn", "rl.max_staleneess", "task.median_step"]
+    config.model = ml_collections.ConfigDict({"num_experts": 8, "num_expert": 8})  # ModelConfig's fields only
+    assert sorted(phantom_keys(config)) == ["eval.nn", "model.num_expert", "rl.max_staleneess", "task.median_step"]
 
 
 # ------------------------------------------------------------------------------- every key read exists

@@ -289,3 +289,129 @@ def test_a_config_through_the_wire_stays_hashable():
                            moe_intermediate_size=16, eos_token_id=[1, 2])
     back = model_config_from_wire(msgpack.unpackb(msgpack.packb(model_config_to_wire(cfg))))
     assert back == cfg and hash(back) == hash(cfg)
+
+
+# ---- routes: recorded by the generator, carried over the wire, replayed by the trainer ----
+
+def routed_model(seed: int = 0, sharpness: float = 40.0):
+    """A tiny MoE whose routers' weights are scaled by `sharpness`: at 40 the experts a token goes to are decided
+    by clear margins, not by float rounding; near 1 (a fresh init) by small ones, as in a real model's flat spots."""
+    model = from_config(moe_config(), seed=seed)
+    gate = model.params["layers"]["mlp"]["gate"]["kernel"]
+    gate.value = gate.value * sharpness
+    return model
+
+
+def own_routes(model, seq: list[int], length: int = 64) -> np.ndarray:
+    padded = np.zeros((1, length), np.int32)
+    padded[0, :len(seq)] = seq
+    _, _, routing = nnx.merge(model.graphdef, model.params).forward(jnp.asarray(padded), with_routes=True)
+    return np.asarray(routing.experts[0, :len(seq)])
+
+
+def generate(model, params, prompts, decode_steps=1, num_pages=None, temperature=1.0, new=20):
+    from arealjax.api import SamplingParams
+    from arealjax.generation.engine import Engine
+    from arealjax.generation.generator import Generator
+
+    engine = Engine(model, slots=4, max_len=64, page_size=8, num_pages=num_pages)
+    with Generator(engine, params, decode_steps=decode_steps, max_prefill_batch=4) as gen:
+        futures = [gen.submit(p, SamplingParams(temperature=temperature, max_new_tokens=new, n=2, seed=i))
+                   for i, p in enumerate(prompts)]
+        return [c for f in futures for c in f.result(timeout=120)], gen.counters
+
+
+@pytest.mark.parametrize("decode_steps,num_pages", [(1, None), (3, 12)])
+def test_the_generator_records_the_experts_of_every_position_it_ran(decode_steps, num_pages):
+    """Each completion's routes are, at every position of prompt + output but the last, the experts a full forward
+    of the model chooses there (prefill for the prompt, the decode steps for the outputs, a preempted sample's
+    resume included); the last token, never run, is -1."""
+    model = routed_model()
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(3, 96, rng.randint(3, 30))) for _ in range(5)]
+    completions, counters = generate(model, model.params, prompts, decode_steps, num_pages)
+    if num_pages:
+        assert counters.preemptions > 0  # the resume path ran
+    for c in completions:
+        seq = c.prompt_tokens + c.output_tokens
+        assert c.routes.shape == (len(seq), 2, 2) and c.routes.dtype == np.int16
+        np.testing.assert_array_equal(c.routes[:-1], own_routes(model, seq)[:-1])
+        assert (c.routes[-1] == -1).all()
+
+
+def test_routes_cross_the_wire_checked():
+    from arealjax.api import SamplingParams
+    from arealjax.generation import rpc
+
+    model = routed_model()
+    (c, _), _ = generate(model, model.params, [[5, 6, 7]], new=4)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4, n=1, seed=0)
+    kw = dict(request_id=c.request_id, prompt=c.prompt_tokens, sampling=sampling, first_sample=c.sample, vocab=96,
+              max_len=64, versions=(0, 0), experts=(2, 2, 8))
+    wire = rpc.completion_to_wire(c)
+    (back,) = rpc.completions_from_wire([wire], **kw)
+    np.testing.assert_array_equal(back.routes, c.routes)
+    bad = {"wrong size": (c.routes[:-1].tobytes(), r"'routes' holds \d+ bytes, not \d+ int16 values \(2 x 2 per"),
+           "expert 8 of 8": (np.full_like(c.routes, 8).tobytes(), r"expert ids 8\.\.8: outside -1\.\.7"),
+           "missing": (None, r"no 'routes'")}
+    for raw, error in bad.values():
+        forged = {k: v for k, v in wire.items() if k != "routes"} | ({} if raw is None else {"routes": raw})
+        with pytest.raises(rpc.WireError, match=error):
+            rpc.completions_from_wire([forged], **kw)
+
+
+def test_the_trainer_replays_the_generators_routes():
+    """A generator whose routers differ from the trainer's (here: a policy whose routers moved) sends tokens to
+    other experts than the trainer's own router would: a step measures that disagreement. With
+    trainer.router_replay every token of the packed batch goes through the generator's experts (weighted by the
+    trainer's router), and the trainer's logprobs come closer to the behaviour ones."""
+    from arealjax.rl.trainer import Trainer, TrainerConfig
+    from arealjax.rl.trajectory import Trajectory
+
+    model = routed_model()
+    served = jax.tree.map(jnp.copy, model.params)
+    gate = served["layers"]["mlp"]["gate"]["kernel"]
+    gate.value = gate.value + 0.7 * routed_model(seed=5).params["layers"]["mlp"]["gate"]["kernel"].value
+    rng = np.random.RandomState(1)
+    prompts = [list(rng.randint(3, 96, rng.randint(3, 30))) for _ in range(4)]
+    completions, _ = generate(model, served, prompts, new=24)
+    trajectories = [Trajectory.from_completion(c.prompt_tokens, c.output_tokens, c.logprobs, c.versions,
+                                               routes=c.routes, advantage=1.0) for c in completions]
+    mismatch, disagreement = {}, {}
+    for replay in (False, True):
+        trainer = Trainer(model, TrainerConfig(max_tokens=64, micro_rows=8, router_replay=replay))
+        (batch,) = trainer.pack(trajectories)
+        mb = batch.micro(0)
+        for i, t in enumerate(trajectories):  # the packed routes are each trajectory's, at its tokens' positions
+            row, col = np.argwhere(mb["segment_ids"] == i + 1)[0]
+            np.testing.assert_array_equal(mb["routes"][row, col:col + len(t)], t.routes)
+        logp = np.asarray(trainer.logprobs(trainer.params, batch)[0])
+        mismatch[replay] = np.abs(logp - mb["behav_logp"])[mb["loss_mask"]].mean()
+        if replay:  # what the trainer's forward routed: the generator's experts wherever they were recorded
+            _, _, routing = nnx.merge(model.graphdef, model.params).hidden(
+                mb["tokens"], mb["positions"], mb["segment_ids"], routes=mb["routes"], with_routes=True)
+            recorded = mb["routes"][..., 0] >= 0
+            np.testing.assert_array_equal(np.asarray(routing.experts)[recorded], mb["routes"][recorded])
+        disagreement[replay] = trainer.train_step(trajectories)["router_disagreement"]
+    assert min(disagreement.values()) > 0.1, disagreement  # the trainer's routers' own choice, replayed or not
+    assert mismatch[True] < 0.9 * mismatch[False], mismatch  # the router's weights of them still differ
+
+
+def test_sft_adds_the_routers_load_balancing_loss():
+    from arealjax.rl.trainer import Trainer, TrainerConfig
+    from arealjax.rl.trajectory import Trajectory
+
+    rng = np.random.RandomState(2)
+    demos = [Trajectory.from_completion(list(rng.randint(3, 96, 6)), list(rng.randint(3, 96, 10)), np.zeros(10),
+                                        np.zeros(10)) for _ in range(4)]
+    grads = {}
+    for coef in (0.0, 0.5):
+        model = from_config(moe_config(router_aux_loss_coef=coef), seed=0)
+        trainer = Trainer(model, TrainerConfig(loss="sft", max_tokens=32, micro_rows=4))
+        g, loss, sums = trainer.gradients(trainer.pack(demos)[0])
+        grads[coef] = np.asarray(g["layers"]["mlp"]["gate"]["kernel"])
+        if coef:
+            assert sums["aux_loss_sum"] > 0.9  # E·Σ f·P ≥ 1 at any balance (k = 2: ≥ 2 · ... / k)
+        else:
+            assert "aux_loss_sum" not in sums
+    assert np.abs(grads[0.5] - grads[0.0]).max() > 1e-4  # the router is also pushed toward balance

@@ -9,8 +9,11 @@ passed on every call, page tables are kept by the caller: see `generation/pages.
     state = engine.refill(params, state, packed, writes)                 # recompute KV pages with new params
 
 `first` is float32 [N, 3] = (token, logprob, done) per row, `result` [steps, A, 3]: one device->host copy per
-call, and `generate` may run several decode steps per call. A decode step runs only the A active slots (a free
-slot costs nothing) and reads only their pages (models/paged.py), so its cost follows the tokens in flight.
+call, and `generate` may run several decode steps per call. A mixture-of-experts model's `result` rows go on with
+the experts each layer sent the step's input token to ([3 + L·k]: `routes_of`), and its prefix holds the experts
+of every prompt token: what the trainer replays (trainer.router_replay). A decode step runs only the A active
+slots (a free slot costs nothing) and reads only their pages (models/paged.py), so its cost follows the tokens in
+flight.
 Everything batched is padded to a few shapes (`bucket`, `length_bucket`) so nothing recompiles per request. Prompts
 are packed several to a row, each from a page boundary (`pack`): a prefill computes the prompts' tokens, not the
 padding of each to the longest one's bucket.
@@ -107,6 +110,7 @@ class Prefix(NamedTuple):
     kv: KVCache  # [L, R, T, Hkv, D] of the packed rows
     logits: jax.Array  # [P, V] at each prompt's last token
     lengths: jax.Array  # [P]
+    routes: jax.Array | None = None  # MoE: [R, T, L, k] int16, the experts of every token of the packed rows
 
 
 def truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -153,9 +157,15 @@ def sample(logits: jax.Array, s: SlotSampling, token_pos: jax.Array, truncating:
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-def _result(tokens, logprobs, done) -> jax.Array:
-    # token ids < 2**24 are exact in float32, so one array carries all three
-    return jnp.stack([tokens.astype(jnp.float32), logprobs, done.astype(jnp.float32)], axis=-1)
+def _result(tokens, logprobs, done, routes=None) -> jax.Array:
+    # token and expert ids < 2**24 are exact in float32, so one array carries them all
+    out = jnp.stack([tokens.astype(jnp.float32), logprobs, done.astype(jnp.float32)], axis=-1)
+    return out if routes is None else jnp.concatenate([out, routes.reshape(len(out), -1).astype(jnp.float32)], -1)
+
+
+def routes_of(result: np.ndarray, layers: int, k: int) -> np.ndarray:
+    """The experts in `result` rows [..., 3 + L·k] (a decode step's input token, per layer): int16 [..., L, k]."""
+    return result[..., 3:].astype(np.int16).reshape(*result.shape[:-1], layers, k)
 
 
 def _done(max_len: int, tokens, stop, remaining, token_pos):
@@ -188,13 +198,15 @@ def _insert(max_len: int, truncating: bool, attention: str, prefix: Prefix, stat
 def _decode_once(graphdef: nnx.GraphDef, max_len: int, truncating: bool, attention: str, params: nnx.State,
                  index: DecodeIndex, carry):
     pages, st = carry
-    logits, pages = nnx.merge(graphdef, params).decode(pages, st.tokens, st.positions, index, attention)
+    model = nnx.merge(graphdef, params)
+    logits, pages, *routes = model.decode(pages, st.tokens, st.positions, index, attention,
+                                          with_routes=bool(model.cfg.num_experts))
     token_pos = st.positions + 1
     tokens, logprobs = sample(logits, st.sampling, token_pos, truncating)
     remaining = st.remaining - 1
     done = _done(max_len, tokens, st.sampling.stop, remaining, token_pos)
     st = st._replace(tokens=tokens, positions=jnp.minimum(token_pos, max_len - 1), remaining=remaining)
-    return (pages, st), _result(tokens, logprobs, done)
+    return (pages, st), _result(tokens, logprobs, done, *routes)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=6)
@@ -262,11 +274,13 @@ class Engine:
         return DecodeState(pages, zeros(np.int32), zeros(np.int32), zeros(np.int32), sampling)
 
     def prefill(self, params: nnx.State, packed: Packed) -> Prefix:
-        """The prompts of `packed` (`pack`): their KV in the packed rows and each one's last-token logits."""
+        """The prompts of `packed` (`pack`): their KV in the packed rows and each one's last-token logits (and, for
+        a mixture-of-experts model, every token's experts)."""
         last_col = packed.start + packed.lengths - 1
-        logits, kv = prefill_packed(self.graphdef, params, packed.tokens, packed.positions, packed.segment_ids,
-                                    packed.row, last_col, self.prefill_attention)
-        return Prefix(kv, logits, jnp.asarray(packed.lengths))
+        logits, kv, *routes = prefill_packed(self.graphdef, params, packed.tokens, packed.positions,
+                                             packed.segment_ids, packed.row, last_col, self.prefill_attention,
+                                             bool(self.cfg.num_experts))
+        return Prefix(kv, logits, jnp.asarray(packed.lengths), *(r.astype(jnp.int16) for r in routes))
 
     def insert(self, prefix: Prefix, state: DecodeState, rows: np.ndarray, slots: np.ndarray,
                sampling: SlotSampling, writes: PageWrites, last: np.ndarray, remaining: np.ndarray,
@@ -280,7 +294,8 @@ class Engine:
 
     def generate(self, params: nnx.State, state: DecodeState, rows: np.ndarray, index: DecodeIndex,
                  truncating: bool = False, steps: int = 1) -> tuple[DecodeState, jax.Array]:
-        """`steps` decode steps for the slots in `rows` (padded with S) in one device call: results [steps, A, 3].
+        """`steps` decode steps for the slots in `rows` (padded with S) in one device call: results [steps, A, 3]
+        (MoE: [steps, A, 3 + L·k], `routes_of`).
         `index` names each row's pages (writes for all `steps` positions, reads up to them). A slot keeps decoding
         after it is done within the call (its extra tokens are discarded by the caller and their KV writes fall on
         no page or its own), so small `steps` trades a little wasted compute for one dispatch and one device->host

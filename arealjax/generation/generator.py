@@ -13,6 +13,11 @@ KV lives in pages (generation/pages.py): a sample is admitted when a slot and th
 decode call are free; the n samples of a prompt share its full pages. When a decode call needs more pages than
 are free, the most recently admitted samples are preempted: their pages are returned and they wait at the head of
 the queue, to be re-prefilled (prompt + tokens so far) and continue where they stopped, same sampled tokens.
+
+A mixture-of-experts model's completions carry `routes`: for every position the model ran (the prompt's from its
+prefill, each output token's from the decode step it was the input of), the experts each layer chose. A position
+keeps the routes of the forward that first computed it (a recompute after a weight swap or a resume after a
+preemption does not rewrite them): those are what the tokens sampled then saw.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from arealjax.api import Completion, checked_prompt
-from arealjax.generation.engine import Engine, Packed, PageWrites, SamplingParams, SlotSampling, bucket, pack
+from arealjax.generation.engine import Engine, Packed, PageWrites, SamplingParams, SlotSampling, bucket, pack, routes_of
 from arealjax.generation.pages import PagePool, decode_index
 from arealjax.metrics import Peak
 
@@ -52,6 +57,8 @@ class _Seq:
     interrupts: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)  # KV pages of the sequence, in order
     order: int = 0  # admission order: the latest admitted is preempted first
+    routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # MoE: [n, L, k] chunks, positions 0..
+    routed: int = 0  # positions the routes cover
 
 
 @dataclasses.dataclass
@@ -368,11 +375,16 @@ class Generator:
             prefixes = [list(p) for p, _ in batch]
             packed = self._pack(prefixes)
             prefix = self.engine.prefill(self._params, packed)
+            routes = None if prefix.routes is None else np.asarray(prefix.routes)
             rows, slots, members, last, remaining, writes = [], [], [], [], [], []
             for row, (p, group) in enumerate(batch):  # `row`: the prompt's index in the prefix (its logits)
                 full = self._pages.alloc(len(p) // size)
                 writes += [(page, *self._block(packed, row, j)) for j, page in enumerate(full)]
                 for k, seq in enumerate(group):
+                    if routes is not None and seq.routed < len(p):
+                        start = int(packed.start[row])
+                        seq.routes.append(routes[packed.row[row], start + seq.routed:start + len(p)])
+                        seq.routed = len(p)
                     seq.pages = (full if k == 0 else self._pages.share(full))[:]
                     seq.pages += self._pages.alloc(self._pages.pages_for(self._last(seq, len(p)) + 1) - len(full))
                     if len(p) % size:  # the partly filled last page of the prefix: a copy per sample
@@ -437,8 +449,13 @@ class Generator:
         if self._swap_started is not None and entries:
             self.counters.swap_seconds += time.perf_counter() - self._swap_started
             self._swap_started = None
+        routes = routes_of(result, self.engine.cfg.num_layers, self.engine.cfg.num_experts_per_tok) \
+            if result.shape[-1] > 3 else None  # a decode step's (MoE): the experts of each row's input token
         for row, slot, seq in entries:
             token, logprob, done = int(result[row, 0]), float(result[row, 1]), bool(result[row, 2])
+            if routes is not None and seq.routed == self._position(seq):
+                seq.routes.append(routes[row][None])
+                seq.routed += 1
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self._version)
@@ -452,9 +469,14 @@ class Generator:
     def _finish(self, seq: _Seq, reason: str) -> None:
         """Records a finished sample; resolves its request's future when all samples are in (holds the lock)."""
         req = seq.request
+        routes = None
+        if seq.routes:  # every position, -1 where the model never ran (the last token)
+            routes = np.full((len(req.prompt) + len(seq.tokens), *seq.routes[0].shape[1:]), -1, np.int16)
+            n = min(seq.routed, len(routes))
+            routes[:n] = np.concatenate(seq.routes)[:n]
         req.results[seq.sample - req.first_sample] = Completion(
             req.id, seq.sample, list(req.prompt), list(seq.tokens), np.asarray(seq.logprobs, np.float32),
-            np.asarray(seq.versions, np.int32), reason, seq.interrupts, req.sampling.logprob_temperature)
+            np.asarray(seq.versions, np.int32), reason, seq.interrupts, req.sampling.logprob_temperature, routes)
         if reason == "abort":
             self.counters.aborted += 1
         if all(r is not None for r in req.results):

@@ -254,7 +254,10 @@ class RemoteBackend:
         self.keys_dir = wire_keys(config)
         self._own_keys = self.keys_dir is not None and not s.keys_dir  # made here: removed at close
         n = max(int(config.rl.group_size), int(config.eval.n), 16)
-        self.max_message = max(16 << 20, 65536 + n * self._max_len * 32)  # a 'done' of n samples of max_len tokens
+        c = model.cfg
+        self._experts = (c.num_layers, c.num_experts_per_tok, c.num_experts) if c.num_experts else None
+        per_token = 32 + (2 * c.num_layers * c.num_experts_per_tok if c.num_experts else 0)  # + MoE routes, int16
+        self.max_message = max(16 << 20, 65536 + n * self._max_len * per_token)  # a 'done' of n × max_len tokens
         self.endpoint = rpc.Endpoint(
             rpc.zmq.ROUTER, address, bind=True, on_message=self._on_message, on_tick=self._on_tick, tick=0.25,
             name="trainer", keys=rpc.trainer_keys(self.keys_dir) if self.keys_dir else None,
@@ -453,7 +456,7 @@ class RemoteBackend:
         completions = rpc.completions_from_wire(
             h.get("completions"), request_id=req.rid, prompt=req.prompt, sampling=req.sampling,
             first_sample=req.first_sample, vocab=self._vocab, max_len=self._max_len,
-            versions=(req.first_version, self._current_version()))
+            versions=(req.first_version, self._current_version()), experts=self._experts)
         server.progressed = time.monotonic()
         self._finish(req)
         if not req.future.done():

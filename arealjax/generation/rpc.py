@@ -355,7 +355,8 @@ def completion_to_wire(c: Completion) -> dict[str, Any]:
     return {"request_id": c.request_id, "sample": c.sample, "prompt_tokens": c.prompt_tokens,
             "output_tokens": c.output_tokens, "logprobs": np.asarray(c.logprobs, np.float32).tobytes(),
             "versions": np.asarray(c.versions, np.int32).tobytes(), "stop_reason": c.stop_reason,
-            "interrupts": c.interrupts, "temperature": c.temperature}
+            "interrupts": c.interrupts, "temperature": c.temperature,
+            **({} if c.routes is None else {"routes": np.asarray(c.routes, np.int16).tobytes()})}
 
 
 class WireError(ValueError):
@@ -373,19 +374,21 @@ def field(d: Any, key: str, kind: type | tuple[type, ...]) -> Any:
     return d[key]
 
 
-def _array(d: dict, key: str, dtype, count: int) -> np.ndarray:
+def _array(d: dict, key: str, dtype, count: int, each: str = "one per output token") -> np.ndarray:
     raw = field(d, key, bytes)
     if len(raw) != count * np.dtype(dtype).itemsize:
-        raise WireError(f"'{key}' holds {len(raw)} bytes, not {count} {np.dtype(dtype).name} values "
-                        f"(one per output token)")
+        raise WireError(f"'{key}' holds {len(raw)} bytes, not {count} {np.dtype(dtype).name} values ({each})")
     return np.frombuffer(raw, dtype).copy()
 
 
 def completions_from_wire(raw: Any, *, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
-                          first_sample: int, vocab: int, max_len: int, versions: tuple[int, int]) -> list[Completion]:
+                          first_sample: int, vocab: int, max_len: int, versions: tuple[int, int],
+                          experts: tuple[int, int, int] | None = None) -> list[Completion]:
     """The completions of one request, each checked against what was asked before any is used: one per sample in
     order, its prompt, token ids < vocab, at most max_new_tokens (and max_len in all), one finite logprob ≤ 0 and
-    one policy version in `versions` (the versions served while it ran) per token. WireError names what is wrong."""
+    one policy version in `versions` (the versions served while it ran) per token; a mixture-of-experts model's
+    (`experts` = layers L, experts per token k, experts E): L·k expert ids in [-1, E) per position of prompt +
+    output. WireError names what is wrong."""
     if not isinstance(raw, list) or len(raw) != sampling.n:
         raise WireError(f"{len(raw) if isinstance(raw, list) else type(raw).__name__} completions for "
                         f"{request_id}, not n = {sampling.n}")
@@ -418,10 +421,18 @@ def completions_from_wire(raw: Any, *, request_id: str, prompt: Sequence[int], s
             if interrupts < 0 or not abs(temperature - sampling.logprob_temperature) <= 1e-6:
                 raise WireError(f"interrupts {interrupts} or temperature {temperature} (sent: "
                                 f"{sampling.logprob_temperature}) is wrong")
+            routes = None
+            if experts is not None:
+                layers, k, e = experts
+                n = len(prompt) + len(tokens)
+                routes = _array(d, "routes", np.int16, n * layers * k, f"{layers} x {k} per position of prompt + "
+                                                                       f"output").reshape(n, layers, k)
+                if routes.size and (routes.min() < -1 or routes.max() >= e):
+                    raise WireError(f"expert ids {routes.min()}..{routes.max()}: outside -1..{e - 1}")
         except WireError as e:
             raise WireError(f"completion {j} of {request_id}: {e}") from None
         out.append(Completion(request_id, first_sample + j, list(prompt), tokens, logprobs, vs, reason, interrupts,
-                              float(temperature)))
+                              float(temperature), routes))
     return out
 
 

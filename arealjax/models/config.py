@@ -130,15 +130,16 @@ class ModelConfig:
     def rope(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
 
-    def num_params(self) -> int:
-        """Parameter count (embeddings included), for FLOP and memory estimates; every expert counts (a token's
-        forward reads num_experts_per_tok of them)."""
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (embeddings included), for memory estimates; `active`: those one token's forward
+        multiplies by (a mixture of experts' router and num_experts_per_tok of its experts), for FLOP estimates."""
         d, h, kv, hd, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
         attn = d * (h + 2 * kv) * hd + h * hd * d
         attn += (h + 2 * kv) * hd * self.qkv_bias + d * self.o_bias + 2 * hd * self.qk_norm
         mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
         if self.num_experts:  # router + experts (every layer sparse: see _check_moe)
-            mlp = self.num_experts * (d + 3 * d * self.moe_intermediate_size)
+            used = self.num_experts_per_tok if active else self.num_experts
+            mlp = self.num_experts * d + used * 3 * d * self.moe_intermediate_size
         per_layer = attn + mlp + 2 * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * per_layer + d + head

@@ -193,13 +193,14 @@ class MoE(nnx.Module):
     def __call__(self, x: Array, routes: Array | None = None) -> tuple[Array, Routing]:
         """x [..., D] -> (y [..., D], Routing(experts [..., k], logits [..., E])). With `routes` [..., k] (router
         replay) the tokens go to those experts instead of the top k, weighted by the router's probabilities of
-        them: the router's output still carries its gradient."""
+        them: the router's output still carries its gradient. A token whose routes are negative (none recorded:
+        a sequence's last token, environment tokens) goes to its own top k."""
         logits = self.gate(x)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # over all experts, in fp32 as HF
-        if routes is None:
-            weights, experts = jax.lax.top_k(probs, self.k)
-        else:
-            experts = routes.astype(jnp.int32)
+        weights, experts = jax.lax.top_k(probs, self.k)
+        if routes is not None:
+            routes = routes.astype(jnp.int32)
+            experts = jnp.where(routes[..., :1] >= 0, routes, experts)
             weights = jnp.take_along_axis(probs, experts, axis=-1)
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -260,7 +261,7 @@ def load_balancing_loss(logits: Array, k: int, mask: Array | None = None) -> Arr
     chosen = jnp.sum(jax.nn.one_hot(jax.lax.top_k(probs, k)[1], e, dtype=jnp.float32), axis=1)  # [rows, E]
     m = jnp.ones(logits.shape[:-1]) if mask is None else jnp.broadcast_to(mask[..., None], logits.shape[:-1])
     m = m.astype(jnp.float32).reshape(-1, 1)
-    rows = jnp.sum(m)
+    rows = jnp.maximum(jnp.sum(m), 1.0)  # a micro-batch of padding only: 0, not NaN
     return e * jnp.sum(jnp.sum(chosen * m, axis=0) / rows * (jnp.sum(probs * m, axis=0) / rows))
 
 
@@ -411,11 +412,13 @@ class Transformer(nnx.Module):
         return self._logits(x), *rest
 
     def decode(self, pages: PagedKV, tokens: Array, positions: Array, index: DecodeIndex,
-               attention: str = "ragged") -> tuple[Array, PagedKV]:
+               attention: str = "ragged", with_routes: bool = False
+               ) -> tuple[Array, PagedKV] | tuple[Array, PagedKV, Array]:
         """One token for each of A rows: tokens [A] sit at positions [A] of their sequences, whose KV is in the
         pages `index` names. Writes each row's new KV into its page, then attends over the row's pages only.
         The ragged kind scans the layers with the whole pool in the carry (written in place, read by gather);
-        the Pallas kernel takes one layer's pool as an operand, so its layers are unrolled."""
+        the Pallas kernel takes one layer's pool as an operand, so its layers are unrolled. `with_routes` (MoE):
+        also the experts each row's token went to, [A, L, k]."""
         inv_freq = rope_inv_freq(self.cfg)
         k_axes, v_axes = pool_axes(attention)
 
@@ -430,12 +433,16 @@ class Transformer(nnx.Module):
                     o = ragged_attention(q[:, 0], pk_i, pv_i, i, positions, index)
                 return o[:, None], (pk_i, pv_i)
 
-            x, (pk, pv), _ = block(x, positions[:, None], inv_freq, self.shard, attend)
-            return (x, constrain(pk, self.shard, k_axes), constrain(pv, self.shard, v_axes)), None
+            x, (pk, pv), routing = block(x, positions[:, None], inv_freq, self.shard, attend)
+            routes = routing.experts[:, 0] if with_routes else None
+            return (x, constrain(pk, self.shard, k_axes), constrain(pv, self.shard, v_axes)), routes
 
+        if with_routes and not self.cfg.num_experts:
+            raise ValueError(f"with_routes: this {self.cfg.family} model has no experts")
         x = self._act(jnp.take(self.embed_tokens[...], tokens[:, None], axis=0))
-        (x, pk, pv), _ = self._layers(layer, (x, *pages), scan=attention != "pallas")
-        return self._logits(self.norm(x))[:, 0], PagedKV(pk, pv)
+        (x, pk, pv), routes = self._layers(layer, (x, *pages), scan=attention != "pallas")
+        logits = self._logits(self.norm(x))[:, 0]
+        return (logits, PagedKV(pk, pv)) if not with_routes else (logits, PagedKV(pk, pv), jnp.moveaxis(routes, 0, 1))
 
 
 def _stacked(n: int, axis: str, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
@@ -477,14 +484,17 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, lengths: A
     return prefill_packed(graphdef, params, tokens, positions, segment_ids, jnp.arange(b), lengths - 1, attention)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7))
+@functools.partial(jax.jit, static_argnums=(0, 7, 8))
 def prefill_packed(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, positions: Array, segment_ids: Array,
-                   last_row: Array, last_col: Array, attention: str = "xla") -> tuple[Array, KVCache]:
+                   last_row: Array, last_col: Array, attention: str = "xla", with_routes: bool = False
+                   ) -> tuple[Array, KVCache] | tuple[Array, KVCache, Array]:
     """Prompts packed into rows [R, T] (each its own segment, positions from 0; segment id 0: padding): the logits
-    at each prompt's last token [P, V], prompt p's at (last_row[p], last_col[p]), and the KV [L, R, T, Hkv, D]."""
+    at each prompt's last token [P, V], prompt p's at (last_row[p], last_col[p]), and the KV [L, R, T, Hkv, D];
+    `with_routes` (MoE): also the experts of every token [R, T, L, k]."""
     model = nnx.merge(graphdef, params)
-    x, kv = model.hidden(tokens, positions, segment_ids, attention=attention)
-    return model._logits(x[last_row, last_col][:, None])[:, 0], kv
+    x, kv, *routing = model.hidden(tokens, positions, segment_ids, attention=attention, with_routes=with_routes)
+    logits = model._logits(x[last_row, last_col][:, None])[:, 0]
+    return (logits, kv) if not with_routes else (logits, kv, routing[0].experts)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)

@@ -7,7 +7,8 @@ attention apart and positions restart at 0 for each.
 
 Every array is aligned to input positions: position t of a row predicts `targets[t]`, the next token of the same
 trajectory, and carries that target's loss mask, behaviour logprob and advantage. The last position of each
-trajectory and all padding have loss_mask False.
+trajectory and all padding have loss_mask False. A mixture-of-experts batch may carry `routes` [M, R, T, L, k],
+the experts the generator chose for each input token (-1: none recorded, and padding), for router replay.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class PackedBatch:
     temperature: np.ndarray  # float32, the sampling temperature of each trajectory (1 on padding)
     versions: np.ndarray  # int32, the policy version that sampled the target (0 where there is no loss)
     n_sequences: int
+    routes: np.ndarray | None = None  # int16 [M, R, T, L, k] of the input tokens (MoE, `pack(routes=True)`)
 
     @property
     def n_micro(self) -> int:
@@ -55,7 +57,7 @@ class PackedBatch:
         return self.n_tokens / self.tokens.size
 
     def micro(self, i: int) -> dict[str, np.ndarray]:
-        return {f: getattr(self, f)[i] for f in FIELDS}
+        return {f: getattr(self, f)[i] for f in FIELDS} | ({} if self.routes is None else {"routes": self.routes[i]})
 
     def padded(self, n_micro: int) -> PackedBatch:
         """The same batch with empty micro-batches (all padding: no loss, no gradient) up to `n_micro`: every
@@ -65,7 +67,8 @@ class PackedBatch:
             return self
         pad = lambda x, fill=0: np.concatenate([x, np.full((extra, *x.shape[1:]), fill, x.dtype)])  # noqa: E731
         return dataclasses.replace(self, **{f: pad(getattr(self, f), 1 if f == "temperature" else 0)
-                                            for f in FIELDS})
+                                            for f in FIELDS}, routes=None if self.routes is None else
+                                   pad(self.routes, -1))
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -88,9 +91,11 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
     return bins
 
 
-def pack(trajectories: Sequence[Trajectory], max_tokens: int, rows: int, *, packed: bool = True) -> PackedBatch:
+def pack(trajectories: Sequence[Trajectory], max_tokens: int, rows: int, *, packed: bool = True,
+         routes: bool = False) -> PackedBatch:
     """Packs into micro-batches of `rows` rows × `max_tokens`. `packed=False` puts one trajectory per row
-    (naive padding, the baseline packing is measured against)."""
+    (naive padding, the baseline packing is measured against). `routes`: with the trajectories' MoE routes,
+    when any has them (-1 for those without)."""
     if not trajectories:
         raise ValueError("pack: no trajectories")
     lengths = [len(t) for t in trajectories]
@@ -102,6 +107,9 @@ def pack(trajectories: Sequence[Trajectory], max_tokens: int, rows: int, *, pack
     out = {f: np.zeros(shape, np.float32 if f in FLOATS else np.int32) for f in FIELDS}
     out["loss_mask"] = np.zeros(shape, bool)
     out["temperature"][:] = 1.0
+    routed = [t.routes for t in trajectories if t.routes is not None] if routes else []
+    if routed:
+        out["routes"] = np.full((*shape, *routed[0].shape[1:]), -1, np.int16)
     for row, members in enumerate(bins):
         o = 0
         for i in members:
@@ -116,8 +124,11 @@ def pack(trajectories: Sequence[Trajectory], max_tokens: int, rows: int, *, pack
             out["advantages"][row, o:o + n - 1] = np.where(t.loss_mask[1:], t.advantage, 0.0)
             out["versions"][row, o:o + n - 1] = np.where(t.loss_mask[1:], t.versions[1:], 0)
             out["temperature"][row, s] = t.temperature
+            if routed and t.routes is not None:
+                out["routes"][row, s] = t.routes
             o += n
-    return PackedBatch(**{f: v.reshape(m, rows, max_tokens) for f, v in out.items()}, n_sequences=len(trajectories))
+    return PackedBatch(**{f: v.reshape(m, rows, max_tokens, *v.shape[2:]) for f, v in out.items()},
+                       n_sequences=len(trajectories))
 
 
 def split_minibatches(trajectories: Sequence[Trajectory], n: int) -> list[list[Trajectory]]:

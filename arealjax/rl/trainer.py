@@ -12,6 +12,12 @@ micro-batch shape [R, T] is fixed by config:
 Dividing every micro-batch's loss by the minibatch's global trained-token count makes the accumulated gradient
 that of the whole minibatch, however it is split into micro-batches or over devices.
 
+Mixture-of-experts models: with `router_replay` the π_θ, π_prox and reference passes send each token through the
+experts the generator chose for it (the batch's `routes`), the router still trained through its probabilities of
+them; every step reports `router_disagreement`, the share of a token's k experts the trainer's own router would
+not have chosen (the training-inference routing mismatch), replayed or not. SFT adds the router's load-balancing
+loss (`router_aux_loss_coef` of the model config).
+
 Memory knobs (TrainerConfig; none moves the numbers beyond float tolerance): the attention kernel, per-layer
 remat, logits computed `logits_chunk` tokens of a row at a time (never tokens × vocab at once), and bf16 compute
 on fp32 master params. benchmarks/memory.py measures what each buys on real model shapes.
@@ -35,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from arealjax.distributed import Processes, put_rows
 from arealjax.models import Model, lora
 from arealjax.models import attention as attn
-from arealjax.models.transformer import REMAT, remat_policy
+from arealjax.models.transformer import REMAT, load_balancing_loss, remat_policy
 from arealjax.rl.losses import PPOConfig, lag_metrics, m2_cut, ppo_loss
 from arealjax.rl.packing import PackedBatch, pack, split_minibatches
 from arealjax.rl.trajectory import Trajectory
@@ -105,6 +111,7 @@ class TrainerConfig:
     micro_rows: int = 8  # R: rows per micro-batch (a multiple of the data-parallel size)
     ppo_n_minibatches: int = 1  # optimizer steps per RL step
     packing: bool = True  # False: one trajectory per row (the naive baseline)
+    router_replay: bool = False  # MoE: route every token through the experts the generator chose (its `routes`)
     # Memory / speed knobs; none changes the numbers beyond float tolerance.
     attention: str = "auto"  # training attention kernel (models/attention.py)
     remat: str = "none"  # per-layer rematerialisation: none | full | save_dots | offload (models/transformer.py)
@@ -135,6 +142,7 @@ def check(config: Any, problems: Problems) -> None:
     need(t.remat != "offload" or jax.default_backend() in ("gpu", "tpu"), "trainer.remat",
          f"not 'offload' on {jax.default_backend()} (host offload needs a GPU or TPU)")
     need(isinstance(t.scan_layers, bool), "trainer.scan_layers", "True or False")
+    need(isinstance(t.router_replay, bool), "trainer.router_replay", "True or False")
     need(t.compute_dtype in COMPUTE_DTYPES, "trainer.compute_dtype", f"one of {sorted(COMPUTE_DTYPES)}")
     accepts(problems, "trainer.ppo", PPOConfig, t.ppo)
     accepts(problems, "trainer.optim", OptimConfig, t.optim)
@@ -182,6 +190,18 @@ def chunked_logprobs(hidden: jax.Array, head: tuple[jax.Array, str], targets: ja
 
     _, out = jax.lax.scan(body, None, (split(hidden), split(targets), split(temperature)))
     return tuple(jnp.moveaxis(x, 0, 1).reshape(b, t + pad)[:, :t] for x in out)
+
+
+def disagreement(logits: jax.Array, routes: jax.Array, k: int) -> dict[str, jax.Array]:
+    """Of the (token, layer) pairs with recorded routes [..., L, k] (≥ 0), how many of the recorded k experts are
+    not among the top k of the router `logits` [..., L, E]: summed (`router_disagreement_sum`) with the count of
+    recorded experts (`routed_experts`)."""
+    own = jax.lax.top_k(logits, k)[1]
+    routes = routes.astype(jnp.int32)
+    recorded = routes[..., :1] >= 0
+    missed = ~jnp.any(routes[..., :, None] == own[..., None, :], axis=-1) & recorded
+    return {"router_disagreement_sum": jnp.sum(missed.astype(jnp.float32)),
+            "routed_experts": jnp.sum(jnp.broadcast_to(recorded, routes.shape).astype(jnp.float32))}
 
 
 def scalar_args(n_tokens: float, m2_cut: Any = np.inf, version: int = 0) -> dict[str, Any]:
@@ -232,31 +252,44 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
     dtype = COMPUTE_DTYPES[cfg.compute_dtype]
     act_shard = None if mesh is None else LogicalSharding(mesh, tuple(rules))
 
-    def forward(params, frozen, mb):  # per-token logprob of the targets and entropy, [R, T] fp32
+    def forward(params, frozen, mb, routing: bool = False):
+        """Per-token logprob of the targets and entropy, [R, T] fp32 (and, with `routing`, the MoE's Routing)."""
         if dtype is not None:  # bf16 compute: the cast is differentiated, so gradients reach the fp32 params
             params, frozen = jax.tree.map(lambda p: p.astype(dtype), (params, frozen))
         model = nnx.merge(graphdef, params, frozen)
-        hidden, _ = model.hidden(mb["tokens"], mb["positions"], mb["segment_ids"], attention=cfg.attention,
-                                 scan=cfg.scan_layers, remat=cfg.remat)
-        return chunked_logprobs(hidden, model.head(), mb["targets"], mb["temperature"], cfg.logits_chunk,
-                                act_shard)
+        routes = mb.get("routes") if cfg.router_replay else None
+        hidden, _, *routed = model.hidden(mb["tokens"], mb["positions"], mb["segment_ids"], attention=cfg.attention,
+                                          scan=cfg.scan_layers, remat=cfg.remat, routes=routes, with_routes=routing)
+        return *chunked_logprobs(hidden, model.head(), mb["targets"], mb["temperature"], cfg.logits_chunk,
+                                 act_shard), *routed
 
     def logprobs(params, frozen, mb):
         return forward(params, frozen, mb)[0]
 
     def loss(params, frozen, mb, prox, ref, scalars):
-        logp, entropy = forward(params, frozen, mb)
+        model_cfg = nnx.merge(graphdef, params, frozen).cfg  # (at trace time)
+        aux_coef = model_cfg.router_aux_loss_coef if model_cfg.num_experts and cfg.loss == "sft" else 0.0
+        routing = bool(aux_coef) or "routes" in mb
+        logp, entropy, *routed = forward(params, frozen, mb, routing)
         mask = mb["loss_mask"]
         if cfg.loss == "sft":
             nll = jnp.where(mask, -logp, 0.0)
             value = jnp.sum(nll) / scalars["n_tokens"]
             metrics = {"tokens": jnp.sum(mask.astype(jnp.float32)), "nll_sum": jnp.sum(nll)}
+            if aux_coef:  # the router's load balance, a token-weighted mean over the minibatch's micro-batches
+                aux = load_balancing_loss(routed[0].logits, model_cfg.num_experts_per_tok, mb["segment_ids"] > 0)
+                aux = aux * metrics["tokens"] / scalars["n_tokens"]
+                value = value + aux_coef * aux
+                metrics["aux_loss_sum"] = aux
         else:
             prox = jax.lax.stop_gradient(logp) if prox is None else prox  # one minibatch: π_prox = π_θ now
             value, metrics = ppo_loss(logp, prox, mb["behav_logp"], mb["advantages"], mask, cfg.ppo,
                                       scalars["n_tokens"], seq_ids=mb["segment_ids"], ref_logp=ref,
                                       m2_cut=scalars["m2_cut"], lag=scalars["version"] - mb["versions"])
         metrics["entropy_sum"] = jnp.sum(jnp.where(mask, jax.lax.stop_gradient(entropy), 0.0))
+        if "routes" in mb:  # of the positions with recorded routes: the share of experts the router would not pick
+            metrics.update(disagreement(jax.lax.stop_gradient(routed[0].logits), mb["routes"],
+                                        model_cfg.num_experts_per_tok))
         metrics["loss"] = value
         return value, metrics
 
@@ -343,7 +376,7 @@ class Trainer:
         """The RL step's minibatches (this process's share of each), packed into micro-batches."""
         cfg = self.cfg
         n = cfg.ppo_n_minibatches if cfg.loss == "ppo" else 1
-        return [pack(mb, cfg.max_tokens, self._rows, packed=cfg.packing)
+        return [pack(mb, cfg.max_tokens, self._rows, packed=cfg.packing, routes=bool(self.model_cfg.num_experts))
                 for mb in split_minibatches(trajectories, n)]
 
     def _agree(self, batches: list[PackedBatch]) -> tuple[list[PackedBatch], np.ndarray]:
@@ -445,6 +478,10 @@ class Trainer:
                "sequences": float(n_sequences), "non_padding_fraction": float(n_tokens / slots),
                "micro_batches": float(totals[:, 0].sum()),
                "entropy": float(sums["entropy_sum"]) / tokens}
+        if "routed_experts" in sums:
+            out["router_disagreement"] = float(sums["router_disagreement_sum"]) / max(float(sums["routed_experts"]), 1)
+        if "aux_loss_sum" in sums:
+            out["router_aux_loss"] = float(sums["aux_loss_sum"]) / len(totals)
         if "nll_sum" in sums:
             out["nll"] = float(sums["nll_sum"]) / tokens
             return out

@@ -101,6 +101,7 @@ class Turns:
         self._mask, self._logprobs, self._versions = [False] * n, [0.0] * n, [-1] * n
         self.model_turns = 0
         self.temperature: float | None = None  # of the model turns' logprobs, which must agree
+        self.routes: np.ndarray | None = None  # MoE: the experts of each position the model ran (-1: none yet)
 
     def model(self, c: Completion) -> None:
         if self.temperature is not None and c.temperature != self.temperature:
@@ -108,6 +109,12 @@ class Turns:
                              f"the model turns of one trajectory must share a temperature (the trainer scores "
                              f"them at it)")
         self.temperature = c.temperature
+        if c.routes is not None:  # a position keeps the routes of the turn that first ran it
+            routes = np.array(c.routes, np.int16)
+            if self.routes is not None:
+                first = self.routes[:, 0, 0] >= 0
+                routes[:len(first)][first] = self.routes[first]
+            self.routes = routes
         self.tokens += c.output_tokens
         self._mask += [True] * len(c.output_tokens)
         self._logprobs += [float(x) for x in c.logprobs]
@@ -122,9 +129,13 @@ class Turns:
         self._versions += [-1] * n
 
     def build(self, reward: float, **info: Any) -> Trajectory:
+        routes = self.routes
+        if routes is not None and len(routes) < len(self.tokens):  # environment tokens after the last model turn
+            routes = np.concatenate([routes, np.full((len(self.tokens) - len(routes), *routes.shape[1:]), -1,
+                                                     np.int16)])
         return Trajectory(np.array(self.tokens), np.array(self._mask), np.array(self._logprobs),
                           np.array(self._versions), reward=reward, temperature=self.temperature or 1.0,
-                          info={"turns": self.model_turns, **info})
+                          info={"turns": self.model_turns, **info}, routes=routes)
 
 
 def user_turn(tokenizer: Tokenizer, text: str, after_eos: bool) -> list[int]:
