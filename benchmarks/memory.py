@@ -4,7 +4,7 @@ CPU devices (abstract shapes: nothing is allocated), before and after each memor
   python benchmarks/memory.py            # Qwen3-1.7B at 8k/16k/32k tokens per row, Qwen3-8B and Qwen3-30B-A3B
                                          # (mixture of experts) at 8k/32k
   python benchmarks/memory.py --quick    # Qwen3-1.7B at 8k only, and compile times at fewer depths
-  python benchmarks/memory.py --smoke    # a tiny model at 256 tokens, seconds: checks that the script runs
+  python benchmarks/memory.py --smoke    # tiny dense and MoE models at 256 tokens, seconds: the script runs
   --part memory | compile | lora         # one table (the compile times are timings: run them alone); lora: full
                                          # fine-tuning vs LoRA adapters on the same step
 
@@ -60,6 +60,9 @@ SHAPES = {  # the Hugging Face configs' numbers
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
     "tiny": dict(family="qwen3", vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8,
                  num_kv_heads=8, head_dim=8, tie_word_embeddings=True),  # --smoke
+    "tiny-moe": dict(family="qwen3_moe", vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=1,
+                     num_heads=8, num_kv_heads=8, head_dim=8, tie_word_embeddings=True, num_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=64),  # --smoke
 }
 STAGES = [
     ("baseline", dict(remat="none", attention="xla", logits_chunk=0, compute_dtype="float32")),
@@ -165,7 +168,7 @@ def fits(b: int) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="the tiny model only (seconds): checks that the script runs")
+    ap.add_argument("--smoke", action="store_true", help="the tiny models only (seconds): checks that the script runs")
     ap.add_argument("--rows", default=",".join(f"{m}:{t}" for m, t in ROWS), help="model:tokens_per_row,...")
     ap.add_argument("--part", default="all", choices=("all", "memory", "compile", "lora"))
     ap.add_argument("--gen-slots", type=int, default=32)
@@ -176,6 +179,7 @@ def main():
         rows, depths = rows[:1], (4, 28)
     if args.smoke:
         rows, args.gen_slots, depths, compile_model, compile_tokens, ranks = [("tiny", 256)], 2, (1,), "tiny", 256, (4,)
+        rows += [("tiny-moe", 256)]
     print(f"{jax.device_count()} fake {jax.devices()[0].platform} devices; bytes per device as compiled by XLA\n")
     if args.part in ("all", "memory"):
         memory_tables(rows, args.gen_slots)

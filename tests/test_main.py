@@ -104,16 +104,18 @@ def test_bad_mesh_config_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["math", "code+lora"])
+@pytest.mark.parametrize("recipe", ["math+moe", "code+lora"])
 def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_recipes, recipe):
-    """Each recipe's :model=tiny variant (a random checkpoint of the recipe's family with a BPE tokenizer and chat
+    """Each recipe's tiny variant (a random checkpoint of the recipe's family with a BPE tokenizer and chat
     template, a dataset in the real layout; code: an SFT stage on conversations first) trains through main.py, and
-    the evaluation command scores the run's latest checkpoint. The code run trains LoRA adapters after its (full) SFT
-    stage: the weight sync moves the adapters only, the run exports them in PEFT's format, and the evaluation
-    restores them onto the SFT result."""
+    the evaluation command scores the run's latest checkpoint. The math run is the mixture of experts
+    (:model=tiny-moe: the generator's routes replayed by the trainer, which reports the routers' disagreement); the
+    code run trains LoRA adapters after its (full) SFT stage: the weight sync moves the adapters only, the run
+    exports them in PEFT's format, and the evaluation restores them onto the SFT result."""
     root = tiny_recipes
     name = recipe.split("+")[0]
-    model = {"math": "qwen3", "code": "r1-distill"}[name]
+    model = {"math": "qwen3-moe", "code": "r1-distill"}[name]
+    arg = {"math": "model=tiny-moe", "code": "model=tiny"}[name]
     data = {"math": "gsm8k", "code": "code"}[name]
     paths = [f"--config.model_path={root / model}", f"--config.data.path={root / 'tfds' / data / '1.0.0'}",
              f"--config.sft.data.path={root / 'tfds' / 'sft' / '1.0.0'}"]
@@ -121,13 +123,14 @@ def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_r
         paths += ["--config.lora.rank=4", "--config.lora.export=adapters", "--config.lora.generator=on_the_fly"]
     workdir = tmp_path_factory.mktemp(name)
     env = child_env()
-    run = subprocess.run([sys.executable, "main.py", f"--config=configs/{name}.py:model=tiny", f"--workdir={workdir}",
+    run = subprocess.run([sys.executable, "main.py", f"--config=configs/{name}.py:{arg}", f"--workdir={workdir}",
                           *paths], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert "eval_pass_at_4" in rows[-1] and "eval_pass_at_4" in rows[0]
+    assert all(("router_disagreement" in r) == (name == "math") for r in rows if "loss" in r)
     if recipe == "code+lora":
         assert (workdir / "sft" / "sft_config.json").is_file()  # the SFT stage ran on the conversations
         config = json.loads((workdir / "model" / "adapter_config.json").read_text())
@@ -136,7 +139,7 @@ def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_r
         assert 0 < rows[-1]["weight_sync_bytes"] < full_bytes / 10  # adapters only (fp32 both)
 
     out = workdir / "evaluation"
-    ev = subprocess.run([sys.executable, "-m", "arealjax.evaluate", f"--config=configs/{name}.py:model=tiny",
+    ev = subprocess.run([sys.executable, "-m", "arealjax.evaluate", f"--config=configs/{name}.py:{arg}",
                          f"--workdir={workdir}", f"--out={out}", *paths], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
     assert ev.returncode == 0, ev.stderr[-3000:]
