@@ -100,6 +100,8 @@ def summarize(cell: dict, workdir: Path, args) -> dict:
     last, warm = steps[-1], min(args.warmup, steps[-1] - 1)
     grad_norms = [r["grad_norm"] for r in rows if r["step"] > 0 and "grad_norm" in r]
     failed = summary.get("error", "").split(" (")[0]  # its first clause
+    trained = [r for r in rows if r["step"] > 0 and "router_disagreement" in r]  # a mixture of experts' steps
+    mismatch = {k: float(np.mean([r[k] for r in trained if k in r])) for k in MISMATCH} if trained else {}
     return {**cell, "commit": args.commit, "command": args.command, "steps": last, "status": summary["status"],
             "stopped_early": summary.get("stopped_early") or (f"failed after step {last}: {failed}" if failed else ""),
             "seconds_per_step": (train_wall[last] - train_wall[warm]) / (last - warm),
@@ -107,7 +109,12 @@ def summarize(cell: dict, workdir: Path, args) -> dict:
             "accuracy_start": summary["eval_accuracy_start"],
             "accuracy_end": summary.get("eval_accuracy_end", curve[-1][2]),  # a failed run: its last evaluation
             "greedy_start": summary.get("eval_greedy_accuracy_start"),
-            "greedy_end": summary.get("eval_greedy_accuracy_end", curve[-1][3])}
+            "greedy_end": summary.get("eval_greedy_accuracy_end", curve[-1][3]), **mismatch}
+
+
+# A mixture of experts' training-inference mismatch, per step: the share of the generator's experts the trainer's
+# router would not choose, and KL(μ ‖ π_prox) per token (all tokens; fresh ones: lag 0, no policy change between).
+MISMATCH = ("router_disagreement", "kl_behaviour_prox", "lag0_kl_behaviour_prox")
 
 
 def stat(xs) -> str:
@@ -115,6 +122,14 @@ def stat(xs) -> str:
     if not len(xs):
         return "—"
     return f"{xs.mean():.2f} ± {xs.std(ddof=1):.2f}" if len(xs) > 1 else f"{xs.mean():.2f}"
+
+
+def sci(xs) -> str:
+    """mean ± sd in 3 significant digits (small quantities)."""
+    xs = np.array([x for x in xs if x is not None], float)
+    if not len(xs):
+        return "—"
+    return f"{xs.mean():.3g} ± {xs.std(ddof=1):.2g}" if len(xs) > 1 else f"{xs.mean():.3g}"
 
 
 def report(results: list[dict]) -> str:
@@ -153,6 +168,19 @@ def report(results: list[dict]) -> str:
         se = np.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)) if min(len(a), len(b)) > 1 else float("nan")
         diffs.append(f"| {job} | {eta} | {tag} − {tags[0]} | {b.mean() - a.mean():+.2f} | {se:.2f} | "
                      f"{(b.mean() - a.mean()) / se if se > 0 else float('nan'):+.1f} |")
+    moe = [(key, rs) for key, rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0]))
+           if all(MISMATCH[0] in r for r in rs)]
+    if moe:
+        lines += ["", "Mixture-of-experts runs, the training–inference mismatch (mean over RL steps, then mean ± sd "
+                  "over seeds): the share of the generator's experts the trainer's router would not choose, and "
+                  "KL(μ ‖ π_prox) per token over all trained tokens and over fresh ones (sampled by the current "
+                  "policy: no update between generation and training).", "",
+                  "| tag (commit) | job | η | router disagreement | KL(μ ‖ π_prox) | KL, fresh tokens | n |",
+                  "|---|---|---|---|---|---|---|"]
+        for (tag, job, eta), rs in moe:
+            lines.append(f"| {tag} ({', '.join(sorted({r['commit'] for r in rs}))}) | {job} | {eta} | "
+                         f"{sci(r['router_disagreement'] for r in rs)} | {sci(r['kl_behaviour_prox'] for r in rs)} | "
+                         f"{sci(r.get('lag0_kl_behaviour_prox') for r in rs)} | {len(rs)} |")
     if diffs:
         lines += ["", "Final pass@1 against the first tag (difference of means, its standard error from the seed "
                   "spread, and their ratio: |t| < 2 cannot be told from seed noise):", "",

@@ -415,3 +415,25 @@ def test_sft_adds_the_routers_load_balancing_loss():
         else:
             assert "aux_loss_sum" not in sums
     assert np.abs(grads[0.5] - grads[0.0]).max() > 1e-4  # the router is also pushed toward balance
+
+
+def test_a_multi_turn_trajectory_keeps_each_positions_first_routes():
+    """Turns: a position keeps the routes of the turn that first ran it (turn 2's prefill re-runs turn 1's tokens:
+    those keep turn 1's); turn 1's last token and the environment's tokens take turn 2's; trailing environment
+    tokens have none (-1)."""
+    from arealjax.api import Completion
+    from arealjax.workflows.base import Turns
+
+    def completion(prompt, out, fill):
+        routes = np.full((len(prompt) + len(out), 2, 2), fill, np.int16)
+        routes[-1] = -1
+        return Completion("r", 0, prompt, out, np.zeros(len(out), np.float32), np.zeros(len(out), np.int32),
+                          "stop", 0, 1.0, routes)
+
+    turns = Turns([1, 2, 3])
+    turns.model(completion([1, 2, 3], [4, 5], fill=1))
+    turns.env([6, 7])
+    turns.model(completion([1, 2, 3, 4, 5, 6, 7], [8, 9], fill=2))
+    turns.env([10])
+    t = turns.build(reward=1.0)
+    assert list(t.routes[:, 0, 0]) == [1, 1, 1, 1, 2, 2, 2, 2, -1, -1]
