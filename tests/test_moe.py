@@ -321,6 +321,34 @@ def generate(model, params, prompts, decode_steps=1, num_pages=None, temperature
         return [c for f in futures for c in f.result(timeout=120)], gen.counters
 
 
+def test_after_a_recompute_swap_the_routes_are_the_new_params():
+    """A weight swap in recompute mode runs every in-flight position again with the new params: a sample that
+    straddled the swap has, at every position, the experts a full forward of the new model chooses (the KV its
+    later tokens were sampled from); one done before it, the old model's."""
+    from arealjax.api import SamplingParams
+    from arealjax.generation.engine import Engine
+    from arealjax.generation.generator import Generator
+
+    old, new = routed_model(seed=0), routed_model(seed=3)
+    rng = np.random.RandomState(4)
+    prompts = [list(rng.randint(3, 96, rng.randint(3, 20))) for _ in range(6)]
+    with Generator(Engine(old, slots=4, max_len=64, page_size=8), old.params, decode_steps=1, start=False) as gen:
+        futures = [gen.submit(p, SamplingParams(temperature=1.0, max_new_tokens=[3, 30][i % 2], seed=i))
+                   for i, p in enumerate(prompts)]
+        for _ in range(6):  # admit and decode a few tokens, then swap, on this thread
+            gen._step()
+        gen.update_weights(new.params, 1)
+        while not all(f.done() for f in futures):
+            gen._step()
+    straddled = 0
+    for (c,) in (f.result() for f in futures):
+        seq = c.prompt_tokens + c.output_tokens
+        model = new if c.interrupts else old
+        straddled += c.interrupts > 0
+        np.testing.assert_array_equal(c.routes[:-1], own_routes(model, seq)[:-1])
+    assert 0 < straddled < len(prompts)
+
+
 @pytest.mark.parametrize("decode_steps,num_pages", [(1, None), (3, 12)])
 def test_the_generator_records_the_experts_of_every_position_it_ran(decode_steps, num_pages):
     """Each completion's routes are, at every position of prompt + output but the last, the experts a full forward
@@ -417,10 +445,9 @@ def test_sft_adds_the_routers_load_balancing_loss():
     assert np.abs(grads[0.5] - grads[0.0]).max() > 1e-4  # the router is also pushed toward balance
 
 
-def test_a_multi_turn_trajectory_keeps_each_positions_first_routes():
-    """Turns: a position keeps the routes of the turn that first ran it (turn 2's prefill re-runs turn 1's tokens:
-    those keep turn 1's); turn 1's last token and the environment's tokens take turn 2's; trailing environment
-    tokens have none (-1)."""
+def test_a_multi_turn_trajectory_has_the_routes_of_its_last_turn():
+    """Turns: turn 2's prefill ran every earlier position again (turn 1's tokens, the environment's), and its
+    tokens were sampled from that KV: the trajectory has turn 2's routes; trailing environment tokens have none."""
     from arealjax.api import Completion
     from arealjax.workflows.base import Turns
 
@@ -436,4 +463,4 @@ def test_a_multi_turn_trajectory_keeps_each_positions_first_routes():
     turns.model(completion([1, 2, 3, 4, 5, 6, 7], [8, 9], fill=2))
     turns.env([10])
     t = turns.build(reward=1.0)
-    assert list(t.routes[:, 0, 0]) == [1, 1, 1, 1, 2, 2, 2, 2, -1, -1]
+    assert list(t.routes[:, 0, 0]) == [2, 2, 2, 2, 2, 2, 2, 2, -1, -1]

@@ -6,7 +6,7 @@ passed on every call, page tables are kept by the caller: see `generation/pages.
     prefix = engine.prefill(params, packed)                              # -> KV + each prompt's last-token logits
     state, first = engine.insert(prefix, state, rows, slots, sampling, writes)  # into slots and their pages
     state, result = engine.generate(params, state, rows, index, steps=k)  # k new tokens for the slots in `rows`
-    state = engine.refill(params, state, packed, writes)                 # recompute KV pages with new params
+    state, routes = engine.refill(params, state, packed, writes)         # recompute KV pages with new params
 
 `first` is float32 [N, 3] = (token, logprob, done) per row, `result` [steps, A, 3]: one device->host copy per
 call, and `generate` may run several decode steps per call. A mixture-of-experts model's `result` rows go on with
@@ -224,12 +224,14 @@ def _generate(graphdef: nnx.GraphDef, max_len: int, truncating: bool, steps: int
     return state, result
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
-def _refill(graphdef: nnx.GraphDef, attention: str, prefill_attention: str, params: nnx.State, state: DecodeState,
-            tokens, positions, segment_ids, writes: PageWrites):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=5)
+def _refill(graphdef: nnx.GraphDef, attention: str, prefill_attention: str, with_routes: bool, params: nnx.State,
+            state: DecodeState, tokens, positions, segment_ids, writes: PageWrites):
     zero = jnp.zeros(1, jnp.int32)  # logits of no interest (XLA drops them)
-    _, kv = prefill_packed(graphdef, params, tokens, positions, segment_ids, zero, zero, prefill_attention)
-    return state._replace(pages=write_prefill(state.pages, kv.k, kv.v, *writes, attention))
+    _, kv, *routes = prefill_packed(graphdef, params, tokens, positions, segment_ids, zero, zero, prefill_attention,
+                                    with_routes)
+    state = state._replace(pages=write_prefill(state.pages, kv.k, kv.v, *writes, attention))
+    return state, *(r.astype(jnp.int16) for r in routes)
 
 
 class Engine:
@@ -302,11 +304,15 @@ class Engine:
         copy per `steps` tokens. `truncating` compiles in top-k/top-p (only needed when a slot uses it)."""
         return _generate(self.graphdef, self.max_len, truncating, steps, self.attention, params, state, rows, index)
 
-    def refill(self, params: nnx.State, state: DecodeState, packed: Packed, writes: PageWrites) -> DecodeState:
+    def refill(self, params: nnx.State, state: DecodeState, packed: Packed,
+               writes: PageWrites) -> tuple[DecodeState, jax.Array | None]:
         """Recomputes the KV of the packed sequences (prompt + outputs but the last) with `params` into their pages;
-        their next input token and position are unchanged. This is the AReaL interrupt after a weight swap."""
-        return _refill(self.graphdef, self.attention, self.prefill_attention, params, state, packed.tokens,
-                       packed.positions, packed.segment_ids, writes)
+        their next input token and position are unchanged. This is the AReaL interrupt after a weight swap. Also
+        returns, for a mixture-of-experts model, the experts of every token of the packed rows [R, T, L, k]
+        (int16; None for a dense model)."""
+        state, *routes = _refill(self.graphdef, self.attention, self.prefill_attention, bool(self.cfg.num_experts),
+                                 params, state, packed.tokens, packed.positions, packed.segment_ids, writes)
+        return state, routes[0] if routes else None
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:

@@ -14,10 +14,10 @@ decode call are free; the n samples of a prompt share its full pages. When a dec
 are free, the most recently admitted samples are preempted: their pages are returned and they wait at the head of
 the queue, to be re-prefilled (prompt + tokens so far) and continue where they stopped, same sampled tokens.
 
-A mixture-of-experts model's completions carry `routes`: for every position the model ran (the prompt's from its
-prefill, each output token's from the decode step it was the input of), the experts each layer chose. A position
-keeps the routes of the forward that first computed it (a recompute after a weight swap or a resume after a
-preemption does not rewrite them): those are what the tokens sampled then saw.
+A mixture-of-experts model's completions carry `routes`: for every position the model ran, the experts each layer
+chose in the latest forward that computed it (the prompt's prefill, the decode step a token was the input of, and
+the recompute after a weight swap or the re-prefill after a preemption, which rewrite those of the positions they
+compute): the routes behind the KV every later token was sampled from.
 """
 
 from __future__ import annotations
@@ -57,8 +57,20 @@ class _Seq:
     interrupts: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)  # KV pages of the sequence, in order
     order: int = 0  # admission order: the latest admitted is preempted first
-    routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # MoE: [n, L, k] chunks, positions 0..
+    routes: np.ndarray | None = None  # MoE: int16 [capacity, L, k], the experts at positions 0..routed-1
     routed: int = 0  # positions the routes cover
+
+    def route(self, start: int, routes: np.ndarray) -> None:
+        """Sets the routes of positions start.. (growing the array by doubling)."""
+        end = start + len(routes)
+        if self.routes is None or len(self.routes) < end:
+            grown = np.full((max(end, 2 * (0 if self.routes is None else len(self.routes))), *routes.shape[1:]), -1,
+                            np.int16)
+            if self.routes is not None:
+                grown[:len(self.routes)] = self.routes
+            self.routes = grown
+        self.routes[start:end] = routes
+        self.routed = max(self.routed, end)
 
 
 @dataclasses.dataclass
@@ -300,8 +312,13 @@ class Generator:
                         if page not in written:
                             written.add(page)
                             writes.append((page, *self._block(packed, i, j)))
-                self._state = self.engine.refill(self._params, self._state, packed,
-                                                 self._writes(writes, packed.blocks(self._pages.page_size)))
+                self._state, routes = self.engine.refill(self._params, self._state, packed,
+                                                         self._writes(writes, packed.blocks(self._pages.page_size)))
+                if routes is not None:  # the recomputed positions' experts are the new params' now
+                    routes = np.asarray(routes)
+                    for i, (seq, p) in enumerate(zip(group, prefixes)):
+                        start = int(packed.start[i])
+                        seq.route(0, routes[packed.row[i], start:start + len(p)])
                 self.counters.refill_tokens += int(sum(map(len, prefixes)))
             jax.block_until_ready(self._state.pages)
         self.counters.swap_apply_seconds += time.perf_counter() - t0
@@ -381,10 +398,9 @@ class Generator:
                 full = self._pages.alloc(len(p) // size)
                 writes += [(page, *self._block(packed, row, j)) for j, page in enumerate(full)]
                 for k, seq in enumerate(group):
-                    if routes is not None and seq.routed < len(p):
+                    if routes is not None:  # the prompt's, or a resumed sample's recomputed prefix
                         start = int(packed.start[row])
-                        seq.routes.append(routes[packed.row[row], start + seq.routed:start + len(p)])
-                        seq.routed = len(p)
+                        seq.route(0, routes[packed.row[row], start:start + len(p)])
                     seq.pages = (full if k == 0 else self._pages.share(full))[:]
                     seq.pages += self._pages.alloc(self._pages.pages_for(self._last(seq, len(p)) + 1) - len(full))
                     if len(p) % size:  # the partly filled last page of the prefix: a copy per sample
@@ -453,9 +469,8 @@ class Generator:
             if result.shape[-1] > 3 else None  # a decode step's (MoE): the experts of each row's input token
         for row, slot, seq in entries:
             token, logprob, done = int(result[row, 0]), float(result[row, 1]), bool(result[row, 2])
-            if routes is not None and seq.routed == self._position(seq):
-                seq.routes.append(routes[row][None])
-                seq.routed += 1
+            if routes is not None:
+                seq.route(self._position(seq), routes[row][None])
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self._version)
@@ -470,10 +485,10 @@ class Generator:
         """Records a finished sample; resolves its request's future when all samples are in (holds the lock)."""
         req = seq.request
         routes = None
-        if seq.routes:  # every position, -1 where the model never ran (the last token)
-            routes = np.full((len(req.prompt) + len(seq.tokens), *seq.routes[0].shape[1:]), -1, np.int16)
+        if seq.routes is not None:  # every position, -1 where the model never ran (the last token)
+            routes = np.full((len(req.prompt) + len(seq.tokens), *seq.routes.shape[1:]), -1, np.int16)
             n = min(seq.routed, len(routes))
-            routes[:n] = np.concatenate(seq.routes)[:n]
+            routes[:n] = seq.routes[:n]
         req.results[seq.sample - req.first_sample] = Completion(
             req.id, seq.sample, list(req.prompt), list(seq.tokens), np.asarray(seq.logprobs, np.float32),
             np.asarray(seq.versions, np.int32), reason, seq.interrupts, req.sampling.logprob_temperature, routes)

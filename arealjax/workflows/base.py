@@ -109,12 +109,8 @@ class Turns:
                              f"the model turns of one trajectory must share a temperature (the trainer scores "
                              f"them at it)")
         self.temperature = c.temperature
-        if c.routes is not None:  # a position keeps the routes of the turn that first ran it
-            routes = np.array(c.routes, np.int16)
-            if self.routes is not None:
-                first = self.routes[:, 0, 0] >= 0
-                routes[:len(first)][first] = self.routes[first]
-            self.routes = routes
+        if c.routes is not None:  # this turn's prefill ran every earlier position again: its routes are the latest
+            self.routes = np.array(c.routes, np.int16)
         self.tokens += c.output_tokens
         self._mask += [True] * len(c.output_tokens)
         self._logprobs += [float(x) for x in c.logprobs]
