@@ -9,9 +9,9 @@ CPU devices (abstract shapes: nothing is allocated), before and after each memor
                                          # fine-tuning vs LoRA adapters on the same step
 
 Every item in turn on FSDP 8, all of them on FSDP 4 × TP 2 (and, for a mixture of experts, on EP 8: whole
-experts on each device, the `expert` axis mapped to fsdp). Train step: one micro-batch of one row of T tokens per
-data-parallel rank (the smallest a step can be), AdamW; a mixture of experts' micro-batch carries the generator's
-routes for router replay (trainer.router_replay).
+experts on each device, the `expert` axis mapped to fsdp; and on FSDP 16, two hosts of 8). Train step: one
+micro-batch of one row of T tokens per data-parallel rank (the smallest a step can be), AdamW; a mixture of
+experts' micro-batch carries the generator's routes for router replay (trainer.router_replay).
 Peak per device = the larger of the gradient program (params, fp32 accumulator, micro-batch, activations) and the
 optimizer program (params, moments, gradients), each as XLA reports it (arguments + outputs − aliased + temporaries),
 plus the optimizer moments that stay resident during the gradient program. Items, cumulatively:
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=16"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -76,6 +76,7 @@ ROWS = [("qwen3-1.7b", 8192), ("qwen3-1.7b", 16384), ("qwen3-1.7b", 32768), ("qw
         ("qwen3-30b-a3b", 8192), ("qwen3-30b-a3b", 32768)]
 MESHES = {"FSDP 8": {"fsdp": 8}, "FSDP 4 × TP 2": {"fsdp": 4, "tensor": 2}}
 EXPERT_PARALLEL = ("EP 8", {"fsdp": 8})  # mixture-of-experts models also: the `expert` axis on fsdp
+TWO_HOSTS = ("FSDP 16", {"fsdp": 16})  # and on two hosts of 8 (a 30B model's fp32 states need more than 8 × 80 GB)
 EP_RULES = tuple((n, "fsdp" if n == "expert" else a) for n, a in DEFAULT_RULES)
 FIT = {"H100 80 GB": 80e9, "TPU v5p 95 GB": 95e9, "TPU v6e 32 GB": 32e9}
 BATCH_DTYPES = {"loss_mask": jnp.bool_, "behav_logp": jnp.float32, "advantages": jnp.float32,
@@ -103,7 +104,7 @@ def train_step_bytes(cfg: ModelConfig, t: int, axes: dict, knobs: dict, scan: bo
     """Peak bytes per device of one train step, and the seconds to compile its gradient program. With `lora`,
     the adapters are trained and the base is frozen (an argument of the gradient program, resident during the
     optimizer's)."""
-    mesh = make_mesh(axes)
+    mesh = make_mesh(axes, jax.devices()[:int(np.prod(list(axes.values())))])
     shard = LogicalSharding(mesh, rules)
     graphdef, params = abstract_model(cfg, jnp.float32, shard, lora)
     params, frozen = split_lora(params) if lora else (params, nnx.State({}))
@@ -134,7 +135,7 @@ def train_step_bytes(cfg: ModelConfig, t: int, axes: dict, knobs: dict, scan: bo
 def generator_bytes(cfg: ModelConfig, t: int, slots: int, page_size: int = 16, steps: int = 4) -> int:
     """Peak bytes per device of a decode call (`Engine.generate`) over `slots` sequences of t tokens (bf16, TP over 8
     devices)."""
-    mesh = make_mesh({"tensor": 8})
+    mesh = make_mesh({"tensor": 8}, jax.devices()[:8])
     shard = LogicalSharding(mesh, DEFAULT_RULES)
     graphdef, params = abstract_model(cfg, jnp.bfloat16, shard)
     p = sds(jax.tree.map(lambda v: v, params), tree_shardings(params, shard))
@@ -180,7 +181,8 @@ def main():
     if args.smoke:
         rows, args.gen_slots, depths, compile_model, compile_tokens, ranks = [("tiny", 256)], 2, (1,), "tiny", 256, (4,)
         rows += [("tiny-moe", 256)]
-    print(f"{jax.device_count()} fake {jax.devices()[0].platform} devices; bytes per device as compiled by XLA\n")
+    print(f"{jax.device_count()} fake {jax.devices()[0].platform} devices (meshes of 8 but FSDP 16); bytes per "
+          f"device as compiled by XLA\n")
     if args.part in ("all", "memory"):
         memory_tables(rows, args.gen_slots)
     if args.part in ("all", "compile"):
@@ -214,7 +216,7 @@ def memory_tables(rows, gen_slots):
     print("|---|---|---|" + "---|" * len(STAGES) + "---|")
     for name, t in rows:
         cfg = ModelConfig.make(**SHAPES[name])
-        meshes = [*MESHES.items(), *([EXPERT_PARALLEL] if cfg.num_experts else [])]
+        meshes = [*MESHES.items(), *([EXPERT_PARALLEL, TWO_HOSTS] if cfg.num_experts else [])]
         for m, (mesh_name, axes) in enumerate(meshes):
             knobs, cells = {}, []
             rules = EP_RULES if mesh_name == EXPERT_PARALLEL[0] else DEFAULT_RULES

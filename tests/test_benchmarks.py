@@ -31,7 +31,7 @@ SMOKE_RESULTS = {
     "learning.py": (["| default | 2 |"], [f"arealjax_learning/smoke/learning.{x}" for x in ("json", "md", "png")]),
     "lora.py": (["| LoRA r=2 |", "| LoRA r=2, on_the_fly |", "on the fly / merged:"], []),
     "memory.py": (["| tiny (", "| FSDP 4 × TP 2 |", "Generator (bf16", "| 1 |", "| LoRA r=4 |", "| tiny-moe (",
-                   "| EP 8 |", "| tiny-moe | 256 |"], []),
+                   "| EP 8 |", "| FSDP 16 |", "| tiny-moe | 256 |"], []),
     "model.py": (["| decode 4 tokens", "| reshard"], []),
     "moe.py": (["| 64 | 32 | 16 | 8 | 2 |"], ["arealjax_moe/smoke/moe.json", "arealjax_moe/smoke/moe.md"]),
     "objectives.py": (["| synchronous | 0 |", "| m2po | 1 |"],
