@@ -234,6 +234,24 @@ def test_router_replay(hf_moe, tokens):
     assert (np.abs(router_grad).max(axis=(1, 2)) > 1e-6).all()  # every layer's router
 
 
+def test_an_expert_layer_on_rows_sharded_over_devices_keeps_each_devices_tokens():
+    """Each row's tokens are grouped on their own: with the rows sharded over 8 devices, a device sorts and runs
+    its own (temporaries ~1/8 of the replicated layer's), not every token of the batch (one global group did)."""
+    from arealjax.models.transformer import MoE
+
+    moe = MoE(moe_config(hidden_size=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32),
+              jnp.float32, nnx.Rngs(0))
+    graphdef, params = nnx.split(moe)
+    mesh = make_mesh({"fsdp": 8})
+    x = jax.ShapeDtypeStruct((8, 1024, 64), jnp.float32)
+    temp = {}
+    for name, spec in (("rows", jax.sharding.PartitionSpec("fsdp")), ("replicated", jax.sharding.PartitionSpec())):
+        sh = jax.sharding.NamedSharding(mesh, spec)
+        fn = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x)[0], in_shardings=(None, sh))
+        temp[name] = fn.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+    assert temp["rows"] < temp["replicated"] / 4, temp
+
+
 @pytest.mark.parametrize("rules,spec", [
     (DEFAULT_RULES, (None, None, "fsdp", "tensor")),  # experts sharded like a dense MLP
     (tuple((n, "fsdp") if n == "expert" else (n, a) for n, a in DEFAULT_RULES), (None, "fsdp", None, "tensor")),

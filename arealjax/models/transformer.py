@@ -204,10 +204,15 @@ class MoE(nnx.Module):
             weights = jnp.take_along_axis(probs, experts, axis=-1)
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        d = x.shape[-1]
-        y = grouped_experts(x.reshape(-1, d), experts.reshape(-1, self.k), weights.astype(x.dtype).reshape(-1, self.k),
-                            self.experts)
-        return y.reshape(x.shape), Routing(experts, logits.astype(jnp.float32))
+        weights = weights.astype(x.dtype)
+        if x.ndim == 3 and x.shape[1] > 1:  # rows of tokens: each row's grouped on its own, so rows sharded over
+            # devices stay there (one group for the whole batch would make every device sort and run every token)
+            y = jax.vmap(lambda xr, er, wr: grouped_experts(xr, er, wr, self.experts))(x, experts, weights)
+        else:  # one token per row (decode): all rows as one group
+            d = x.shape[-1]
+            y = grouped_experts(x.reshape(-1, d), experts.reshape(-1, self.k), weights.reshape(-1, self.k),
+                                self.experts).reshape(x.shape)
+        return y, Routing(experts, logits.astype(jnp.float32))
 
 
 def grouped_experts(x: Array, experts: Array, weights: Array, mlp: MLP) -> Array:
