@@ -45,7 +45,9 @@ MODELS = {
     "llama-3.2-3b-instruct": ("/ckpt/Llama-3.2-3B-Instruct", 4096, "gsm8k"),
     # python -m arealjax.models.gguf --out=/ckpt/SmolLM2-135M-Instruct (from a pip package; configs/smollm2.py)
     "smollm2-135m-instruct": ("/ckpt/SmolLM2-135M-Instruct", 512, "gsm8k"),
-    "qwen3-30b-a3b": ("/ckpt/Qwen3-30B-A3B", 30720, "deepscaler"),  # MoE: 128 experts, 8 per token
+    # MoE, 128 experts, 8 per token: on 4 hosts of 8 as in docs/pods.md (FSDP over 16 trainer chips; its training
+    # states alone are 57 GiB per chip on 8: docs/figures.md, "A mixture of experts")
+    "qwen3-30b-a3b": ("/ckpt/Qwen3-30B-A3B", 30720, "deepscaler"),
     "tiny": (f"{TINY}/qwen3", 24, "gsm8k"),  # python -m arealjax.tiny: a random 2-layer Qwen3
     "tiny-moe": (f"{TINY}/qwen3-moe", 24, "gsm8k"),  # its Qwen3-MoE (8 experts, 2 per token)
 }
