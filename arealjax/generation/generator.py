@@ -57,20 +57,16 @@ class _Seq:
     interrupts: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)  # KV pages of the sequence, in order
     order: int = 0  # admission order: the latest admitted is preempted first
-    routes: np.ndarray | None = None  # MoE: int16 [capacity, L, k], the experts at positions 0..routed-1
-    routed: int = 0  # positions the routes cover
+    routes: np.ndarray | None = None  # MoE: int16 [capacity, L, k] by position, -1 where none was recorded
 
     def route(self, start: int, routes: np.ndarray) -> None:
         """Sets the routes of positions start.. (growing the array by doubling)."""
         end = start + len(routes)
         if self.routes is None or len(self.routes) < end:
-            grown = np.full((max(end, 2 * (0 if self.routes is None else len(self.routes))), *routes.shape[1:]), -1,
-                            np.int16)
-            if self.routes is not None:
-                grown[:len(self.routes)] = self.routes
-            self.routes = grown
+            old = self.routes if self.routes is not None else np.empty((0, *routes.shape[1:]), np.int16)
+            self.routes = np.full((max(end, 2 * len(old)), *routes.shape[1:]), -1, np.int16)
+            self.routes[:len(old)] = old
         self.routes[start:end] = routes
-        self.routed = max(self.routed, end)
 
 
 @dataclasses.dataclass
@@ -487,7 +483,7 @@ class Generator:
         routes = None
         if seq.routes is not None:  # every position, -1 where the model never ran (the last token)
             routes = np.full((len(req.prompt) + len(seq.tokens), *seq.routes.shape[1:]), -1, np.int16)
-            n = min(seq.routed, len(routes))
+            n = min(len(seq.routes), len(routes))
             routes[:n] = seq.routes[:n]
         req.results[seq.sample - req.first_sample] = Completion(
             req.id, seq.sample, list(req.prompt), list(seq.tokens), np.asarray(seq.logprobs, np.float32),
