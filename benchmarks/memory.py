@@ -184,7 +184,7 @@ def main():
     print(f"{jax.device_count()} fake {jax.devices()[0].platform} devices (meshes of 8 but FSDP 16); bytes per "
           f"device as compiled by XLA\n")
     if args.part in ("all", "memory"):
-        memory_tables(rows, args.gen_slots)
+        memory_tables(rows, args.gen_slots, moe_meshes_only=args.smoke)
     if args.part in ("all", "compile"):
         compile_times(depths, compile_model, compile_tokens)
     if args.part in ("all", "lora"):
@@ -210,14 +210,16 @@ def lora_table(rows, ranks=(16, 64)):
                   f"{gib(b)} | {2 * n / 2**20:,.1f} MiB |", flush=True)
 
 
-def memory_tables(rows, gen_slots):
-    """Every item in turn on FSDP 8; the other meshes with all items on."""
+def memory_tables(rows, gen_slots, moe_meshes_only: bool = False):
+    """Every item in turn on FSDP 8; the other meshes with all items on (`moe_meshes_only`, what --smoke runs: a
+    mixture of experts on its own meshes only, EP 8 and FSDP 16, all items on)."""
     print("| model | tokens / row | mesh | " + " | ".join(s for s, _ in STAGES) + " | fits (all items) |")
     print("|---|---|---|" + "---|" * len(STAGES) + "---|")
     for name, t in rows:
         cfg = ModelConfig.make(**SHAPES[name])
         meshes = [*MESHES.items(), *([EXPERT_PARALLEL, TWO_HOSTS] if cfg.num_experts else [])]
-        for m, (mesh_name, axes) in enumerate(meshes):
+        first = len(MESHES) if moe_meshes_only and cfg.num_experts else 0
+        for m, (mesh_name, axes) in enumerate(meshes[first:], first):
             knobs, cells = {}, []
             rules = EP_RULES if mesh_name == EXPERT_PARALLEL[0] else DEFAULT_RULES
             for i, (_, change) in enumerate(STAGES):

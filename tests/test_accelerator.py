@@ -5,15 +5,16 @@ wrong kernels."""
 import json
 
 import pytest
-from conftest import results_digest, run_script
+from conftest import link_prepared, results_digest, run_script
 
 
 @pytest.mark.slow
-def test_accelerator_smoke_measures_every_part(tmp_path):
+def test_accelerator_smoke_measures_every_part(tmp_path, smollm2_prepared):
     """benchmarks/accelerator.py --smoke runs every part on CPU (the Pallas kernels in interpret mode) and writes one
     results pair into --out: every part has its numbers, every kernel is within tolerance, 'auto' resolves to the
     CPU kinds, and each goal is judged (HBM bandwidth unmeasured: a CPU has no peak in the table)."""
     before = results_digest()
+    link_prepared(smollm2_prepared, tmp_path / "arealjax_accelerator" / "smoke" / "real_model")  # made once
     out = tmp_path / "out"
     stdout, wall = run_script("accelerator.py", ["--smoke", f"--out={out}"], tmp_path, 600)
     print(f"accelerator.py --smoke: {wall:.1f} s")

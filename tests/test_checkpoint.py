@@ -178,7 +178,8 @@ def tensorboard_events(directory: Path) -> list:
 
 
 SAVE_THEN_DIE = """
-import os, signal, sys
+import os, signal, sys, time
+from pathlib import Path
 from types import SimpleNamespace
 import jax.numpy as jnp
 from arealjax.checkpoint import Checkpointer
@@ -189,6 +190,9 @@ ckpt.maybe_save(1, SimpleNamespace(params={"w": jnp.ones(8)}, opt_state={"m": jn
 ckpt.manager.wait_until_finished()
 big = SimpleNamespace(params={"w": jnp.full(8, 2.0), "big": jnp.ones(64 << 20)}, opt_state={"m": jnp.ones(8)})
 ckpt.maybe_save(2, big, {**meta, "version": 2})  # returns once the arrays are on the host; writing goes on
+deadline = time.monotonic() + 60  # the writer thread has begun step 2 (on a loaded machine it may not have yet)
+while not any(Path(sys.argv[1]).glob("2*")) and time.monotonic() < deadline:
+    time.sleep(0.001)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

@@ -115,6 +115,7 @@ def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path, warm_
     assert one.returncode == 0, one.stderr[-3000:]
     outputs = finish(launch(tmp_path / "two", *args), tmp_path / "two")
     assert all(rc == 0 for rc, _ in outputs), outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert all("SFT warm start: reusing" in out for _, out in [(0, one.stderr), *outputs])  # the cache, not again
     marks = fingerprints(outputs)
     assert len(marks) == 1 and next(iter(marks)).startswith("version 4,"), marks
 

@@ -142,7 +142,30 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
     (["--config.generator.attention=flash"], r"generator\.attention = 'flash': expected one of"),
 ], ids=lambda x: x[-1].split("=")[0][9:] if isinstance(x, list) else None)
 def test_bad_config_is_refused_at_start(tmp_path, flags, pattern):
-    assert_clean_failure(main_py(tmp_path, *flags), pattern, within=30)
+    """Parsed as main.py parses its flags, then main.py's `train.run` in this process (a process each would spend
+    the suite's minutes on imports): it refuses the config with the message, writing the failed summary, before
+    anything is built. main.py's own exit, message and summary for a refused config: the next test."""
+    from absl import flags as absl_flags
+    from ml_collections import config_flags
+
+    from arealjax import train
+    from arealjax.runtime import error_text
+
+    argv, values = ["main.py", *TINY, *flags], absl_flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, flag_values=values, lock_config=True, sys_argv=argv)
+    values(argv)
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as refused:  # noqa: B017, PT011 — whichever error, its text is the message
+        train.run(values.config, str(tmp_path))
+    assert re.search(pattern, error_text(refused.value)), error_text(refused.value)
+    assert time.monotonic() - t0 < 10 and not (tmp_path / "checkpoints").exists()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and re.search(pattern, summary["error"]), summary
+
+
+def test_main_py_refuses_a_bad_config_with_one_message_and_its_summary(tmp_path):
+    assert_clean_failure(main_py(tmp_path, "--config.generator.backend=vllm"), r"generator\.backend = 'vllm': "
+                         r"expected one of \('local', 'remote'\)", within=30)
 
 
 def test_cores_the_machine_lacks_are_refused_before_jax_starts(tmp_path):

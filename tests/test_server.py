@@ -70,17 +70,16 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_they_are_sent(tmp_path, moe):
-    """Temperature ≠ 1 with top-k and top-p, and greedy: the same tokens, logprobs and versions from two servers as
-    from the in-process generator (a mixture of experts: the same routes too); a group's samples on one server,
-    groups spread over both; after each update every server serves the trainer's version, and the weights it got
-    have the trainer's fingerprint. Each server runs on the cores generator.servers.cpus gives it."""
+def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_they_are_sent(tmp_path):
+    """Temperature ≠ 1 with top-k and top-p, and greedy: the same tokens, logprobs, versions and (a mixture of
+    experts here, every other test of this file a dense model) routes from two servers as from the in-process
+    generator; a group's samples on one server, groups spread over both; after each update every server serves the
+    trainer's version, and the weights it got have the trainer's fingerprint. Each server runs on the cores
+    generator.servers.cpus gives it."""
     last = os.cpu_count() - 1
     c = small_config(cpus=f"0;{last}")
-    if moe:
-        c.model.update(family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                       norm_topk_prob=True)
+    c.model.update(family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   norm_topk_prob=True)
     tokenizer, model, made = backends(c, tmp_path)
     (local, _), (remote, transport) = made["local"], made["remote"]
     try:
@@ -95,11 +94,8 @@ def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_th
                 assert a.output_tokens == b.output_tokens and a.sample == b.sample, rid
                 np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
                 assert list(a.versions) == list(b.versions) == [0] * len(a.output_tokens)
-                if moe:
-                    assert b.routes.shape == (len(b.prompt_tokens) + len(b.output_tokens), 1, 2)
-                    np.testing.assert_array_equal(a.routes, b.routes)
-                else:
-                    assert a.routes is None and b.routes is None
+                assert b.routes.shape == (len(b.prompt_tokens) + len(b.output_tokens), 1, 2)
+                np.testing.assert_array_equal(a.routes, b.routes)
             by_group = {}
             for rid, server in routes.items():
                 by_group.setdefault(rid.split("/")[0], set()).add(server)
