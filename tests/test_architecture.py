@@ -287,3 +287,14 @@ def test_a_runs_metrics_writer_loads_no_torch(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == "False", "MetricsWriter imported torch"
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_requirement_lines_ask_for_no_extras():
+    """An extra a requirement line asks for travels into that package's own requirements, where pip 23.2 (what a
+    fresh Python 3.11 venv brings) may not match its spelling: `math-verify[antlr4-13-2]` warned on every install
+    that latex2sympy2-extended has no extra 'antlr4_13_2'. The package the extra would add is its own line instead.
+    (The accelerator extras, `jax[cuda12]` and `jax[tpu]`, are the user's install command, not a line here.)"""
+    for name in ("requirements.txt", "requirements-dev.txt", "benchmarks/requirements.txt"):
+        for n, line in enumerate((ROOT / name).read_text().splitlines(), 1):
+            spec = line.split("#", 1)[0].strip()
+            assert "[" not in spec, f"{name}:{n}: {spec!r} asks for an extra; name what it adds on its own line"

@@ -20,10 +20,12 @@ from arealjax.runtime import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT = 5
-# The default job, small: single-digit addition (a short warm start already gets some right: rewards vary), 4
-# prompts × 4 samples per step; micro-batches of 4 rows = 2 per process.
-SMALL = ["--config=configs/default.py", "--config.sft.steps=60", "--config.sft.batch_size=16",
-         "--config.sft.micro_rows=4", "--config.task.min_digits=1", "--config.task.max_digits=1",
+# The default job, small: single-digit addition after a short warm start, scored by the share of digits (a dense
+# reward: samples differ in it from the first step), 4 prompts × 4 samples per step; micro-batches of 4 rows = 2 per
+# process.
+SMALL = ["--config=configs/default.py", "--config.sft.steps=20", "--config.sft.optim.warmup_steps=2",
+         "--config.sft.batch_size=16", "--config.sft.micro_rows=4", "--config.task.min_digits=1",
+         "--config.task.max_digits=1", "--config.rewards.fn=tests.reward_fns:digits",
          "--config.rl.batch_size=4", "--config.rl.group_size=4", "--config.rl.max_concurrent=16",
          "--config.rl.eval_every=0", "--config.eval.num_problems=8", "--config.advantage.filter_uniform=False",
          "--config.rewards.workers=1", "--config.generator.slots=32", "--config.trainer.micro_rows=4",
