@@ -10,13 +10,13 @@ from pathlib import Path
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 # The suite compiles thousands of small programs and runs most of them a few times: XLA's CPU backend at optimization
-# level 0 compiles them far faster (a tiny main.py run: 31 → 22 s; test_models + test_trainer: 174 → 111 s) and
-# computes the same results up to the order of float additions. Every main.py, server and benchmark the tests start
-# inherits it (arealjax.runtime.child_env drops only the device count). Benchmarks and users compile at the default.
+# level 0 compiles them far faster and computes the same results up to the order of float additions. Every main.py,
+# server and benchmark the tests start inherits it (arealjax.runtime.child_env drops only the device count).
+# Benchmarks and users compile at the default.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    # XLA:CPU's older (LLVM IR) fusion emitters compile faster still: a cold tiny main.py run 18.3 → 12.6 CPU seconds.
-    # jaxlib 0.11 has only the newer ones and refuses the flag.
+    # XLA:CPU's older (LLVM IR) fusion emitters compile faster still (the suite's CPU seconds: docs/figures.md). jaxlib
+    # 0.11 has only the newer ones and refuses the flag.
     from importlib.metadata import version
 
     if tuple(int(x) for x in version("jaxlib").split(".")[:2]) < (0, 11):
