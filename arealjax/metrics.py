@@ -121,14 +121,13 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 def plot_curves(path: str | Path, out: str | Path, keys: tuple[str, ...] = ("rollout_reward",
                                                                             "eval_accuracy", "staleness_mean")) -> None:
-    """One panel per key against the step, from metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """One panel per key against the step, from metrics.jsonl. A bare Figure, not pyplot: no global figure state,
+    no GUI backend to pick, and lighter to import at the end of every run."""
+    from matplotlib.figure import Figure
 
     rows = read_jsonl(path)
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.2))
+    fig = Figure(figsize=(4.5 * len(keys), 3.2))
+    axes = fig.subplots(1, len(keys))
     for ax, key in zip(axes, keys):
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:
@@ -138,7 +137,6 @@ def plot_curves(path: str | Path, out: str | Path, keys: tuple[str, ...] = ("rol
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 class Meter:

@@ -83,7 +83,7 @@ SIZES = {
                  batches=(1, 16, 64, 256), context=512, step_repeats=20, repeats=2,
                  trainer=dict(trajectories=512, max_tokens=2048, micro_rows=8), matmul_sizes=(4096, 8192),
                  e2e=dict(steps=30, warmup=3, eval_every=10, eval_problems=256),
-                 real_model=dict(requests=512, median=48, cap=256, groups=64, rl_steps=10, eval_problems=200)),
+                 real_model=dict(requests=512, median=48, cap=256, groups=64, group=8, rl_steps=10, eval_problems=200)),
     "smoke": dict(models={"tiny": dict(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
                                        tie_word_embeddings=True)},
@@ -91,7 +91,7 @@ SIZES = {
                   long_tail=((4, 16), 6, 1.0, 16), max_prompt=16, slots=(4,), decode_steps=4, batches=(1, 4),
                   context=16, step_repeats=2, repeats=1, trainer=dict(trajectories=8, max_tokens=128, micro_rows=2),
                   matmul_sizes=(128, 256), e2e=dict(steps=2, warmup=1, eval_every=2, eval_problems=4),
-                  real_model=dict(requests=4, median=6, cap=16, groups=1, rl_steps=2, eval_problems=4)),
+                  real_model=dict(requests=4, median=6, cap=16, groups=1, group=2, rl_steps=2, eval_problems=4)),
 }
 # --smoke's RL run of the real model (its first 2 blocks): a tiny batch and few tokens.
 SMOKE_RL = ["--config.rl.batch_size=2", "--config.rl.group_size=2", "--config.rl.max_new_tokens=8",
@@ -502,7 +502,7 @@ def real_model(size: dict, args) -> dict:
         runs.clear()
     table = peaks(jax.devices()[0].device_kind)[1]
     peak = table or benchmarks_matmul_peak(size)
-    trajs = recipe_trajectories(r["groups"], 8, 62)
+    trajs = recipe_trajectories(r["groups"], r["group"], 62)
     tokens, recipe = sum(len(t) for t in trajs), get_config()
     base = load_pretrained(model_dir)  # fp32 master weights, bf16 compute
     n = base.cfg.num_params(active=True)  # tied: the embedding is the head's matmul

@@ -106,25 +106,49 @@ def word_problem_chats(raw: Path, n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": INSTRUCTION.format(prompt=r["question"])}] for r in rows]
 
 
-@functools.cache
-def transformers_reference(layers: int = 0):
-    """transformers' own reading of the GGUF file (its loader dequantizes with the gguf package), fp32, eval mode,
-    and its tokenizer: the reference everything of ours is compared with (with `layers`, its first blocks). Read
-    once per process: the parity and generator parts share it."""
+def transformers_reference_dir(work: Path) -> Path:
+    """transformers' own reading of the GGUF file (its loader dequantizes with the gguf package; slow, mostly
+    Python), as its save_pretrained writes it, in work/transformers_reference: read from the GGUF file once per
+    --work, and by every later run from there."""
     import torch
     import transformers
 
     from arealjax.models.gguf import packaged
 
-    gguf = packaged()
+    out = work / "transformers_reference"
+    if not (out / "config.json").is_file():
+        gguf = packaged()
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                  dtype=torch.float32)
+        tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # the loader dequantized every tensor to fp32 but still marks the model quantized, which save_pretrained
+        # refuses: unmark it
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(out)
+    return out
+
+
+@functools.cache
+def transformers_reference(work: Path, layers: int = 0):
+    """transformers' model (fp32, eval mode; with `layers`, its first blocks) and tokenizer of the GGUF file
+    (`transformers_reference_dir`): the reference everything of ours is compared with. Read once per process: the
+    parity and generator parts share it."""
+    import torch
+    import transformers
+
+    path = transformers_reference_dir(work)
     torch.set_num_threads(os.cpu_count())
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                              dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if layers:
         model.model.layers = model.model.layers[:layers]
         model.config.num_hidden_layers = layers
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    return model, tok
+    return model, transformers.AutoTokenizer.from_pretrained(path)
 
 
 # ---- parity ----
@@ -175,7 +199,7 @@ def part_parity(args, model_dir: Path, raw: Path) -> dict:
     from arealjax.models import load_pretrained
     from arealjax.tokenizer import load_tokenizer
 
-    ref, ref_tok = transformers_reference(args.layers)
+    ref, ref_tok = transformers_reference(Path(args.work), args.layers)
     ours = load_pretrained(model_dir)
     ours_bf16 = load_pretrained(model_dir, dtype=jnp.bfloat16)
     tok = load_tokenizer(model_dir)
@@ -263,7 +287,7 @@ def part_generator(args, model_dir: Path, raw: Path) -> dict:
     from arealjax.tokenizer import load_tokenizer
     from benchmarks.generator import decode_step_seconds, run_arealjax, run_transformers
 
-    ref, _ = transformers_reference(args.layers)
+    ref, _ = transformers_reference(Path(args.work), args.layers)
     model = load_pretrained(model_dir)
     tok = load_tokenizer(model_dir)
     chats = word_problem_chats(raw, args.requests)
@@ -346,7 +370,7 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
     peak, size = matmul_peak(2, (1024, 2048))
     model = load_pretrained(model_dir)
     cfg = model.cfg
-    trajs = recipe_trajectories(args.groups, 8, 62)
+    trajs = recipe_trajectories(args.groups, args.group, 62)
     tokens = sum(len(t) for t in trajs)
     # matmul params: the layers and the head; an untied embedding is a lookup (the tied one is also the head)
     n = cfg.num_params(active=True) - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
@@ -371,8 +395,9 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
         del trainer
     out["matmul_params"] = n
     # peak host memory of the recipe's run (2 RL steps, small evaluation) and of variants that cut it
-    env = {**os.environ}
-    env.pop("XLA_FLAGS", None)
+    from arealjax.runtime import child_env
+
+    env = child_env()  # main.py fakes its own device count; every other XLA flag (a test's) passes through
     base = [sys.executable, "main.py", "--config=configs/smollm2.py", f"--config.model_path={model_dir}",
             f"--config.data.path={data}", "--config.rl.steps=1", "--config.rl.eval_every=100",
             "--config.eval.num_problems=4", "--config.checkpoint.every_steps=100", *args.overrides]
@@ -575,7 +600,8 @@ def main() -> None:
     p.add_argument("--median", type=float, default=48, help="generator: median output length")
     p.add_argument("--cap", type=int, default=256, help="generator: output length cap")
     p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--groups", type=int, default=8, help="trainer: prompts × 8 samples in the timed RL step")
+    p.add_argument("--groups", type=int, default=8, help="trainer: prompts in the timed RL step")
+    p.add_argument("--group", type=int, default=8, help="trainer: samples per prompt in the timed RL step")
     p.add_argument("--layers", type=int, default=0, help="the model's first N blocks only (0: all 30; --smoke: 2)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--etas", default="0,2")
@@ -601,7 +627,7 @@ def main() -> None:
         args.work = args.results = str(Path(args.work) / "smoke")
         args.prompts, args.new_tokens, args.strings, args.requests, args.slots = 4, 8, 40, 8, [4]
         args.layers = args.layers or 2
-        args.cap, args.median, args.groups, args.seeds, args.etas = 16, 6, 1, [0], [2]
+        args.cap, args.median, args.groups, args.group, args.seeds, args.etas = 16, 6, 1, 2, [0], [2]
         args.steps, args.warmup, args.eval_problems = 2, 1, 4
         args.memory_variants = MEMORY_VARIANTS[:1]
         args.overrides = ["--config.rl.batch_size=2", "--config.rl.group_size=2", "--config.rl.max_new_tokens=8",

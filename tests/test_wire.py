@@ -381,7 +381,9 @@ def test_a_peer_that_never_reads_holds_at_most_one_update(tmp_path):
             gc.collect()
             held = sum(r() is not None for r in alive)
             assert held <= 100 + 100 + 2 * rpc_hwm(), held  # the backend's latest + the slow peer's one + pipes
-            assert backend.endpoint.waiting() <= 101  # one update and one ping
+            # one update and one ping for the slow peer; what waits for the honest one leaves within moments (a
+            # loaded machine can catch its ping or its update still queued)
+            wait_until(lambda: backend.endpoint.waiting() <= 101, 10, "at most one update and one ping waiting")
         finally:
             slow.close()
 
