@@ -38,7 +38,8 @@ CLOSE = ("loss", "grad_norm", "entropy", "approx_kl", "kl_behaviour_prox", "clip
 def small_config(knobs: dict, sft_dir: Path):
     c = get_config()
     c.model.update(num_layers=2, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16)
-    c.sft.update(steps=40, batch_size=32, cache_dir=str(sft_dir))  # a cache per run: never reuse the other's SFT
+    c.sft.update(steps=40, batch_size=32, micro_rows=8,  # 32 samples fill ~5 rows of 128 tokens
+                 cache_dir=str(sft_dir))  # a cache per run: never reuse the other's SFT
     c.sft.optim.warmup_steps = 2
     c.rl.update(steps=RL_STEPS, batch_size=8, group_size=4, max_staleness=0, max_new_tokens=24, eval_every=0,
                 temperature=0.7)  # ≠ 1: the logprobs' temperature is part of what must agree
