@@ -17,6 +17,7 @@ import argparse
 import collections
 import json
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -27,6 +28,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def cpu_model() -> str:
+    """The processor's name ('AMD EPYC', from /proc/cpuinfo; elsewhere Python's guess): suite times are only
+    comparable on one kind of machine."""
+    try:
+        names = [x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                 if x.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or "unknown"
 
 
 def run(tests: list[str], workers: int, junit: Path) -> dict:
@@ -43,7 +55,7 @@ def run(tests: list[str], workers: int, junit: Path) -> dict:
     print(proc.stdout[-3000:], flush=True)
     return {"command": f"python -m pytest -q -n {workers} --dist loadfile {' '.join(tests)}",
             "exit_code": proc.returncode, "wall_seconds": wall, "cpu_seconds": cpu, "cores": cores,
-            "cpu_share": cpu / wall / cores}
+            "cpu_model": cpu_model(), "cpu_share": cpu / wall / cores}
 
 
 def per_test(junit: Path) -> tuple[list[dict], dict]:
@@ -62,7 +74,7 @@ def report(res: dict) -> str:
     lines = [f"# The test suite: {minutes(res['wall_seconds'])}", "",
              f"`{res['command']}` at `{res['commit']}`, {res['date']}: {res['outcomes'].get('passed', 0)} passed"
              + "".join(f", {n} {k}" for k, n in res["outcomes"].items() if k != "passed")
-             + f"; {res['cores']} cores, CPU busy {res['cpu_share']:.0%} of them "
+             + f"; {res['cores']} cores ({res.get('cpu_model', 'unknown')}), CPU busy {res['cpu_share']:.0%} of them "
                f"({res['cpu_seconds']:.0f} CPU seconds). Made by `python benchmarks/suite.py`.", "",
              "| test file | tests | seconds (worker) | share |", "|---|---|---|---|"]
     total = sum(f["seconds"] for f in res["files"]) or 1
