@@ -110,13 +110,13 @@ def transformers_reference_dir(work: Path) -> Path:
     """transformers' own reading of the GGUF file (its loader dequantizes with the gguf package; slow, mostly
     Python), as its save_pretrained writes it, in work/transformers_reference: read from the GGUF file once per
     --work, and by every later run from there."""
-    import torch
-    import transformers
-
-    from arealjax.models.gguf import packaged
-
     out = work / "transformers_reference"
     if not (out / "config.json").is_file():
+        import torch
+        import transformers
+
+        from arealjax.models.gguf import packaged
+
         gguf = packaged()
         model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                                   dtype=torch.float32)

@@ -42,7 +42,8 @@ def cpu_model() -> str:
 
 
 def run(tests: list[str], workers: int, junit: Path) -> dict:
-    """The pytest command over `tests`, timed: {command, exit_code, wall_seconds, cpu_seconds, cores, cpu_share}."""
+    """The pytest command over `tests`, timed: {command, exit_code, wall_seconds, cpu_seconds, cores, cpu_model,
+    cpu_share}."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", str(workers), "--dist", "loadfile", *tests,
            f"--junitxml={junit}", "-p", "no:cacheprovider"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -74,7 +75,7 @@ def report(res: dict) -> str:
     lines = [f"# The test suite: {minutes(res['wall_seconds'])}", "",
              f"`{res['command']}` at `{res['commit']}`, {res['date']}: {res['outcomes'].get('passed', 0)} passed"
              + "".join(f", {n} {k}" for k, n in res["outcomes"].items() if k != "passed")
-             + f"; {res['cores']} cores ({res.get('cpu_model', 'unknown')}), CPU busy {res['cpu_share']:.0%} of them "
+             + f"; {res['cores']} cores ({res['cpu_model']}), CPU busy {res['cpu_share']:.0%} of them "
                f"({res['cpu_seconds']:.0f} CPU seconds). Made by `python benchmarks/suite.py`.", "",
              "| test file | tests | seconds (worker) | share |", "|---|---|---|---|"]
     total = sum(f["seconds"] for f in res["files"]) or 1
