@@ -94,7 +94,8 @@ SIZES = {
                   real_model=dict(requests=4, median=6, cap=16, groups=1, group=2, rl_steps=2, eval_problems=4)),
 }
 # --smoke's RL run of the real model (its first 2 blocks): a tiny batch and few tokens.
-SMOKE_RL = ["--config.rl.batch_size=2", "--config.rl.group_size=2", "--config.rl.max_new_tokens=8",
+SMOKE_RL = ["--config.rl.batch_size=1", "--config.rl.group_size=2", "--config.trainer.micro_rows=2",
+            "--config.rl.max_new_tokens=8",
             "--config.eval.n=1", "--config.eval.k=1", "--config.advantage.filter_uniform=False"]  # 2 blocks score 0
 # One colocated device: the trainer's mesh of one, the generator sharing it (cpu_devices only matters on CPU).
 ONE_DEVICE = ["--config.cpu_devices=1", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0"]

@@ -630,7 +630,8 @@ def main() -> None:
         args.cap, args.median, args.groups, args.group, args.seeds, args.etas = 16, 6, 1, 2, [0], [2]
         args.steps, args.warmup, args.eval_problems = 2, 1, 4
         args.memory_variants = MEMORY_VARIANTS[:1]
-        args.overrides = ["--config.rl.batch_size=2", "--config.rl.group_size=2", "--config.rl.max_new_tokens=8",
+        args.overrides = ["--config.rl.batch_size=1", "--config.rl.group_size=2", "--config.trainer.micro_rows=2",
+                          "--config.rl.max_new_tokens=8",
                           "--config.eval.n=1", "--config.eval.k=1", "--config.advantage.filter_uniform=False",
                           *args.overrides]  # 2 blocks score 0: no group would pass dynamic filtering
     work, results = Path(args.work), Path(args.results)

@@ -20,7 +20,6 @@ from typing import Any
 
 import grain
 import jax
-import tensorflow_datasets as tfds
 
 from arealjax.metrics import Count
 from arealjax.tokenizer import Tokenizer
@@ -43,6 +42,8 @@ def load_split(path: str | Path, split: str, key: str = "data.split"):
             sorted(str(p.parent) for p in path.glob("*/dataset_info.json"))
         hint = f"pass one of {found}" if found else f"make one with {convert}"
         raise FileNotFoundError(f"data.path={path} is not a converted dataset (no dataset_info.json): {hint}")
+    import tensorflow_datasets as tfds  # here: the synthetic tasks never load it (~0.2 s of every run's start)
+
     builder = tfds.builder_from_directory(str(path))
     if split not in builder.info.splits:
         raise ValueError(f"{key}='{split}': {path} has no such split; it has {sorted(builder.info.splits)}")
