@@ -11,7 +11,7 @@ import pytest
 
 from arealjax.api import SamplingParams
 from arealjax.generation.engine import Engine
-from arealjax.generation.generator import Generator
+from arealjax.generation.generator import MIN_ROWS, Generator
 from arealjax.generation.pages import decode_index
 from arealjax.models import Model, ModelConfig, decode_step, from_config, init_pages, prefill
 from arealjax.models.paged import write_prefill
@@ -416,6 +416,27 @@ def test_page_writes_add_no_compiled_variant():
         compiled = engine_module._insert._cache_size()
         gen.submit(prompts(1, seed=23, lo=31, hi=32)[0], sampling).result(timeout=60)
         assert engine_module._insert._cache_size() == compiled
+
+
+def test_a_draining_batch_runs_no_program_below_min_rows():
+    """Requests ending one after another leave 5, 4, … 1 slots decoding: every decode and insert call still pads to
+    MIN_ROWS rows (padding rows read no page), so no 1-, 2- or 4-row program is compiled (each a whole-model
+    program: seconds per shape on a GPU), and each request gets what it gets alone (greedy: the reference loop)."""
+    eng = Engine(MODEL_A, slots=16, max_len=MAX_LEN)
+    rows_seen = []
+    generate, insert = eng.generate, eng.insert
+    eng.generate = lambda params, state, rows, *a, **k: (rows_seen.append(len(rows)),  # noqa: E731
+                                                         generate(params, state, rows, *a, **k))[1]
+    eng.insert = lambda prefix, state, rows, *a, **k: (rows_seen.append(len(rows)),  # noqa: E731
+                                                       insert(prefix, state, rows, *a, **k))[1]
+    ps, lengths = prompts(5, seed=9), [2, 5, 8, 11, 14]
+    with Generator(eng, MODEL_A.params) as gen:
+        futures = [gen.submit(p, SamplingParams(temperature=0, max_new_tokens=n), request_id=f"r{i}")
+                   for i, (p, n) in enumerate(zip(ps, lengths))]
+        outs = [f.result(timeout=60)[0] for f in futures]
+    assert min(rows_seen) == MIN_ROWS > 4, sorted(set(rows_seen))
+    for p, n, out in zip(ps, lengths, outs):
+        assert out.output_tokens == reference_greedy(MODEL_A.params, p, n)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "keep"])

@@ -212,9 +212,11 @@ def _decode_once(graphdef: nnx.GraphDef, max_len: int, truncating: bool, attenti
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=6)
 def _generate(graphdef: nnx.GraphDef, max_len: int, truncating: bool, steps: int, attention: str, params: nnx.State,
               state: DecodeState, rows, index: DecodeIndex):
-    """`steps` decode steps for the slots in `rows` [A] (padding rows name slot S: read clipped, written dropped)."""
+    """`steps` decode steps for the slots in `rows` [A] (padding rows name slot S: read clipped, written dropped,
+    and decoded from position 0, so an attention that reads by length (the Pallas kernel) reads one page for them)."""
     take = lambda x: jnp.take(x, rows, axis=0, mode="clip")  # noqa: E731
-    active = DecodeState(None, take(state.tokens), take(state.positions), take(state.remaining),
+    positions = jnp.where(rows < state.tokens.shape[0], take(state.positions), 0)
+    active = DecodeState(None, take(state.tokens), positions, take(state.remaining),
                          SlotSampling(*map(take, state.sampling)))
     step = functools.partial(_decode_once, graphdef, max_len, truncating, attention, params, index)
     (pages, active), result = jax.lax.scan(lambda c, _: step(c), (state.pages, active), None, length=steps)

@@ -45,6 +45,10 @@ MODES = ("recompute", "keep")
 STATS = ("decode_steps_total", "prefill_tokens_total", "refill_tokens_total", "interrupts_total", "preemptions_total",
          "generator_busy_seconds_total", "generator_idle_seconds_total", "kv_pages_peak")  # metrics()' keys
 MIN_PREFILL_LEN = 16
+# Decode and insert calls pad their rows to at least this many: a padding row reads at most one KV page, so on an
+# accelerator, where a decode step costs the weights' read, it costs next to nothing, and a draining batch's 1-, 2-
+# and 4-row programs (each a whole-model program, compiled per shape: seconds each on a GPU) are never needed.
+MIN_ROWS = 8
 
 
 @dataclasses.dataclass
@@ -409,7 +413,7 @@ class Generator:
                     last.append(seq.tokens[-1] if seq.tokens else -1)
                     remaining.append(seq.request.sampling.max_new_tokens - max(len(seq.tokens), 1))
                     self._slots[slot] = seq
-            n = bucket(len(rows), 1, max(self.engine.slots, 1))
+            n = bucket(len(rows), min(MIN_ROWS, self.engine.slots), max(self.engine.slots, 1))
             pad = n - len(rows)
             sampling = SlotSampling.of([s.request.sampling for s in members], [s.sample for s in members], n)
             truncating = any(s.request.sampling.truncates for s in members)
@@ -441,7 +445,7 @@ class Generator:
         active = [i for i, s in enumerate(self._slots) if s is not None]
         seqs = [self._slots[i] for i in active]
         truncating = any(s.request.sampling.truncates for s in seqs)
-        n = bucket(len(active), 1, self.engine.slots)
+        n = bucket(len(active), min(MIN_ROWS, self.engine.slots), self.engine.slots)
         rows = np.full(n, self.engine.slots, np.int32)
         rows[:len(active)] = active
         index = decode_index([s.pages for s in seqs], [self._last(s, self._position(s)) for s in seqs], n,
