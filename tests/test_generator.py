@@ -420,7 +420,7 @@ def test_page_writes_add_no_compiled_variant():
 
 def test_a_draining_batch_runs_no_program_below_min_rows():
     """Requests ending one after another leave 5, 4, … 1 slots decoding: every decode and insert call still pads to
-    MIN_ROWS rows (padding rows read no page), so no 1-, 2- or 4-row program is compiled (each a whole-model
+    MIN_ROWS rows (a padding row reads at most one page), so no 1-, 2- or 4-row program is compiled (each a whole-model
     program: seconds per shape on a GPU), and each request gets what it gets alone (greedy: the reference loop)."""
     eng = Engine(MODEL_A, slots=16, max_len=MAX_LEN)
     rows_seen = []

@@ -413,7 +413,7 @@ class Generator:
                     last.append(seq.tokens[-1] if seq.tokens else -1)
                     remaining.append(seq.request.sampling.max_new_tokens - max(len(seq.tokens), 1))
                     self._slots[slot] = seq
-            n = bucket(len(rows), min(MIN_ROWS, self.engine.slots), max(self.engine.slots, 1))
+            n = self._padded_rows(len(rows))
             pad = n - len(rows)
             sampling = SlotSampling.of([s.request.sampling for s in members], [s.sample for s in members], n)
             truncating = any(s.request.sampling.truncates for s in members)
@@ -425,6 +425,11 @@ class Generator:
             self.counters.prefill_tokens += int(sum(map(len, prefixes)))
             fresh = [(r, slot, seq) for r, (slot, seq) in enumerate(zip(slots, members)) if not seq.tokens]
             self._record(np.asarray(first), fresh)
+
+    def _padded_rows(self, n: int) -> int:
+        """Rows of an insert or decode call over n slots: a power of two from MIN_ROWS (at most every slot) up."""
+        slots = max(self.engine.slots, 1)
+        return bucket(n, min(MIN_ROWS, slots), slots)
 
     def _block(self, packed: Packed, i: int, j: int) -> tuple[int, int]:
         """(row, block) of the packed rows that hold page j of prompt i."""
@@ -445,7 +450,7 @@ class Generator:
         active = [i for i, s in enumerate(self._slots) if s is not None]
         seqs = [self._slots[i] for i in active]
         truncating = any(s.request.sampling.truncates for s in seqs)
-        n = bucket(len(active), min(MIN_ROWS, self.engine.slots), self.engine.slots)
+        n = self._padded_rows(len(active))
         rows = np.full(n, self.engine.slots, np.int32)
         rows[:len(active)] = active
         index = decode_index([s.pages for s in seqs], [self._last(s, self._position(s)) for s in seqs], n,
