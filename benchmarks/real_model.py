@@ -456,11 +456,15 @@ def evaluate_t1(model: Path, out: Path, args, model_dir: Path, data: Path) -> fl
     """Held-out pass@1 at temperature 1 (python -m arealjax.evaluate), cached in `out`."""
     summary = out / "summary.json"
     if not summary.is_file():
-        subprocess.run([sys.executable, "-m", "arealjax.evaluate", "--config=configs/smollm2.py", f"--model={model}",
-                        f"--out={out}", f"--config.model_path={model_dir}", f"--config.data.path={data}",
-                        "--config.eval.temperature=1.0", "--config.eval.greedy=False",
-                        f"--config.eval.num_problems={args.eval_problems}", *args.overrides],
-                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        res = subprocess.run([sys.executable, "-m", "arealjax.evaluate", "--config=configs/smollm2.py",
+                              f"--model={model}", f"--out={out}", f"--config.model_path={model_dir}",
+                              f"--config.data.path={data}", "--config.eval.temperature=1.0",
+                              "--config.eval.greedy=False", f"--config.eval.num_problems={args.eval_problems}",
+                              *args.overrides],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if res.returncode:
+            raise RuntimeError(f"python -m arealjax.evaluate --model={model} exited {res.returncode}: "
+                               f"{res.stderr.strip()[-2000:]}")
     return json.loads(summary.read_text())["pass@1"]
 
 
