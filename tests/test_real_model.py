@@ -58,11 +58,15 @@ def test_packaged_file_reads_as_the_gguf_package_reads_it():
     assert shape == (30, 576, 9, 3, 64, 49152) and cfg.tie_word_embeddings
 
 
-def test_converted_model_matches_transformers_and_trains(smollm2):
-    """Chat prompts tokenize to transformers' ids; our logits equal transformers' (fp32) at every position; our
-    generator's greedy continuation equals transformers `generate`; one RL step (LoRA, as the recipe trains) on our
-    generator's samples changes the params and keeps them finite."""
+def test_converted_model_matches_transformers_and_trains(smollm2, smollm2_prepared):
+    """Chat prompts tokenize to transformers' ids; our logits equal transformers' (fp32) at every position of the
+    whole model. On its first 2 blocks (benchmarks/real_model.py --smoke's model: the same embedding, tokenizer and
+    chat template, a fifteenth of the compiling): our generator's greedy continuation equals transformers
+    `generate`; one RL step (LoRA, as the recipe trains) on our generator's samples changes the params and keeps
+    them finite."""
     import torch
+
+    from benchmarks.real_model import transformers_reference
 
     out, ref, ref_tok = smollm2
     model, tok = load_pretrained(out), load_tokenizer(out)
@@ -75,6 +79,8 @@ def test_converted_model_matches_transformers_and_trains(smollm2):
         np.testing.assert_allclose(got, want, atol=5e-4, rtol=0)  # fp32; measured 1.1e-4 (docs/real_model.md)
         assert (got.argmax(-1) == want.argmax(-1)).all()
 
+    model, (ref, _) = load_pretrained(smollm2_prepared / "model_2_layers"), transformers_reference(smollm2_prepared, 2)
+    assert model.cfg.num_layers == ref.config.num_hidden_layers == 2
     engine = Engine(model, slots=8, max_len=128, page_size=16)
     with Generator(engine, model.params, decode_steps=4, max_prefill_batch=4) as gen:
         greedy = gen.submit(prompts[0], SamplingParams(temperature=0, max_new_tokens=12)).result()[0]
