@@ -68,11 +68,12 @@ class ProtocolOnly:
 
 @pytest.mark.parametrize("kind", ["local", "remote"])
 def test_backends_and_transports_satisfy_the_protocols_and_serve_through_them(kind, tmp_path):
-    """The in-process generator and two generation servers in their own processes (generation/remote.py) serve
-    the controller (a multi-turn workflow), a weight push and evaluation through the protocol alone."""
+    """The in-process generator and a generation server in its own process (generation/remote.py; several:
+    tests/test_server.py) serve the controller (a multi-turn workflow), a weight push and evaluation through the
+    protocol alone."""
     c = small_config()
     c.generator.backend = kind
-    c.generator.servers.spawn = 2
+    c.generator.servers.spawn = 1
     rules = normalize_rules(c.sharding_rules)
     meshes = builders.role_meshes_for(c)
     tokenizer, model = builders.build(c, meshes["trainer"], rules)

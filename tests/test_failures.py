@@ -142,9 +142,16 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
     (["--config.generator.attention=flash"], r"generator\.attention = 'flash': expected one of"),
 ], ids=lambda x: x[-1].split("=")[0][9:] if isinstance(x, list) else None)
 def test_bad_config_is_refused_at_start(tmp_path, flags, pattern):
+    """Refused in this process (`refused_in_process`) with the message and the failed summary, before anything is
+    built. main.py's own exit, message and summary for a refused config: the next test."""
+    refused_in_process(tmp_path, pattern, *flags)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def refused_in_process(workdir: Path, pattern: str, *flags: str) -> None:
     """Parsed as main.py parses its flags, then main.py's `train.run` in this process (a process each would spend
-    the suite's minutes on imports): it refuses the config with the message, writing the failed summary, before
-    anything is built. main.py's own exit, message and summary for a refused config: the next test."""
+    the suite's minutes on imports): it stops within seconds with an error whose text matches `pattern`, writes the
+    failed summary with it, and leaves no process of its own behind."""
     from absl import flags as absl_flags
     from ml_collections import config_flags
 
@@ -156,11 +163,18 @@ def test_bad_config_is_refused_at_start(tmp_path, flags, pattern):
     values(argv)
     t0 = time.monotonic()
     with pytest.raises(Exception) as refused:  # noqa: B017, PT011 — whichever error, its text is the message
-        train.run(values.config, str(tmp_path))
+        train.run(values.config, str(workdir))
     assert re.search(pattern, error_text(refused.value)), error_text(refused.value)
-    assert time.monotonic() - t0 < 10 and not (tmp_path / "checkpoints").exists()
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert time.monotonic() - t0 < 10
+    summary = json.loads((workdir / "summary.json").read_text())
     assert summary["status"] == "failed" and re.search(pattern, summary["error"]), summary
+    assert not children(os.getpid()), [cmdline(p) for p in children(os.getpid())]
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of `pid`."""
+    return [int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
+            if (fields := stat.read_text().rsplit(")", 1)[1].split()) and fields[0] != "Z" and int(fields[1]) == pid]
 
 
 def test_main_py_refuses_a_bad_config_with_one_message_and_its_summary(tmp_path):
@@ -242,34 +256,36 @@ DATA = ["--config.rewards.fn=arealjax.rewards.math:math_reward", "--config.data.
 
 
 def test_data_path_mistakes_say_which_directory_to_pass(tmp_path):
+    """Refused in this process (`refused_in_process`); main.py's own exit and message for a file it cannot read:
+    test_a_truncated_safetensors_file_is_named."""
     path = dataset(tmp_path, ROWS)
     (tmp_path / "raw.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
-    for value, pattern in [(tmp_path / "missing", r"data\.path=.*missing does not exist"),
-                           (tmp_path / "raw.jsonl", r"data\.path=.*raw\.jsonl is a file; convert it first"),
-                           (tmp_path / "tfds", rf"data\.path=.*tfds is not a converted dataset .*pass one of "
-                                               rf"\['{re.escape(str(path))}'\]")]:
-        assert_clean_failure(main_py(tmp_path / "run", f"--config.data.path={value}", *DATA), pattern, within=40)
+    for i, (value, pattern) in enumerate([
+            (tmp_path / "missing", r"data\.path=.*missing does not exist"),
+            (tmp_path / "raw.jsonl", r"data\.path=.*raw\.jsonl is a file; convert it first"),
+            (tmp_path / "tfds", rf"data\.path=.*tfds is not a converted dataset .*pass one of "
+                                rf"\['{re.escape(str(path))}'\]")]):
+        refused_in_process(tmp_path / f"run{i}", pattern, f"--config.data.path={value}", *DATA)
 
 
 def test_missing_eval_split_names_the_key(tmp_path):
     path = dataset(tmp_path, ROWS, splits=("train",))
-    run = main_py(tmp_path / "run", f"--config.data.path={path}", *DATA)
-    assert_clean_failure(run, r"data\.eval_split='test': .* has no such split; it has \['train'\]", within=40)
+    refused_in_process(tmp_path / "run", r"data\.eval_split='test': .* has no such split; it has \['train'\]",
+                       f"--config.data.path={path}", *DATA)
 
 
 def test_no_prompt_fits_fails_with_the_lengths_instead_of_looping(tmp_path):
     """Every prompt longer than data.max_prompt_tokens: the stream used to skip forever (under the controller's
     lock, so Ctrl-C could not stop it either)."""
     path = dataset(tmp_path, ROWS)
-    run = main_py(tmp_path / "run", f"--config.data.path={path}", *DATA, "--config.data.max_prompt_tokens=5")
-    assert_clean_failure(run, r"none of its 12 prompts fits data\.max_prompt_tokens=5 .*lengths are \d+ to \d+",
-                         within=40)
+    refused_in_process(tmp_path / "run", r"none of its 12 prompts fits data\.max_prompt_tokens=5 .*lengths are \d+ "
+                       r"to \d+", f"--config.data.path={path}", *DATA, "--config.data.max_prompt_tokens=5")
 
 
 def test_a_character_outside_the_alphabet_names_the_key(tmp_path):
     path = dataset(tmp_path, [{"question": "What is 1+1?", "answer": "#### 2"}] * 2)
-    run = main_py(tmp_path / "run", f"--config.data.path={path}", *DATA)
-    assert_clean_failure(run, r"character 'W' .* alphabet .*\(config key tokenizer\.alphabet\)", within=40)
+    refused_in_process(tmp_path / "run", r"character 'W' .* alphabet .*\(config key tokenizer\.alphabet\)",
+                       f"--config.data.path={path}", *DATA)
 
 
 def test_a_truncated_safetensors_file_is_named(tmp_path):
