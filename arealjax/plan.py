@@ -128,10 +128,10 @@ def simulate(w: Workload, c: Costs, seed: int = 0) -> Result:
             if not groups[g]["started"]:  # the group's samples share its prompt's KV: one prefill
                 groups[g]["started"] = True
                 prefill += c.prefill_token_s * w.prompt_tokens
-        admitted_at = dict(manager.queued)
-        batch = None if trainer else manager.take_batch(version)  # earliest deadlines first, when safe
+        batch = None if trainer else manager.pick(version)  # earliest deadlines first, when safe
         if batch is not None:
-            stale.extend(version - admitted_at[g] for g in batch)
+            stale.extend(version - manager.queued[g] for g in batch)
+            manager.take_batch(version)
             trainer = [c.train_step_s + c.train_token_s * sum(done.pop(g) for g in batch), "train"]
             waits.append(t - wait_from)
         rate = 1.0 / c.shared if finish and trainer else 1.0  # processor sharing on shared compute
