@@ -136,14 +136,27 @@ def gcs_bucket():
                 os.environ[k] = v
 
 
+def shared_root(tmp_path_factory) -> Path:
+    """A directory every xdist worker of this run sees (the workers' base temporary directories have one parent)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def tiny_recipes(tmp_path_factory) -> Path:
     """`python -m arealjax.tiny`'s output: random checkpoints of each recipe family with BPE tokenizers and chat
-    templates, and datasets in the real layouts (tfds/<name>/1.0.0)."""
-    root = tmp_path_factory.getbasetemp() / "tiny_recipes"
-    subprocess.run([sys.executable, "-m", "arealjax.tiny", f"--out={root}"], cwd=Path(__file__).resolve().parents[1],
-                   check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
-    return root
+    templates, and datasets in the real layouts (tfds/<name>/1.0.0); made once for the whole run, under a lock."""
+    import fcntl
+
+    root = shared_root(tmp_path_factory)
+    with open(root / "tiny_recipes.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "tiny_recipes" / "done").is_file():
+            subprocess.run([sys.executable, "-m", "arealjax.tiny", f"--out={root / 'tiny_recipes'}"],
+                           cwd=Path(__file__).resolve().parents[1], check=True, capture_output=True,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+            (root / "tiny_recipes" / "done").touch()
+    return root / "tiny_recipes"
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,8 +172,7 @@ def smollm2_prepared(tmp_path_factory) -> Path:
 
     from benchmarks.real_model import prepare, transformers_reference_dir
 
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = shared_root(tmp_path_factory)
     with open(root / "smollm2.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         prepare(root / "smollm2", layers=2)
