@@ -367,7 +367,7 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
     from benchmarks.trainer import matmul_peak
     from configs.smollm2 import get_config
 
-    peak, size = matmul_peak(2, (1024, 2048))
+    peak, size = matmul_peak(2, (128, 256) if args.smoke else (1024, 2048))
     model = load_pretrained(model_dir)
     cfg = model.cfg
     trajs = recipe_trajectories(args.groups, args.group, 62)
@@ -427,9 +427,10 @@ def part_rl(args, model_dir: Path, data: Path) -> dict:
     and the base model evaluated at T = 1 too."""
     from benchmarks import cells
 
+    # evaluations at the start, the middle and the end (--smoke: the start and the end)
+    every = args.steps // 2 if args.steps % 2 == 0 and not args.smoke else args.steps
     grid = argparse.Namespace(config="configs/smollm2.py", work=str(Path(args.work) / "rl"), steps=args.steps,
-                              warmup=args.warmup, eval_problems=args.eval_problems,
-                              eval_every=args.steps // 2 if args.steps % 2 == 0 else args.steps,  # start, middle, end
+                              warmup=args.warmup, eval_problems=args.eval_problems, eval_every=every,
                               overrides=[f"--config.model_path={model_dir}", f"--config.data.path={data}",
                                          *args.overrides], warm_up=False)
     Path(grid.work).mkdir(parents=True, exist_ok=True)
