@@ -73,13 +73,24 @@ def main_py(workdir: Path, *args: str, timeout: float = 120, env: dict | None = 
 
 def session(sid: int) -> list[int]:
     """Live processes of session `sid` (zombies left for init to reap do not count)."""
+    return live_processes(3, sid)
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of `pid`."""
+    return live_processes(1, pid)
+
+
+def live_processes(field: int, value: int) -> list[int]:
+    """Live processes whose /proc/<pid>/stat field `field` (after the command: 0 state, 1 ppid, 3 session) is
+    `value`."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
-        if fields[0] != "Z" and int(fields[3]) == sid:  # state, ppid, pgrp, session
+        if fields[0] != "Z" and int(fields[field]) == value:  # state, ppid, pgrp, session
             out.append(int(stat.parent.name))
     return out
 
@@ -170,11 +181,6 @@ def refused_in_process(workdir: Path, pattern: str, *flags: str) -> None:
     assert summary["status"] == "failed" and re.search(pattern, summary["error"]), summary
     assert not children(os.getpid()), [cmdline(p) for p in children(os.getpid())]
 
-
-def children(pid: int) -> list[int]:
-    """Live child processes of `pid`."""
-    return [int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
-            if (fields := stat.read_text().rsplit(")", 1)[1].split()) and fields[0] != "Z" and int(fields[1]) == pid]
 
 
 def test_main_py_refuses_a_bad_config_with_one_message_and_its_summary(tmp_path):
