@@ -102,7 +102,7 @@ def simulate(w: Workload, c: Costs, seed: int = 0) -> Result:
     start_sum = 0  # Σ start steps of the active rows (tokens done = step − start)
     manager = StalenessManager(b, w.eta, w.max_concurrent)  # the real loop's admission and batch rule
     groups: dict[int, dict] = {}  # running groups by sequence number: samples left, tokens
-    done: dict[int, int] = {}  # finished groups waiting for a batch: tokens
+    done: dict[int, tuple[int, int]] = {}  # finished groups waiting for a batch: (tokens, admission version)
     prefill = 0.0  # seconds of prefill owed by the next decode step
     trainer: list = []  # [uncontended seconds left, phase "train" | "sync"] while busy
     swap_due = False
@@ -118,8 +118,8 @@ def simulate(w: Workload, c: Costs, seed: int = 0) -> Result:
 
     while len(ends) <= w.steps:
         while manager.capacity() > 0:  # admission, counted in groups
-            seq, _ = manager.on_submit()
-            groups[seq] = {"left": n, "tokens": 0, "started": False}
+            seq, admitted = manager.on_submit()
+            groups[seq] = {"left": n, "tokens": 0, "started": False, "admitted": admitted}
             waiting.extend((seq, int(x)) for x in lengths(w, rng, n))
         while waiting and len(finish) < w.slots:
             g, length = waiting.popleft()
@@ -128,11 +128,11 @@ def simulate(w: Workload, c: Costs, seed: int = 0) -> Result:
             if not groups[g]["started"]:  # the group's samples share its prompt's KV: one prefill
                 groups[g]["started"] = True
                 prefill += c.prefill_token_s * w.prompt_tokens
-        batch = None if trainer else manager.pick(version)  # earliest deadlines first, when safe
+        batch = None if trainer else manager.take_batch(version)  # earliest deadlines first, when safe
         if batch is not None:
-            stale.extend(version - manager.queued[g] for g in batch)
-            manager.take_batch(version)
-            trainer = [c.train_step_s + c.train_token_s * sum(done.pop(g) for g in batch), "train"]
+            tokens, admitted = zip(*(done.pop(g) for g in batch))
+            stale.extend(version - a for a in admitted)
+            trainer = [c.train_step_s + c.train_token_s * sum(tokens), "train"]
             waits.append(t - wait_from)
         rate = 1.0 / c.shared if finish and trainer else 1.0  # processor sharing on shared compute
         if finish:
@@ -150,7 +150,8 @@ def simulate(w: Workload, c: Costs, seed: int = 0) -> Result:
                 grp["left"] -= 1
                 grp["tokens"] += w.prompt_tokens + step - started
                 if grp["left"] == 0:
-                    done[g] = groups.pop(g)["tokens"]
+                    del groups[g]
+                    done[g] = grp["tokens"], grp["admitted"]
                     if rng.random() < w.filtered:
                         del done[g]
                         manager.on_reject(g)

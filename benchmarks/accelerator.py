@@ -93,10 +93,6 @@ SIZES = {
                   matmul_sizes=(128, 256), e2e=dict(steps=2, warmup=1, eval_every=2, eval_problems=4),
                   real_model=dict(requests=4, median=6, cap=16, groups=1, group=2, rl_steps=2, eval_problems=4)),
 }
-# --smoke's RL run of the real model (its first 2 blocks): a tiny batch and few tokens.
-SMOKE_RL = ["--config.rl.batch_size=1", "--config.rl.group_size=2", "--config.trainer.micro_rows=2",
-            "--config.rl.max_new_tokens=8",
-            "--config.eval.n=1", "--config.eval.k=1", "--config.advantage.filter_uniform=False"]  # 2 blocks score 0
 # One colocated device: the trainer's mesh of one, the generator sharing it (cpu_devices only matters on CPU).
 ONE_DEVICE = ["--config.cpu_devices=1", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0"]
 
@@ -471,7 +467,7 @@ def real_model(size: dict, args) -> dict:
     from arealjax.tokenizer import load_tokenizer
     from benchmarks import cells
     from benchmarks.generator import best, run_arealjax
-    from benchmarks.real_model import long_tail_lengths, prepare, recipe_trajectories, word_problem_chats
+    from benchmarks.real_model import SMOKE_RL, long_tail_lengths, prepare, recipe_trajectories, word_problem_chats
     from benchmarks.trainer import best_of
     from configs.smollm2 import get_config
 

@@ -57,6 +57,13 @@ CHATS = [
 ]
 
 
+# --smoke's RL runs (the first 2 blocks; accelerator.py --smoke's too): 1 prompt × 2 samples in one micro-batch, few
+# tokens, every group trained (2 blocks score 0: no group would pass dynamic filtering).
+SMOKE_RL = ["--config.rl.batch_size=1", "--config.rl.group_size=2", "--config.trainer.micro_rows=2",
+            "--config.rl.max_new_tokens=8", "--config.eval.n=1", "--config.eval.k=1",
+            "--config.advantage.filter_uniform=False"]
+
+
 # ---- setup: the model and the data, made as the README makes them ----
 
 
@@ -635,10 +642,7 @@ def main() -> None:
         args.cap, args.median, args.groups, args.group, args.seeds, args.etas = 16, 6, 1, 2, [0], [2]
         args.steps, args.warmup, args.eval_problems = 2, 1, 4
         args.memory_variants = MEMORY_VARIANTS[:1]
-        args.overrides = ["--config.rl.batch_size=1", "--config.rl.group_size=2", "--config.trainer.micro_rows=2",
-                          "--config.rl.max_new_tokens=8",
-                          "--config.eval.n=1", "--config.eval.k=1", "--config.advantage.filter_uniform=False",
-                          *args.overrides]  # 2 blocks score 0: no group would pass dynamic filtering
+        args.overrides = [*SMOKE_RL, *args.overrides]
     work, results = Path(args.work), Path(args.results)
     if args.smoke:  # finished smoke runs would not run again
         shutil.rmtree(work / "rl", ignore_errors=True)

