@@ -255,7 +255,8 @@ def test_servers_that_do_not_start_in_start_seconds_are_a_clear_error(tmp_path):
 
 def test_a_late_server_joins_with_the_current_weights_and_servers_stop_when_the_trainer_dies(tmp_path):
     """A server started by hand after two updates serves the latest version (its fingerprint is the trainer's)
-    and takes requests. The trainer's process killed with kill -9: its servers stop within the heartbeat."""
+    and takes requests, and stops with the trainer. A trainer that hangs (alive, silent): its server stops after
+    the heartbeat."""
     c = small_config(spawn=1)
     tokenizer, model, made = backends(c, tmp_path, kinds=("remote",))
     remote, transport = made["remote"]
@@ -278,20 +279,54 @@ def test_a_late_server_joins_with_the_current_weights_and_servers_stop_when_the_
         remote.close()
     assert late.wait(timeout=30) == 0  # the trainer's stop
 
-    # the trainer's death: a trainer process with one server of its own, killed
+    # a trainer that hangs (alive, silent): a trainer process with one server of its own, stopped with SIGSTOP
     script = ("import sys, time; sys.path.insert(0, '.'); from tests.test_server import small_config, backends; "
               "from pathlib import Path; _, _, made = backends(small_config(spawn=1), Path(sys.argv[1]), "
               "kinds=('remote',)); print(made['remote'][0].servers()['server-0']['pid'], flush=True); time.sleep(600)")
-    trainer = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "dead")], cwd=ROOT, stdout=subprocess.PIPE,
+    trainer = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "hung")], cwd=ROOT, stdout=subprocess.PIPE,
                                text=True, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
-    server = int(trainer.stdout.readline())
-    trainer.send_signal(signal.SIGKILL)
-    trainer.wait()
-    t0 = time.monotonic()
-    wait_until(lambda: server not in dict(live_processes()), 30, "the orphaned server to stop")
-    assert time.monotonic() - t0 < HEARTBEAT + 5, time.monotonic() - t0  # the heartbeat, and a tick or two
-    log = (tmp_path / "dead" / "servers" / "server-0.log").read_text()
+    try:
+        server = int(trainer.stdout.readline())
+        trainer.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        wait_until(lambda: server not in dict(live_processes()), 30, "the server of a silent trainer to stop")
+        assert time.monotonic() - t0 < HEARTBEAT + 5, time.monotonic() - t0  # the heartbeat, and a tick or two
+    finally:
+        trainer.kill()
+        trainer.wait()
+    log = (tmp_path / "hung" / "servers" / "server-0.log").read_text()
     assert "no word from the trainer" in log, log[-2000:]
+
+
+def test_a_server_the_trainer_started_stops_the_moment_the_trainer_dies_even_before_its_welcome(tmp_path):
+    """A trainer killed with kill -9 before it welcomed a server it started (a restart under way, say): the server
+    stops within seconds, not after the first contact's wait (10 minutes, for a trainer that starts late)."""
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import subprocess, time, zmq\n"
+        "from arealjax.generation.remote import spawn_command\n"
+        "sock = zmq.Context().socket(zmq.ROUTER)\n"
+        "port = sock.bind_to_random_port('tcp://127.0.0.1')\n"
+        f"log = open({str(tmp_path / 'server.log')!r}, 'w')\n"
+        "server = subprocess.Popen(spawn_command(f'127.0.0.1:{port}', 'server-0', 1, '', None), stdout=log,\n"
+        "                          stderr=subprocess.STDOUT, start_new_session=True)\n"
+        "print(server.pid, flush=True)\n"
+        "sock.recv_multipart()  # the server is up (its hello or a ping), never answered\n"
+        "print('heard', flush=True)\n"
+        "time.sleep(600)\n")
+    trainer = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                               env={**runtime.child_env(), "PYTHONPATH": str(ROOT)})
+    try:
+        server = int(trainer.stdout.readline())
+        assert trainer.stdout.readline().strip() == "heard"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    t0 = time.monotonic()
+    wait_until(lambda: server not in dict(live_processes()), 30, "the server of a dead trainer to stop")
+    assert time.monotonic() - t0 < 5, time.monotonic() - t0  # a tick or two, and its exit
+    log = (tmp_path / "server.log").read_text()
+    assert f"the trainer that started it (pid {trainer.pid}) is gone: stopping" in log, log[-2000:]
 
 
 def test_a_server_started_by_hand_rejoins_a_trainer_that_died_and_came_back(tmp_path):

@@ -152,3 +152,49 @@ def test_bools_and_numpy_scalars_are_rewards():
     for bad in (float("inf"), None, "1", [1.0]):
         with pytest.raises((TypeError, ValueError), match="a reward must be a finite number"):
             as_reward(bad)
+
+
+def test_a_close_while_the_service_fails_its_queued_calls_still_stops_every_worker():
+    """The run's error path: the function breaks the service, which fails the calls still queued; the first of
+    those failures makes the caller close the service at once, while the rest are being failed. The close must
+    still stop the worker (it once waited 10 s in vain and left the worker process behind, and the interpreter
+    then hung at exit waiting for it)."""
+    import multiprocessing
+    import threading
+
+    service = RewardService("reward_fns:raises", workers=1, retries=0, max_failure_rate=0.5, failure_window=1)
+    first = service.submit("a")  # breaks the service (1 failure of a window of 1) once the worker is up
+    queued = [service.submit(str(i)) for i in range(3)]
+    closer = threading.Thread(target=service.close)
+
+    def close_at_once(_):
+        closer.start()
+        time.sleep(0.5)  # the close is under way before the remaining queued calls are failed
+
+    queued[0].add_done_callback(close_at_once)
+    assert first.result(30) == 0.0
+    closer.join(5)
+    assert not closer.is_alive(), "close() did not return within 5 s"
+    assert not [p for p in multiprocessing.active_children() if p.name == "arealjax-reward"]
+    for f in queued:
+        with pytest.raises(RuntimeError, match="failed on 1 of the last 1 calls"):
+            f.result(0)
+
+
+def test_a_program_that_never_closes_its_service_still_exits(tmp_path):
+    """A program whose main module installs arealjax's signal handlers (main.py does, at import) and ends without
+    closing its reward service: the spawned workers import that module too, yet must still die of the SIGTERM
+    multiprocessing sends its daemon children at exit, not log it and leave the interpreter waiting for ever."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "program.py"
+    script.write_text("from arealjax import runtime\n"
+                      "runtime.install_signal_handlers()\n"
+                      "from arealjax.rewards.service import RewardService\n"
+                      "if __name__ == '__main__':\n"
+                      "    print(RewardService('reward_fns:length', workers=1).submit('abc').result(60))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "3.0", out.stderr[-2000:]

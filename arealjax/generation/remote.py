@@ -137,6 +137,14 @@ def host_snapshot(tree: Any, dtype) -> Snapshot:
     return out
 
 
+def spawn_command(trainer: str, name: str, devices: int, cpus: str, keys_dir: Path | None) -> list[str]:
+    """The command of a server this process starts for its trainer at `trainer`: it does not rejoin (the trainer
+    starts it again instead), and it stops as soon as this process is gone, welcomed or not."""
+    return [sys.executable, "-m", "arealjax.generation.server", f"--trainer={trainer}", f"--devices={devices}",
+            f"--name={name}", f"--cpus={cpus}", "--rejoin-seconds=0", f"--parent={os.getpid()}",
+            *([f"--keys={keys_dir}"] if keys_dir else [])]
+
+
 def last_line(path: str) -> str:
     """': <the last line of the log at path>', or nothing."""
     try:
@@ -292,13 +300,11 @@ class RemoteBackend:
         cpus = [group or env[runtime.START_CPUS_ENV] for group in str(self.config.generator.servers.cpus)
                 .split(";")]
         log = logs / (f"{name}.log" if jax.process_count() == 1 else f"p{self.process}-{name}.log")
-        cmd = [sys.executable, "-m", "arealjax.generation.server", f"--trainer={host}:{self.endpoint.port}",
-               f"--devices={int(self.config.mesh.generator.devices) or 1}", f"--name={name}",
-               f"--cpus={cpus[i % len(cpus)]}", "--rejoin-seconds=0",  # this trainer starts it again instead
-               *([f"--keys={self.keys_dir}"] if self.keys_dir else [])]
+        cmd = spawn_command(f"{host}:{self.endpoint.port}", name, int(self.config.mesh.generator.devices) or 1,
+                            cpus[i % len(cpus)], self.keys_dir)
         with open(log, "a" if name in self._spawned else "w") as f:
             # in their own session: a Ctrl-C meant for the trainer reaches them as its 'stop', and a trainer
-            # that dies without one leaves them to notice its silence (servers.heartbeat_seconds)
+            # that dies without one leaves them to notice that it is gone
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     cwd=Path(__file__).resolve().parents[2])
         with self._cv:

@@ -10,7 +10,8 @@ crash, joins with the weights the trainer serves now). Then it serves the traine
 abort, pause/resume and stats. It stops when the trainer says so or refuses it (another protocol version, a name in
 use). When the trainer goes silent for `servers.heartbeat_seconds` (a partition, a crash), a server started by
 hand drops what it was doing and says hello again, for up to `--rejoin-seconds` (a resumed trainer gets it back);
-one the trainer spawned stops (the trainer starts its own again). With `--keys` the wire is CURVE: the server
+one the trainer spawned stops (the trainer starts its own again), as it does the moment its trainer's process
+is gone, before the welcome too (`--parent`). With `--keys` the wire is CURVE: the server
 talks only to the trainer whose public key is in DIR (trainer.key), as the holder of DIR/server.key_secret.
 
 Its mesh is `mesh.generator` of the trainer's config over this process's devices (on CPU, `--devices` fakes that
@@ -46,8 +47,9 @@ class Server:
     (after the first weights) the generator. Messages are handled on the endpoint's thread; what takes long (placing
     weights on the mesh, building the generator, pausing it) on a worker thread, so pings keep flowing."""
 
-    def __init__(self, trainer: str, name: str, keys: str = "", rejoin: float = FIRST_CONTACT_SECONDS):
-        self.name, self.trainer = name, trainer
+    def __init__(self, trainer: str, name: str, keys: str = "", rejoin: float = FIRST_CONTACT_SECONDS,
+                 parent: int = 0):
+        self.name, self.trainer, self.parent = name, trainer, parent
         self.config = self.generator = self.sync = None
         self.heartbeat = FIRST_CONTACT_SECONDS
         self.last_heard = time.monotonic()
@@ -82,6 +84,9 @@ class Server:
     # ---- messages (endpoint thread) ----
 
     def on_tick(self) -> None:
+        if self.parent and os.getppid() != self.parent:  # adopted by another: the trainer that started it died
+            self.stop(f"the trainer that started it (pid {self.parent}) is gone: stopping", code=3)
+            return
         now = time.monotonic()
         silent = now - self.last_heard
         if silent > self.heartbeat:
@@ -302,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus", default="", help="run on these CPU cores ('1', '2-3'; default: all it may use)")
     p.add_argument("--rejoin-seconds", type=float, default=FIRST_CONTACT_SECONDS,
                    help="how long to keep saying hello to a trainer gone silent (0: stop at once)")
+    p.add_argument("--parent", type=int, default=0, metavar="PID",
+                   help="the trainer's process that starts this server: stop as soon as it is gone")
     args = p.parse_args(argv)
     if args.new_keys:
         try:
@@ -323,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:
         server = Server(args.trainer, args.name or f"{socket.gethostname()}-{os.getpid()}", args.keys,
-                        args.rejoin_seconds)
+                        args.rejoin_seconds, args.parent)
     except (OSError, ValueError) as e:  # a keys folder that is missing or damaged
         p.error(str(e))
     try:

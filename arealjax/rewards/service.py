@@ -96,8 +96,11 @@ def as_reward(value: Any) -> float:
 
 def _worker(path: str, conn: multiprocessing.connection.Connection, parent: int) -> None:
     """Worker process: imports the function, then answers (completion, kwargs) with ("ok", reward) or
-    ("error", traceback) until the pipe closes. Ctrl-C is left to the parent, which stops the workers."""
+    ("error", traceback) until the pipe closes. Ctrl-C is left to the parent, which stops the workers; SIGTERM
+    kills (multiprocessing's exit sends it, and the parent's main module, imported here again, may have installed
+    a handler that only asks to stop)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # blocked since the fork (the spawning thread blocks it)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     die_with_parent(parent)
     try:
@@ -298,14 +301,20 @@ class RewardService:
         job.future.set_result(self.failure_reward if problem is not None else value)
 
     def _drain(self, error: BaseException) -> None:
-        """Fails every call still waiting for a worker."""
+        """Fails every call still waiting for a worker. A close's stop orders stay queued for the worker threads
+        (a failed call may make its caller close the service meanwhile)."""
+        stops = 0
         while True:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
-                return
-            if job is not _STOP and not job.future.done():
+                break
+            if job is _STOP:
+                stops += 1
+            elif not job.future.done():
                 job.future.set_exception(error)
+        for _ in range(stops):
+            self._jobs.put(_STOP)
 
 
 def _kill(proc) -> None:
