@@ -422,7 +422,7 @@ class RLLoop:
             self.checkpoint()
         self.summary.update(eval_accuracy_end=self.latest_eval["eval_accuracy"],
                             eval_greedy_accuracy_end=self.latest_eval.get("eval_greedy_accuracy"))
-        if self.processes.primary:
+        if self.processes.primary and config.curves:
             plot_curves(self.workdir / "metrics.jsonl", self.workdir / "curves.png")
             self.writer.figure("curves", self.workdir / "curves.png")
         save_model(self.trainer.model, self.tokenizer, self.workdir / "model", config.model_path, config.lora.export)

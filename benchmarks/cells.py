@@ -184,6 +184,7 @@ def run(c: dict, args) -> dict:
            f"--config.trainer.ppo.objective={c['objective']}", f"--config.generator.mode={c['mode']}",
            f"--config.rl.steps={args.steps}", f"--config.rl.eval_every={args.eval_every}",
            f"--config.eval.num_problems={args.eval_problems}", "--config.checkpoint.every_steps=100000",
+           "--config.curves=False",  # the benchmark draws its own figures
            f"--config.sft.cache_dir={Path(args.work) / 'sft_seed{}'.format(c['seed'])}",
            *LAYOUTS[c["layout"]](), *args.overrides, *[f"--config.{o}" for o in c["overrides"].split("+") if o]]
     env = child_env()  # main.py sets the device count from config
@@ -288,7 +289,7 @@ def training_curve(rows: list[dict]) -> tuple[dict[int, float], list[list[float]
         if "eval_accuracy" in r:
             curve.append([r["step"], train_wall[r["step"]], r["eval_accuracy"], r.get("eval_greedy_accuracy")])
             if r["step"] > 0:
-                eval_done += r.get("eval_seconds", 0.0)  # runs before issue 19 did not time evaluations
+                eval_done += r.get("eval_seconds", 0.0)  # older runs' metrics have no evaluation times
     return train_wall, curve
 
 

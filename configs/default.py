@@ -208,6 +208,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Weights & Biases beside metrics.jsonl and TensorBoard (pip install wandb): off while project is empty. mode
     # "offline" writes workdir/wandb for a later `wandb sync`; a resumed run continues its W&B run.
     config.wandb = dict(project="", entity="", name="", group="", tags=(), mode="online")
+    config.curves = True  # draw workdir/curves.png at the end (matplotlib: ~1 s of CPU); benchmark cells leave it off
 
     # orbax checkpoints of the whole RL state (see arealjax/checkpoint.py); resume continues the latest one.
     config.resume = False

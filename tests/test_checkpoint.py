@@ -25,7 +25,7 @@ TINY = ["--config=configs/default.py", "--config.sft.steps=0", "--config.rl.step
         "--config.checkpoint.every_steps=4", "--config.model.num_layers=1", "--config.model.hidden_size=32",
         "--config.model.intermediate_size=64", "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
         "--config.model.head_dim=16", "--config.rl.batch_size=4", "--config.rl.group_size=2",
-        "--config.generator.slots=16", "--config.rewards.fn=tests.reward_fns:digits"]
+        "--config.generator.slots=16", "--config.rewards.fn=tests.reward_fns:digits", "--config.curves=False"]
 
 
 def main_py(workdir: Path, *extra: str) -> subprocess.Popen:
@@ -104,7 +104,7 @@ LONGTAIL = ["--config=configs/longtail.py", "--config.sft.steps=0", "--config.rl
             "--config.model.num_layers=1", "--config.model.hidden_size=32", "--config.model.intermediate_size=64",
             "--config.model.num_heads=2", "--config.model.num_kv_heads=1", "--config.model.head_dim=16",
             "--config.rl.batch_size=4", "--config.rl.group_size=2", "--config.generator.slots=16",
-            "--config.rewards.fn=tests.reward_fns:digits"]
+            "--config.rewards.fn=tests.reward_fns:digits", "--config.curves=False"]
 
 
 @pytest.mark.slow

@@ -31,7 +31,8 @@ SMALL = ["--config=configs/default.py", "--config.sft.steps=20", "--config.sft.o
          "--config.rewards.workers=1", "--config.generator.slots=32", "--config.trainer.micro_rows=4",
          "--config.checkpoint.every_steps=2", f"--config.heartbeat_seconds={HEARTBEAT}",
          "--config.model.num_layers=1", "--config.model.hidden_size=32", "--config.model.intermediate_size=64",
-         "--config.model.num_heads=2", "--config.model.num_kv_heads=1", "--config.model.head_dim=16"]
+         "--config.model.num_heads=2", "--config.model.num_kv_heads=1", "--config.model.head_dim=16",
+         "--config.curves=False"]
 
 
 def env(**extra: str) -> dict[str, str]:

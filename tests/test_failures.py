@@ -22,7 +22,8 @@ TINY = ["--config=configs/default.py", "--config.sft.steps=0", "--config.rl.step
         "--config.eval.num_problems=4", "--config.advantage.filter_uniform=False", "--config.model.num_layers=1",
         "--config.model.hidden_size=32", "--config.model.intermediate_size=64", "--config.model.num_heads=2",
         "--config.model.num_kv_heads=1", "--config.model.head_dim=16", "--config.rl.batch_size=2",
-        "--config.rl.group_size=2", "--config.generator.slots=8", "--config.rewards.workers=1"]
+        "--config.rl.group_size=2", "--config.generator.slots=8", "--config.rewards.workers=1",
+        "--config.curves=False"]
 
 
 @dataclass

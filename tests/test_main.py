@@ -86,10 +86,11 @@ def test_default_job_then_reload_exported_model(tmp_path):
     # evaluation). A rerun reusing the SFT cache: tests/test_distributed.py (every run there reuses one).
     second = run_main(f"--workdir={tmp_path / 'b'}", f"--config.model_path={tmp_path / 'a/model'}", *SMALL,
                       "--config.sft.steps=0", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0",
-                      "--config.eval.greedy=False")
+                      "--config.eval.greedy=False", "--config.curves=False")
     assert second.returncode == 0, second.stderr[-3000:]
     summary = json.loads((tmp_path / "b/summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["eval_greedy_accuracy_end"] is None
+    assert not (tmp_path / "b/curves.png").exists()  # curves = False
     assert 0 <= summary["eval_accuracy_end"] <= 1
 
 
@@ -115,6 +116,7 @@ def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_r
     data = {"math": "gsm8k", "code": "code"}[name]
     paths = [f"--config.model_path={root / model}", f"--config.data.path={root / 'tfds' / data / '1.0.0'}",
              f"--config.sft.data.path={root / 'tfds' / 'sft' / '1.0.0'}"]
+    paths.append("--config.curves=False")  # the default job's test checks them
     if recipe == "code+lora":
         paths += ["--config.lora.rank=4", "--config.lora.export=adapters", "--config.lora.generator=on_the_fly"]
     workdir = tmp_path_factory.mktemp(name)

@@ -400,7 +400,7 @@ LONGTAIL = ["--config=configs/longtail.py", "--config.sft.steps=0", "--config.rl
             "--config.rl.batch_size=4", "--config.rl.group_size=2", "--config.generator.slots=16",
             "--config.rewards.fn=tests.reward_fns:digits", "--config.generator.backend=remote",
             "--config.generator.servers.spawn=2", f"--config.generator.servers.heartbeat_seconds={HEARTBEAT}",
-            "--config.generator.servers.verify=True"]
+            "--config.generator.servers.verify=True", "--config.curves=False"]
 
 
 @pytest.mark.slow
