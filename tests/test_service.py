@@ -65,6 +65,19 @@ def test_worker_killed_mid_call_is_replaced_and_the_call_retried(tmp_path):
         assert service.stats.restarts == 1 and time.perf_counter() - t0 < 30
 
 
+def test_signals_to_the_process_group_are_left_to_the_parent():
+    """Ctrl-C or a scheduler's SIGTERM reach every process of the group: a worker mid-call carries on (the run
+    decides how to stop, and stops its workers itself), it does not die as a crash to be retried."""
+    pid_file = tempfile.mktemp()
+    with RewardService("reward_fns:pid_then_sleep", workers=1, retries=0, failure_reward=-1.0) as service:
+        fut = service.submit("", pid_file=pid_file, seconds=1.0)
+        wait_for(lambda: Path(pid_file).exists() and Path(pid_file).read_text().strip())
+        for s in (signal.SIGINT, signal.SIGTERM):
+            os.kill(int(Path(pid_file).read_text().split()[0]), s)
+        assert fut.result(60) == 1.0 and service.stats.crashes == 0
+    os.unlink(pid_file)
+
+
 def test_timeouts_kill_the_worker_and_are_counted_with_retries():
     with RewardService("reward_fns:sleeps", workers=1, timeout=0.5, retries=2, failure_reward=-1.0) as service:
         t0 = time.perf_counter()
@@ -182,9 +195,9 @@ def test_a_close_while_the_service_fails_its_queued_calls_still_stops_every_work
 
 
 def test_a_program_that_never_closes_its_service_still_exits(tmp_path):
-    """A program whose main module installs arealjax's signal handlers (main.py does, at import) and ends without
-    closing its reward service: the spawned workers import that module too, yet must still die of the SIGTERM
-    multiprocessing sends its daemon children at exit, not log it and leave the interpreter waiting for ever."""
+    """A program whose main module installs arealjax's signal handlers (main.py does, at import; the spawned
+    workers import it again) and ends without closing its reward service: its workers, which ignore the SIGTERM
+    multiprocessing's exit sends them, are stopped at exit instead of leaving the interpreter waiting for ever."""
     import subprocess
     import sys
 

@@ -14,14 +14,15 @@ reward must be a finite number: None, a string, NaN or inf is an error like a ra
 unlucky: the service stops, every pending and later call fails with the count and the last error, and the run
 stops with it (instead of training on `failure_reward` everywhere and ending "successfully").
 
-Workers die with their parent, even a SIGKILLed one (parent-death signal), and ignore Ctrl-C from their first
-instruction (SIGINT is blocked in the threads that spawn them), so an interrupted run leaves no process and prints
-no worker traceback.
+Workers die with their parent, even a SIGKILLed one (parent-death signal), and ignore Ctrl-C and SIGTERM from their
+first instruction (blocked in the threads that spawn them), so an interrupted run leaves no process and prints no
+worker traceback; the parent kills them when it closes the service, or at its exit if nobody did.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import ctypes
 import dataclasses
@@ -37,6 +38,7 @@ import re
 import signal
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -96,11 +98,10 @@ def as_reward(value: Any) -> float:
 
 def _worker(path: str, conn: multiprocessing.connection.Connection, parent: int) -> None:
     """Worker process: imports the function, then answers (completion, kwargs) with ("ok", reward) or
-    ("error", traceback) until the pipe closes. Ctrl-C is left to the parent, which stops the workers; SIGTERM
-    kills (multiprocessing's exit sends it, and the parent's main module, imported here again, may have installed
-    a handler that only asks to stop)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # blocked since the fork (the spawning thread blocks it)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ("error", traceback) until the pipe closes. Signals to the process group (Ctrl-C, a scheduler's SIGTERM) are
+    left to the parent, which stops the workers itself (SIGKILL), at its exit too."""
+    for s in (signal.SIGINT, signal.SIGTERM):  # blocked since the fork (the spawning thread blocks them)
+        signal.signal(s, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     die_with_parent(parent)
     try:
@@ -168,6 +169,7 @@ class RewardService:
                          for i in range(workers)]
         for t in self._threads:
             t.start()
+        atexit.register(_close_at_exit, weakref.ref(self))  # before multiprocessing's exit joins the workers
 
     # ---- callers (any thread) ----
     def submit(self, completion: str, **kwargs) -> Future:
@@ -315,6 +317,13 @@ class RewardService:
                 job.future.set_exception(error)
         for _ in range(stops):
             self._jobs.put(_STOP)
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """A service nobody closed, at the interpreter's exit: its workers ignore the SIGTERM multiprocessing's exit
+    sends its children before it waits for them."""
+    if (service := ref()) is not None:
+        service.close()
 
 
 def _kill(proc) -> None:
