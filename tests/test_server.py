@@ -290,7 +290,7 @@ def test_a_late_server_joins_with_the_current_weights_and_servers_stop_when_the_
         trainer.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         wait_until(lambda: server not in dict(live_processes()), 30, "the server of a silent trainer to stop")
-        assert time.monotonic() - t0 < HEARTBEAT + 5, time.monotonic() - t0  # the heartbeat, and a tick or two
+        assert time.monotonic() - t0 < HEARTBEAT + 10, time.monotonic() - t0  # the heartbeat, and its exit
     finally:
         trainer.kill()
         trainer.wait()
@@ -324,7 +324,7 @@ def test_a_server_the_trainer_started_stops_the_moment_the_trainer_dies_even_bef
         trainer.wait()
     t0 = time.monotonic()
     wait_until(lambda: server not in dict(live_processes()), 30, "the server of a dead trainer to stop")
-    assert time.monotonic() - t0 < 5, time.monotonic() - t0  # a tick or two, and its exit
+    assert time.monotonic() - t0 < 10, time.monotonic() - t0  # a tick, and its exit on a loaded machine
     log = (tmp_path / "server.log").read_text()
     assert f"the trainer that started it (pid {trainer.pid}) is gone: stopping" in log, log[-2000:]
 
