@@ -27,6 +27,7 @@ there, as the README's commands do; nothing is read from outside the repository 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -125,9 +126,10 @@ def transformers_reference_dir(work: Path) -> Path:
         from arealjax.models.gguf import packaged
 
         gguf = packaged()
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                                  dtype=torch.float32)
-        tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        with gguf_read_once():
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                      dtype=torch.float32)
+            tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # the loader dequantized every tensor to fp32 but still marks the model quantized, which save_pretrained
         # refuses: unmark it
         model.hf_quantizer = None
@@ -139,6 +141,21 @@ def transformers_reference_dir(work: Path) -> Path:
         tok.save_pretrained(tmp)
         tmp.rename(out)
     return out
+
+
+@contextlib.contextmanager
+def gguf_read_once():
+    """transformers parses a GGUF file's header again for the config, the weights and the tokenizer, and builds the
+    tensor-name map again for every tensor (~25 of the ~30 CPU seconds its SmolLM2 load takes): each made once while
+    this is open. What it loads is the same."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = functools.cache(saved[0]), functools.cache(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
 @functools.cache
