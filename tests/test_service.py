@@ -65,17 +65,16 @@ def test_worker_killed_mid_call_is_replaced_and_the_call_retried(tmp_path):
         assert service.stats.restarts == 1 and time.perf_counter() - t0 < 30
 
 
-def test_signals_to_the_process_group_are_left_to_the_parent():
+def test_signals_to_the_process_group_are_left_to_the_parent(tmp_path):
     """Ctrl-C or a scheduler's SIGTERM reach every process of the group: a worker mid-call carries on (the run
     decides how to stop, and stops its workers itself), it does not die as a crash to be retried."""
-    pid_file = tempfile.mktemp()
+    pid_file = tmp_path / "pids"
     with RewardService("reward_fns:pid_then_sleep", workers=1, retries=0, failure_reward=-1.0) as service:
-        fut = service.submit("", pid_file=pid_file, seconds=1.0)
-        wait_for(lambda: Path(pid_file).exists() and Path(pid_file).read_text().strip())
+        fut = service.submit("", pid_file=str(pid_file), seconds=1.0)
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip())
         for s in (signal.SIGINT, signal.SIGTERM):
-            os.kill(int(Path(pid_file).read_text().split()[0]), s)
+            os.kill(int(pid_file.read_text().split()[0]), s)
         assert fut.result(60) == 1.0 and service.stats.crashes == 0
-    os.unlink(pid_file)
 
 
 def test_timeouts_kill_the_worker_and_are_counted_with_retries():
