@@ -29,7 +29,6 @@ SMALL = ["--config.sft.steps=10", "--config.sft.optim.warmup_steps=2", "--config
          "--config.generator.slots=32"]
 
 
-@pytest.mark.slow
 def wandb_records(path: Path) -> list:
     """The records of an offline W&B run file (LevelDB log blocks of protobuf `Record`s, wandb's own format)."""
     from wandb.proto import wandb_internal_pb2 as pb
@@ -57,6 +56,7 @@ def log_lines_inside_bars(stderr: str) -> list[str]:
             if re.search(r".[IWE]\d{4} \d\d:\d\d:\d\d", seg)]
 
 
+@pytest.mark.slow
 def test_default_job_then_reload_exported_model(tmp_path):
     first = run_main(f"--workdir={tmp_path / 'a'}", *SMALL, "--config.checkpoint.every_steps=1",
                      "--config.wandb.project=arealjax-test", "--config.wandb.mode=offline")
