@@ -414,7 +414,8 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
         flops = (4 if rank else 6) * n * tokens  # LoRA: no weight gradients of the frozen base
         out["variants"][name] = dict(seconds=t, compile_seconds=times[0] - t, tokens_per_s=tokens / t,
                                      mfu=flops / t / peak, flop_count="4N/token" if rank else "6N/token",
-                                     non_padding_fraction=metrics["non_padding_fraction"])
+                                     non_padding_fraction=metrics["non_padding_fraction"],
+                                     grad_norm=metrics["grad_norm"], skipped_steps=metrics["skipped_steps"])
         print("trainer", name, json.dumps(out["variants"][name]), flush=True)
         del trainer
     out["matmul_params"] = n

