@@ -258,6 +258,36 @@ def test_under_curve_only_key_holders_join_and_a_stranger_is_refused_and_logged_
         assert_honest_answers(spread(b))
 
 
+def test_an_endpoint_calls_its_owner_only_once_started():
+    """A peer can speak the moment a socket binds: the endpoint must not run its owner's callbacks while the owner
+    is still being built (a trainer's hello handler read `self.endpoint` before the constructor had assigned it, so
+    the first server's hello was dropped and the run did not start). Nothing runs before `start()`; what arrived
+    meanwhile is delivered after it; an endpoint never started closes cleanly."""
+    port = free_port()
+    got, ticks = [], []
+    owner = rpc.Endpoint(zmq.ROUTER, f"127.0.0.1:{port}", bind=True, on_message=got.append,
+                         on_tick=lambda: ticks.append(1), tick=0.01)
+    peer = zmq.Context().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        peer.send_multipart([b"hello", b"{}"])
+        time.sleep(0.3)
+        assert got == [] and ticks == []
+        owner.start()
+        deadline = time.monotonic() + 10
+        while not (got and ticks) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [bytes(f) for f in got[0][1:]] == [b"hello", b"{}"] and ticks
+    finally:
+        owner.close()
+        peer.close()
+        peer.context.term()
+    never = rpc.Endpoint(zmq.ROUTER, "127.0.0.1:0", bind=True, on_message=got.append)
+    never.close()
+    assert not never._thread.is_alive()
+
+
 def test_a_server_pins_the_trainer_key_and_refuses_another_trainer(tmp_path):
     """A server holding the keys of one run does not complete a handshake with a trainer of another."""
     mine, theirs = rpc.new_keys(tmp_path / "mine"), rpc.new_keys(tmp_path / "theirs")
@@ -267,6 +297,7 @@ def test_a_server_pins_the_trainer_key_and_refuses_another_trainer(tmp_path):
     other = rpc.trainer_keys(theirs)  # another run's trainer, which would even admit this server's key
     other = rpc.Endpoint(zmq.ROUTER, f"127.0.0.1:{port}", bind=True, on_message=got.append,
                          keys=rpc.Keys(other.public, other.secret, admitted=frozenset({rpc.server_keys(mine).public})))
+    other.start()
     try:
         time.sleep(1.5)
         assert got == []

@@ -274,6 +274,7 @@ class RemoteBackend:
         self.address = self.endpoint.address
         self.transport = RemoteTransport(self)
         self._workdir = workdir
+        self.endpoint.start()  # its callbacks read what is set above
         try:
             for i in range(int(s.spawn)):
                 self._spawn(f"server-{i}", i)

@@ -125,7 +125,8 @@ def server_keys(folder: str | os.PathLike) -> Keys:
 
 class Endpoint:
     """One ZeroMQ socket served by its own thread: `send` from any thread; `on_message(frames)` and `on_tick()` run
-    on the I/O thread (every `tick` seconds).
+    on the I/O thread (every `tick` seconds) from `start()` on, which the owner calls once it is whole (a peer can
+    speak the moment the socket binds; what it sent before waits in the socket).
 
     What waits to be sent waits per peer, in order, and is retried (a ROUTER's peer that is reconnecting, or whose
     pipe holds `send_hwm` messages) until `forget(peer)` or UNREACHABLE_SECONDS without a connection. A message sent
@@ -154,6 +155,9 @@ class Endpoint:
         self._on_message, self._on_tick, self._tick = on_message, on_tick, tick
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"arealjax-{name}", daemon=True)
+
+    def start(self) -> None:
+        """Starts serving: the I/O thread, and with it the owner's callbacks."""
         self._thread.start()
 
     def _open(self, kind, address, bind, identity, options, keys, max_message, send_hwm) -> None:
@@ -225,6 +229,8 @@ class Endpoint:
         """Sends what is queued (for up to a second), then closes."""
         self._closed.set()
         self._wake()
+        if self._thread.ident is None:  # never started: the loop only closes the sockets
+            self._thread.start()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
 

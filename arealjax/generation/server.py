@@ -63,6 +63,7 @@ class Server:
         self.endpoint = rpc.Endpoint(rpc.zmq.DEALER, trainer, bind=False, on_message=self.on_message,
                                      on_tick=self.on_tick, tick=0.25, identity=secrets.token_bytes(16),
                                      name="server", keys=rpc.server_keys(keys) if keys else None)
+        self.endpoint.start()
         self.hello()
 
     def hello(self) -> None:
