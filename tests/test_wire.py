@@ -260,9 +260,9 @@ def test_under_curve_only_key_holders_join_and_a_stranger_is_refused_and_logged_
 
 def test_an_endpoint_calls_its_owner_only_once_started():
     """A peer can speak the moment a socket binds: the endpoint must not run its owner's callbacks while the owner
-    is still being built (a trainer's hello handler read `self.endpoint` before the constructor had assigned it, so
-    the first server's hello was dropped and the run did not start). Nothing runs before `start()`; what arrived
-    meanwhile is delivered after it; an endpoint never started closes cleanly."""
+    is still being built (the trainer's hello handler reads `self.endpoint`, assigned only once the socket exists;
+    run early, it drops the first server's hello and the run never starts). Nothing runs before `start()`; what
+    arrived meanwhile is delivered after it; an endpoint never started closes cleanly."""
     port = free_port()
     got, ticks = [], []
     owner = rpc.Endpoint(zmq.ROUTER, f"127.0.0.1:{port}", bind=True, on_message=got.append,
