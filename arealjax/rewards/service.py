@@ -26,6 +26,7 @@ import atexit
 import collections
 import ctypes
 import dataclasses
+import functools
 import importlib
 import logging
 import math
@@ -165,11 +166,14 @@ class RewardService:
         self._closed = False
         self._fatal: str | None = None
         self._ctx = multiprocessing.get_context("spawn")
+        # closed at exit if nobody did (registered after multiprocessing's own exit, which joins the workers, so it
+        # runs before it); close unregisters it
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         self._threads = [threading.Thread(target=self._serve, name=f"reward-worker-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
             t.start()
-        atexit.register(_close_at_exit, weakref.ref(self))  # before multiprocessing's exit joins the workers
 
     # ---- callers (any thread) ----
     def submit(self, completion: str, **kwargs) -> Future:
@@ -197,6 +201,7 @@ class RewardService:
             if self._closed:
                 return
             self._closed = True
+        atexit.unregister(self._at_exit)
         for _ in self._threads:
             self._jobs.put(_STOP)
         for t in self._threads:
