@@ -218,6 +218,14 @@ def localize(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+@functools.cache
+def _cast(dtype: Any) -> Callable[[Any], Any]:
+    """Floating leaves cast to `dtype`, one program per dtype and tree: the weight sync of a bf16 generator casts
+    the same params every RL step."""
+    return jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                          t))
+
+
 def reshard(tree: Any, target_shardings: Any, dtype: Any = None) -> Any:
     """Moves a pytree onto `target_shardings` (any device set, e.g. trainer slice -> generator slice), as new
     buffers (never aliasing the source, which the trainer donates). With `dtype`, floating leaves are cast first,
@@ -228,7 +236,7 @@ def reshard(tree: Any, target_shardings: Any, dtype: Any = None) -> Any:
     """
     t0 = time.perf_counter()
     if dtype is not None and any(x.dtype != dtype for x in jax.tree.leaves(tree)):
-        tree = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dtype), t))(tree)
+        tree = _cast(dtype)(tree)
     if all(s.is_fully_addressable for s in jax.tree.leaves(target_shardings)):
         out = jax.device_put(localize(tree), target_shardings, may_alias=False)
     else:  # onto a mesh over several processes (a multi-host trainer): a program on the global arrays

@@ -32,7 +32,7 @@ SMOKE_RESULTS = {
     "lora.py": (["| LoRA r=2 |", "| LoRA r=2, on_the_fly |", "on the fly / merged:"], []),
     "memory.py": (["| tiny (", "| FSDP 4 × TP 2 |", "Generator (bf16", "| 1 |", "| LoRA r=4 |", "| tiny-moe (",
                    "| EP 8 |", "| FSDP 16 |", "| tiny-moe | 256 |"], []),
-    "model.py": (["| decode 4 tokens", "| reshard"], []),
+    "model.py": (["| decode 4 tokens", "| reshard", "| the same, cast to bf16"], []),
     "moe.py": (["| 64 | 32 | 16 | 8 | 2 |"], ["arealjax_moe/smoke/moe.json", "arealjax_moe/smoke/moe.md"]),
     "objectives.py": (["| synchronous | 0 |", "| m2po | 1 |"],
                       [f"arealjax_objectives/smoke/objectives.{x}" for x in ("json", "md", "png")]),

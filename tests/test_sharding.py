@@ -133,3 +133,27 @@ def test_reshard_trainer_slice_to_disjoint_generator_slice():
         np.testing.assert_array_equal(np.asarray(half), np.asarray(src).astype(jnp.bfloat16))
         np.testing.assert_array_equal(np.asarray(full), np.asarray(half).astype(np.float32))
     assert trainer.to_mesh(meshes["generator"], dtype=jnp.bfloat16).dtype == jnp.bfloat16
+
+
+def test_a_repeated_cast_weight_sync_traces_nothing():
+    """A bf16 generator's weight sync runs every RL step with the same shapes: after the first, the cast (and the
+    move) is a compiled program called again, not one traced, lowered and compiled anew each step."""
+    meshes = role_meshes({"trainer": {"devices": 4, "axes": {"fsdp": 4}},
+                          "generator": {"devices": 4, "axes": {"tensor": 2, "data": 2}}})
+    trainer = from_config(CFG, seed=2, mesh=meshes["trainer"])
+    target = tree_shardings(trainer.params, LogicalSharding(meshes["generator"]))
+    reshard(trainer.params, target, jnp.bfloat16)
+    traced = []
+
+    def listen(event, duration, **kwargs):
+        if event.endswith("jaxpr_trace_duration"):
+            traced.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for _ in range(2):
+            moved = reshard(trainer.params, target, jnp.bfloat16)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert traced == []
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(moved))
