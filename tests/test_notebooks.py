@@ -24,8 +24,9 @@ def gs_run(gcs_bucket, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, request, monkeypatch):
-    """Each notebook in a Jupyter kernel (nbclient), top to bottom, in its small settings (AREALJAX_QUICK=1)."""
+def test_notebook_runs(path, request, monkeypatch, tmp_path):
+    """Each notebook in a Jupyter kernel (nbclient), top to bottom, in its small settings (AREALJAX_QUICK=1), its
+    temporary files (a run's workdir) in this test's temporary directory, not left in the system's."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -37,6 +38,8 @@ def test_notebook_runs(path, request, monkeypatch):
     (count,) = set(re.findall(r"--xla_force_host_platform_device_count=\d+", path.read_text())) or {""}
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     monkeypatch.setenv("XLA_FLAGS", " ".join([count, *flags]).strip())
-    for k, v in {**run, "AREALJAX_QUICK": "1"}.items():
+    for k, v in {**run, "AREALJAX_QUICK": "1", "TMPDIR": str(tmp_path)}.items():
         monkeypatch.setenv(k, v)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    if "tempfile" in path.read_text():  # what it made (a run's workdir, an export) is here, for pytest to remove
+        assert any(tmp_path.iterdir()), f"{path.name}: its temporary files are not in {tmp_path}"
