@@ -59,11 +59,16 @@ def rollouts(config: Any, model: models.Model, version: int, base: Base, stack: 
     return Rollouts(backend, transport, rewards)
 
 
+def make_tokenizer(config: Any) -> Tokenizer:
+    """The tokenizer of `config.model_path` (a HF directory) or, when empty, of `config.tokenizer`."""
+    return load_tokenizer(config.model_path) if config.model_path else CharTokenizer(config.tokenizer.alphabet)
+
+
 def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, models.Model]:
     """Tokenizer and model from `config.model_path` (a HF directory) or, when empty, a random tiny model."""
     if config.model_path:
-        return load_tokenizer(config.model_path), models.load_pretrained(config.model_path, mesh=mesh, rules=rules)
-    tokenizer = CharTokenizer(config.tokenizer.alphabet)
+        return make_tokenizer(config), models.load_pretrained(config.model_path, mesh=mesh, rules=rules)
+    tokenizer = make_tokenizer(config)
     cfg = models.ModelConfig.make(**config.model.to_dict(), vocab_size=tokenizer.vocab_size,
                                   eos_token_id=tokenizer.eos_ids[0], bos_token_id=tokenizer.bos_id)
     return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)

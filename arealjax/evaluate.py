@@ -137,20 +137,26 @@ def table(summary: dict[str, float]) -> str:
     return "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {summary[k]:.4f} |\n" for k in keys)
 
 
-@contextlib.contextmanager
-def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | None = None):
-    """(backend, rewards, tokenizer, wait) for evaluation: the model at `model_path` (default config.model_path)
-    or, with `workdir`, the params of that run's latest checkpoint; served by config.generator's backend.
-    Everything is stopped on exit; `wait` raises Interrupted once `stop` is set."""
+def served(config: Any, model_path: str = "", workdir: str = "") -> Any:
+    """A copy of `config` for serving the model at `model_path` (default config.model_path) or `workdir`'s run."""
     config = config.copy_and_resolve_references()
     with config.unlocked():
         config.model_path = model_path or config.model_path
         if not workdir:
             config.sft.steps = 0  # nothing is trained here
+    return config
+
+
+@contextlib.contextmanager
+def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | None = None):
+    """(backend, rewards, tokenizer, wait) for evaluation: the model at `model_path` (default config.model_path)
+    or, with `workdir`, the params of that run's latest checkpoint; served by config.generator's backend.
+    Everything is stopped on exit; `wait` raises Interrupted once `stop` is set."""
     from arealjax import builders
     from arealjax.checks import check_config
     from arealjax.export import restore_trainer
 
+    config = served(config, model_path, workdir)
     check_config(config)
     base = builders.base(config)
     model, version = base.model, 0
@@ -168,6 +174,8 @@ def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", pro
         stop=None) -> dict[str, float]:
     """The command: config → model (a HF directory, or a run's latest checkpoint) → rollout backend + reward workers →
     `evaluate` over the first `eval.num_problems` problems of `data.eval_split` (0 = all) → files in `out`."""
+    from arealjax import builders
+    from arealjax.checks import check_config
     from arealjax.data.prompts import eval_prompts
 
     e = config.eval
@@ -176,8 +184,13 @@ def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", pro
     answer_fn = load_fn(e.answer_fn)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with serving(config, model_path=model, workdir=workdir, stop=stop) as (backend, rewards, tokenizer, wait):
-        prompts = eval_prompts(config, tokenizer)
+    config = served(config, model, workdir)
+    check_config(config)
+    # The problems are read before anything starts: a mistake in them is refused at once, and the dataset library
+    # loads before any thread runs (tensorflow_datasets swaps builtins.__import__ while it imports, breaking other
+    # threads' imports).
+    prompts = eval_prompts(config, builders.make_tokenizer(config))
+    with serving(config, workdir=workdir, stop=stop) as (backend, rewards, tokenizer, wait):
         summary, rows = evaluate(backend, rewards, tokenizer, prompts, answer_fn=answer_fn, wait=wait,
                                  progress=progress, **sampling_kwargs(config))
     with open(out / "problems.jsonl", "w") as f:

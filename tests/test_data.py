@@ -120,13 +120,21 @@ def test_stream_state_round_trips_shuffles_per_epoch_and_shards(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_job_trains_on_a_converted_dataset(tmp_path):
+def test_the_job_trains_on_a_converted_dataset(tmp_path, monkeypatch):
     """main's job reads prompts from a converted dataset: every trained prompt id comes from the train split, none
-    twice within an epoch, and evaluation uses the test split."""
+    twice within an epoch, and evaluation uses the test split. Training and evaluate.py open each split before they
+    start a thread: tensorflow_datasets, loaded with the first split opened, swaps builtins.__import__ for a lazy
+    stand-in while it imports, which breaks any import another thread makes meanwhile (a reward worker's)."""
+    import threading
+
     from test_controller import small_config
 
-    from arealjax import train
-    from arealjax.data import arithmetic
+    from arealjax import evaluate, train
+    from arealjax.data import arithmetic, pipeline
+
+    opened = []  # the threads alive whenever a split was opened
+    load_split = pipeline.load_split
+    monkeypatch.setattr(pipeline, "load_split", lambda *a: opened.append(set(threading.enumerate())) or load_split(*a))
 
     problems = arithmetic.sample_problems(40, seed=1)
     rows = [{"id": f"p{i}", "prompt": p.prompt, "answer": p.answer} for i, p in enumerate(problems)]
@@ -134,11 +142,18 @@ def test_the_job_trains_on_a_converted_dataset(tmp_path):
                    "test": [write_jsonl(tmp_path / "test.jsonl", rows[32:])]}, tmp_path / "tfds")
     c = small_config(0, steps=3)
     c.data.update(path=str(out), epochs=1, max_prompt_tokens=16)
+    before = set(threading.enumerate())
     summary = train.run(c, str(tmp_path / "run"))
     steps = [json.loads(x) for x in (tmp_path / "run" / "trained_prompts.jsonl").read_text().splitlines()]
     ids = [i for s in steps for i in s["ids"]]
     assert [s["step"] for s in steps] == [1, 2, 3] and len(ids) == 12 == summary["prompts"]["trained"]
     assert len(set(ids)) == 12 and set(ids) <= {f"p{i}" for i in range(32)}
+    trained = len(opened)
+    before_eval = set(threading.enumerate())
+    evaluate.run(c, tmp_path / "eval", workdir=str(tmp_path / "run"), progress=False)
+    assert len((tmp_path / "eval" / "problems.jsonl").read_text().splitlines()) == c.eval.num_problems
+    assert trained == 2 and len(opened) == 3
+    assert all(alive <= before for alive in opened[:2]) and opened[2] <= before_eval, [x - before for x in opened]
 
 
 def test_convert_command_line(tmp_path, capsys):
@@ -278,3 +293,4 @@ def test_word_problems_are_gsm8k_rows_with_right_answers_and_a_disjoint_held_out
     assert word_problems.main([f"--out={tmp_path}", "--train=50000", "--max-number=4"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "unknown problem kinds ['fly']" in err[0] and "raise --max-number" in err[1]
+
