@@ -54,7 +54,7 @@ def timeit(fn, repeats: int) -> float:
 
 def parity() -> dict:
     import numpy as np
-    from conftest import HF_CONFIGS, hf_logits, make_hf_model
+    from hf_models import HF_CONFIGS, hf_logits, make_hf_model
 
     from arealjax.models import load_pretrained
 

@@ -230,3 +230,18 @@ def test_a_checkout_whose_only_changes_are_results_is_clean(tmp_path):
     assert not cells.commit(tmp_path).endswith("+dirty")
     (tmp_path / "main.py").write_text("print(1)\n")
     assert cells.commit(tmp_path).endswith("+dirty")
+
+
+def test_no_benchmark_runs_under_the_suites_settings():
+    """A benchmark measures what a user runs: none imports tests/conftest.py, which sets the suite's fast-compile XLA
+    flags (optimization level 0) and 8 fake devices for everything the process does after it. Shared test helpers
+    they need live in modules that set nothing (tests/hf_models.py)."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}:{node.lineno}" for n in names if n and n.split(".")[0] == "conftest"]
+    assert not offenders, f"benchmarks import the test suite's conftest.py: {offenders}"

@@ -9,8 +9,8 @@ import signal
 import gguf
 import numpy as np
 import pytest
-from conftest import hf_logits, make_hf_model
 from gguf import GGMLQuantizationType as Q
+from hf_models import hf_logits, make_hf_model
 
 from arealjax.models import load_pretrained
 from arealjax.models.gguf import GGUFFile, convert, dequantize, main, tokenizer_files

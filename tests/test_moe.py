@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import hf_logits, scanned_equals_unrolled
+from conftest import scanned_equals_unrolled
 from flax import nnx
+from hf_models import hf_logits
 
 from arealjax.generation.pages import PagePool, decode_index
 from arealjax.models import (
