@@ -11,7 +11,7 @@ continuations, 1,200 tokenizer strings)."""
 import gguf
 import numpy as np
 import pytest
-from conftest import hf_logits
+from hf_models import hf_logits
 
 from arealjax.models import load_pretrained
 from arealjax.models.gguf import GGUFFile, model_config, packaged
