@@ -66,9 +66,9 @@ def make_tokenizer(config: Any) -> Tokenizer:
 
 def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, models.Model]:
     """Tokenizer and model from `config.model_path` (a HF directory) or, when empty, a random tiny model."""
-    if config.model_path:
-        return make_tokenizer(config), models.load_pretrained(config.model_path, mesh=mesh, rules=rules)
     tokenizer = make_tokenizer(config)
+    if config.model_path:
+        return tokenizer, models.load_pretrained(config.model_path, mesh=mesh, rules=rules)
     cfg = models.ModelConfig.make(**config.model.to_dict(), vocab_size=tokenizer.vocab_size,
                                   eos_token_id=tokenizer.eos_ids[0], bos_token_id=tokenizer.bos_id)
     return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)

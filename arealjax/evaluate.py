@@ -147,17 +147,23 @@ def served(config: Any, model_path: str = "", workdir: str = "") -> Any:
     return config
 
 
-@contextlib.contextmanager
 def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | None = None):
     """(backend, rewards, tokenizer, wait) for evaluation: the model at `model_path` (default config.model_path)
     or, with `workdir`, the params of that run's latest checkpoint; served by config.generator's backend.
     Everything is stopped on exit; `wait` raises Interrupted once `stop` is set."""
-    from arealjax import builders
     from arealjax.checks import check_config
-    from arealjax.export import restore_trainer
 
     config = served(config, model_path, workdir)
     check_config(config)
+    return _serving(config, workdir, stop)
+
+
+@contextlib.contextmanager
+def _serving(config: Any, workdir: str, stop: Stop | None):
+    """serving() of a config that served() made and check_config() passed."""
+    from arealjax import builders
+    from arealjax.export import restore_trainer
+
     base = builders.base(config)
     model, version = base.model, 0
     if workdir:
@@ -190,7 +196,7 @@ def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", pro
     # loads before any thread runs (tensorflow_datasets swaps builtins.__import__ while it imports, breaking other
     # threads' imports).
     prompts = eval_prompts(config, builders.make_tokenizer(config))
-    with serving(config, workdir=workdir, stop=stop) as (backend, rewards, tokenizer, wait):
+    with _serving(config, workdir, stop) as (backend, rewards, tokenizer, wait):
         summary, rows = evaluate(backend, rewards, tokenizer, prompts, answer_fn=answer_fn, wait=wait,
                                  progress=progress, **sampling_kwargs(config))
     with open(out / "problems.jsonl", "w") as f:

@@ -293,4 +293,3 @@ def test_word_problems_are_gsm8k_rows_with_right_answers_and_a_disjoint_held_out
     assert word_problems.main([f"--out={tmp_path}", "--train=50000", "--max-number=4"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "unknown problem kinds ['fly']" in err[0] and "raise --max-number" in err[1]
-
