@@ -34,6 +34,7 @@ from arealjax.runtime import Stop
 
 MAJ_EXACT = 20_000
 MAJ_DRAWS = 2_000
+BAR_SECONDS = 2.0  # the progress bar's shortest redraw interval
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -78,10 +79,12 @@ def load_fn(path: str) -> Callable | None:
 def evaluate(backend: RolloutBackend, rewards, tokenizer, prompts: Sequence, *, n: int = 1, ks: Sequence[int] = (1,),
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 256,
              seed: int = 0, greedy: bool = True, answer_fn: Callable | None = None, wait: Callable = None,
-             progress: bool = False) -> tuple[dict[str, float], list[dict[str, Any]]]:
+             progress: bool = False, desc: str = "evaluate") -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Samples `n` completions of every prompt (and one greedy one), scores them with the reward service and
     returns (summary, per-problem rows). `wait(future)` resolves futures (the training loop's checks for a stop
-    request); `answer_fn(completion) -> str | None` extracts final answers for maj@k (None: no maj@k)."""
+    request); `answer_fn(completion) -> str | None` extracts final answers for maj@k (None: no maj@k). With
+    `progress`, a bar counts the samples scored and shows the running accuracy (mean reward so far) and greedy
+    accuracy: the sampled requests go first (in problem order, as the backend serves them), the greedy ones after."""
     ks = sorted({k for k in ks if k <= n})
     wait = wait or (lambda f: f.result())
     stops = tuple(tokenizer.eos_ids)
@@ -91,8 +94,10 @@ def evaluate(backend: RolloutBackend, rewards, tokenizer, prompts: Sequence, *, 
     greedy_futs = [backend.submit(p.tokens, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
                                                              stop_token_ids=stops)) for p in prompts] if greedy else []
     rows, t0 = [], time.perf_counter()
-    bar = tqdm(total=len(prompts), desc="evaluate", unit="problem", disable=not progress, mininterval=2)
-    for i, (p, f) in enumerate(zip(prompts, futs)):
+    bar = tqdm(total=len(prompts) * (n + bool(greedy)), desc=desc, unit="sample", disable=not progress,
+               mininterval=BAR_SECONDS, miniters=1, leave=False)
+    reward_sum = greedy_sum = 0.0
+    for p, f in zip(prompts, futs):
         samples = wait(f)
         texts = [tokenizer.decode(s.output_tokens) for s in samples]
         scores = [rewards.submit(t, **p.reward_kwargs) for t in texts]
@@ -102,11 +107,16 @@ def evaluate(backend: RolloutBackend, rewards, tokenizer, prompts: Sequence, *, 
         row["correct"] = sum(r > 0.5 for r in row["rewards"])
         if answer_fn is not None:
             row["answers"] = [answer_fn(t) for t in texts]
-        if greedy:
-            g = wait(greedy_futs[i])[0]
-            text = tokenizer.decode(g.output_tokens)
-            row.update(greedy_completion=text, greedy_reward=float(wait(rewards.submit(text, **p.reward_kwargs))))
         rows.append(row)
+        reward_sum += sum(row["rewards"])
+        bar.set_postfix(acc=f"{reward_sum / (len(rows) * n):.3f}", refresh=False)
+        bar.update(n)
+    for i, (p, f) in enumerate(zip(prompts, greedy_futs)):
+        text = tokenizer.decode(wait(f)[0].output_tokens)
+        rows[i].update(greedy_completion=text, greedy_reward=float(wait(rewards.submit(text, **p.reward_kwargs))))
+        greedy_sum += rows[i]["greedy_reward"]
+        bar.set_postfix(acc=f"{reward_sum / (len(rows) * n):.3f}", greedy=f"{greedy_sum / (i + 1):.3f}",
+                        refresh=False)
         bar.update()
     bar.close()
     return summarize(rows, n, ks, seconds=time.perf_counter() - t0), rows

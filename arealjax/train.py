@@ -100,13 +100,13 @@ def shared_workdir(workdir: Path, processes: Processes) -> None:
 def held_out_metrics(backend: RolloutBackend, rewards: RewardService, tokenizer: Tokenizer, prompts: list[Prompt],
                      config: Any, stop: Stop, step: int, workdir: Path, processes: Processes) -> dict[str, float]:
     """Held-out evaluation inside training (arealjax/evaluate.py: pass@k, maj@k, greedy accuracy, lengths); the
-    per-problem rows go to workdir/eval/<step>.jsonl. On several processes each evaluates its share of the
-    problems on its generator and every process gets the summary over all of them; the rows process 0 writes
-    then carry the completions of its own share only."""
+    per-problem rows go to workdir/eval/<step>.jsonl, its progress to a bar of its own (process 0's share). On
+    several processes each evaluates its share of the problems on its generator and every process gets the summary
+    over all of them; the rows process 0 writes then carry the completions of its own share only."""
     kwargs = evaluation.sampling_kwargs(config)
     summary, rows = evaluation.evaluate(backend, rewards, tokenizer, prompts[processes.index::processes.count],
-                                        wait=stop.wait,
-                                        answer_fn=evaluation.load_fn(config.eval.answer_fn), **kwargs)
+                                        wait=stop.wait, answer_fn=evaluation.load_fn(config.eval.answer_fn),
+                                        progress=processes.primary, desc=f"evaluate (step {step})", **kwargs)
     if processes.count > 1:
         mine = {"completions", "greedy_completion"}
         shares = processes.allgather("eval", [{k: v for k, v in r.items() if k not in mine} for r in rows])

@@ -67,10 +67,11 @@ class ProtocolOnly:
 
 
 @pytest.mark.parametrize("kind", ["local", "remote"])
-def test_backends_and_transports_satisfy_the_protocols_and_serve_through_them(kind, tmp_path):
+def test_backends_and_transports_satisfy_the_protocols_and_serve_through_them(kind, tmp_path, monkeypatch,
+                                                                                   capsys):
     """The in-process generator and a generation server in its own process (generation/remote.py; several:
-    tests/test_server.py) serve the controller (a multi-turn workflow), a weight push and evaluation through the
-    protocol alone."""
+    tests/test_server.py) serve the controller (a multi-turn workflow), a weight push and evaluation (with its
+    progress bar) through the protocol alone."""
     c = small_config()
     c.generator.backend = kind
     c.generator.servers.spawn = 1
@@ -100,10 +101,18 @@ def test_backends_and_transports_satisfy_the_protocols_and_serve_through_them(ki
             transport.push(model.params, 1).result(timeout=60)
             assert proxy.version == 1
 
-            # evaluation, through the protocol only
+            # evaluation, through the protocol only, its bar redrawn at every sample scored (BAR_SECONDS = 0)
+            monkeypatch.setattr(evaluate, "BAR_SECONDS", 0.0)
+            capsys.readouterr()
             summary, rows = evaluate.evaluate(proxy, rewards, tokenizer, eval_prompts(c, tokenizer)[:3], n=2,
-                                              ks=(1, 2), max_new_tokens=6)
+                                              ks=(1, 2), max_new_tokens=6, progress=True, desc="held out")
         assert summary["problems"] == 3 and len(rows) == 3
+        # the bar counts samples as they are scored (3 problems x 2, then 3 greedy) with the running accuracies,
+        # which end at the summary's
+        bar = capsys.readouterr().err
+        shown = [bar.index(f"{done}/9") for done in (2, 4, 6, 7, 9)]
+        assert shown == sorted(shown) and bar.startswith("\rheld out:"), bar
+        assert f"acc={summary['eval_accuracy']:.3f}, greedy={summary['eval_greedy_accuracy']:.3f}" in bar, bar
         assert {"submit", "max_len"} <= set(proxy.calls)
     finally:
         backend.close()
