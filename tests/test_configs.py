@@ -80,13 +80,45 @@ def test_every_recipe_variant_builds(name, arg):
     if "model=tiny" in arg:
         assert config.model_path.startswith(f"{math.TINY}/") and config.cpu_devices == 4
     if name == "math" and "data=" in arg:
-        paths = math.TINY_DATASETS if "model=tiny" in arg else math.DATASETS
-        assert config.data.path == paths[arg.rsplit("data=", 1)[1]][0]
+        tiny = "model=tiny" in arg
+        paths, root = (math.TINY_DATASETS, f"{math.TINY}/tfds") if tiny else (math.DATASETS, math.TFDS)
+        assert config.data.path == f"{root}/{paths[arg.rsplit('data=', 1)[1]][0]}"
+
+
+def paths_in(config) -> list[str]:
+    """Every string value of a config that names an absolute path."""
+    out = []
+    for value in config.values():
+        if isinstance(value, ml_collections.ConfigDict):
+            out += paths_in(value)
+        elif isinstance(value, dict):
+            out += paths_in(ml_collections.ConfigDict(value))
+        elif isinstance(value, str) and value.startswith("/"):
+            out.append(value)
+    return out
+
+
+@pytest.mark.parametrize("name, arg, roots", [
+    ("smollm2", "root=/mine", ("/mine",)), ("smollm2", "root=/mine,device=gpu", ("/mine",)),
+    ("math", "ckpt=/mine/ckpt,tfds=/mine/tfds", ("/mine/ckpt", "/mine/tfds")),
+    ("math", "model=tiny-moe,data=math,ckpt=/mine,tfds=/mine/tfds", ("/mine",)),
+    ("code", "ckpt=/mine/ckpt,tfds=/mine/tfds", ("/mine/ckpt", "/mine/tfds")),
+    ("code", "model=tiny,ckpt=/mine,tfds=/mine/tfds", ("/mine",)),
+])
+def test_one_argument_per_root_moves_every_path_a_recipe_reads(name, arg, roots):
+    """A user who converted the model and data somewhere else gives the recipe that directory, not three keys:
+    every path of the config (model, data, SFT data) is then under the roots given, none under the defaults."""
+    config = variant(name, arg)
+    paths = paths_in(config)
+    assert config.model_path in paths and config.data.path in paths, paths
+    assert all(path.startswith(roots) for path in paths), paths
+    default_paths = paths_in(variant(name, ",".join(p for p in arg.split(",") if "/" not in p)))
+    assert len(default_paths) == len(paths) and not set(default_paths) & set(paths), default_paths
 
 
 def test_the_variants_differ_where_the_arguments_say():
     assert math.get_config().model_path == "/ckpt/Qwen3-1.7B"  # no argument: the default model and its dataset
-    assert math.get_config().data.path == math.DATASETS["deepscaler"][0]
+    assert math.get_config().data.path == f"{math.TFDS}/{math.DATASETS['deepscaler'][0]}"
     assert math.get_config("model=qwen3-1.7b,data=gsm8k").data.max_prompt_tokens == 512
     assert code.get_config().model_path == "/ckpt/DeepSeek-R1-Distill-Qwen-1.5B"
     cpu, gpu = smollm2.get_config(), smollm2.get_config("device=gpu")
@@ -101,11 +133,11 @@ def test_the_variants_differ_where_the_arguments_say():
                                            "math, deepscaler"),
     ("math", "model=tiny,data=deepscaler", "data=deepscaler: unknown dataset for model=tiny; expected one of gsm8k, "
                                            "math"),
-    ("math", "dataset=gsm8k", "unknown key 'dataset'; expected model, data"),
-    ("math", "qwen3-1.7b", "'qwen3-1.7b' is not key=value; expected model, data"),
+    ("math", "dataset=gsm8k", "unknown key 'dataset'; expected model, data, ckpt, tfds"),
+    ("math", "qwen3-1.7b", "'qwen3-1.7b' is not key=value; expected model, data, ckpt, tfds"),
     ("code", "model=qwen9", "model=qwen9: unknown model; expected one of qwen3-0.6b, "),
     ("smollm2", "device=tpu", "device=tpu: expected one of cpu, gpu"),
-    ("smollm2", "gpu", "'gpu' is not key=value; expected device"),
+    ("smollm2", "gpu", "'gpu' is not key=value; expected root, device"),
 ])
 def test_a_bad_argument_names_the_allowed_values(name, arg, says):
     with pytest.raises(ValueError, match=f"^configs/{name}.py") as e:

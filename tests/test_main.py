@@ -111,12 +111,9 @@ def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_r
     exports them in PEFT's format, and the evaluation restores them onto the SFT result."""
     root = tiny_recipes
     name = recipe.split("+")[0]
-    model = {"math": "qwen3-moe", "code": "r1-distill"}[name]
-    arg = {"math": "model=tiny-moe", "code": "model=tiny"}[name]
-    data = {"math": "gsm8k", "code": "code"}[name]
-    paths = [f"--config.model_path={root / model}", f"--config.data.path={root / 'tfds' / data / '1.0.0'}",
-             f"--config.sft.data.path={root / 'tfds' / 'sft' / '1.0.0'}"]
-    paths.append("--config.curves=False")  # the default job's test checks them
+    # the recipe finds the tiny build where the fixture made it by its ckpt= and tfds= arguments
+    arg = {"math": "model=tiny-moe", "code": "model=tiny"}[name] + f",ckpt={root},tfds={root / 'tfds'}"
+    paths = ["--config.curves=False"]  # the default job's test checks them
     if recipe == "code+lora":
         paths += ["--config.lora.rank=4", "--config.lora.export=adapters", "--config.lora.generator=on_the_fly"]
     workdir = tmp_path_factory.mktemp(name)
@@ -124,6 +121,7 @@ def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_r
     run = subprocess.run([sys.executable, "main.py", f"--config=configs/{name}.py:{arg}", f"--workdir={workdir}",
                           *paths], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "evaluate (step 0):" in run.stderr and "evaluate (step 3):" in run.stderr  # the evaluations' bars
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -141,6 +139,7 @@ def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_r
                          f"--workdir={workdir}", f"--out={out}", *paths], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
     assert ev.returncode == 0, ev.stderr[-3000:]
+    assert "evaluate:" in ev.stderr and "sample/s" in ev.stderr  # its progress bar
     result = json.loads((out / "summary.json").read_text())
     assert result["problems"] == 8 and result["samples_per_problem"] == 4
     assert {"pass@1", "pass@2", "pass@4", "eval_greedy_accuracy"} <= set(result)
