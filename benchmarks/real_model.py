@@ -4,6 +4,7 @@ package), converted, checked against transformers and llama.cpp, served by our g
   pip install -r requirements-dev.txt && python benchmarks/real_model.py     # every part (hours: see --parts)
   python benchmarks/real_model.py --parts=parity,generator,trainer           # the quick parts (~30 minutes)
   python benchmarks/real_model.py --parts=rl --seeds=0,1,2 --etas=0,2        # the RL runs (resumable)
+  python benchmarks/real_model.py --parts=rl --etas=2 --objectives=standard,decoupled   # each objective's runs
   python benchmarks/real_model.py --smoke                                    # every part at toy sizes (minutes)
 
 Parts (each adds its section to benchmarks/results/real_model.json, with the commit it ran at; real_model.md and
@@ -17,9 +18,9 @@ real_model.png are drawn again from the whole file):
   trainer    one RL step on the recipe's trajectory shapes: tokens/s and model-FLOPs utilisation against this
              machine's measured matmul peak, full fine-tune and LoRA; peak host memory of the recipe's run and of
              the variants that cut it, and what it is made of
-  rl         configs/smollm2.py as the README runs it, for --seeds × --etas: held-out pass@1 (at the recipe's
-             sampling temperature, and at T = 1) and greedy accuracy, start → end, s/step, wall-clock; each seed's
-             gain and their mean
+  rl         configs/smollm2.py as the README runs it, for --seeds × --etas × --objectives (default: the recipe's
+             own): held-out pass@1 (at the recipe's sampling temperature, and at T = 1) and greedy accuracy, start
+             → end, s/step, wall-clock; each seed's gain and their mean
 The model is converted into --work (python -m arealjax.models.gguf) and the word problems generated and converted
 there, as the README's commands do; nothing is read from outside the repository and the installed packages.
 """
@@ -86,6 +87,14 @@ def prepare(work: Path, layers: int = 0) -> tuple[Path, Path, Path]:
         subprocess.run([sys.executable, "-m", "arealjax.data.convert", f"--out={tfds}", f"--train={raw}/train.jsonl",
                         f"--test={raw}/test.jsonl"], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     return model, raw, data
+
+
+def recipe(model_dir: Path, data: Path) -> list[str]:
+    """The recipe's flags as the README gives them, `--config=configs/smollm2.py:root=R` for the directory `prepare`
+    made (and the model of --layers, which is not R/model)."""
+    root = data.parents[2]  # R/tfds/gsm8k/1.0.0
+    return [f"--config=configs/smollm2.py:root={root}",
+            *([f"--config.model_path={model_dir}"] if model_dir != root / "model" else [])]
 
 
 def first_layers(src: Path, dst: Path, n: int) -> Path:
@@ -423,8 +432,7 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
     from arealjax.runtime import child_env
 
     env = child_env()  # main.py fakes its own device count; every other XLA flag (a test's) passes through
-    base = [sys.executable, "main.py", "--config=configs/smollm2.py", f"--config.model_path={model_dir}",
-            f"--config.data.path={data}", "--config.rl.steps=1", "--config.rl.eval_every=100",
+    base = [sys.executable, "main.py", *recipe(model_dir, data), "--config.rl.steps=1", "--config.rl.eval_every=100",
             "--config.eval.num_problems=4", "--config.checkpoint.every_steps=100", *args.overrides]
     out["memory"] = {}
     for name, flags in args.memory_variants:
@@ -454,37 +462,44 @@ def part_rl(args, model_dir: Path, data: Path) -> dict:
 
     # evaluations at the start, the middle and the end (--smoke: the start and the end)
     every = args.steps // 2 if args.steps % 2 == 0 and not args.smoke else args.steps
-    grid = argparse.Namespace(config="configs/smollm2.py", work=str(Path(args.work) / "rl"), steps=args.steps,
-                              warmup=args.warmup, eval_problems=args.eval_problems, eval_every=every,
-                              overrides=[f"--config.model_path={model_dir}", f"--config.data.path={data}",
-                                         *args.overrides], warm_up=False)
+    config, *paths = recipe(model_dir, data)
+    grid = argparse.Namespace(config=config.removeprefix("--config="), work=str(Path(args.work) / "rl"),
+                              steps=args.steps, warmup=args.warmup, eval_problems=args.eval_problems,
+                              eval_every=every, overrides=[*paths, *args.overrides], warm_up=False)
     Path(grid.work).mkdir(parents=True, exist_ok=True)
     runs = []
     for seed in args.seeds:
         for eta in args.etas:
-            c = cells.cell("colocated", eta, "decoupled", "recompute", seed)
-            r = cells.run(c, grid)
-            rows = [json.loads(x) for x in (Path(grid.work) / c["name"] / "metrics.jsonl").read_text().splitlines()]
-            first = next(x for x in rows if "eval_accuracy" in x)
-            summary = json.loads((Path(grid.work) / c["name"] / "summary.json").read_text())
-            r.update(greedy_start=first.get("eval_greedy_accuracy"), wall_seconds=summary["wall_seconds"],
-                     pass_at_4_start=first.get("eval_pass_at_4"),
-                     pass_at_4_end=[x for x in rows if "eval_accuracy" in x][-1].get("eval_pass_at_4"),
-                     gain=r["accuracy_end"] - r["accuracy_start"],
-                     t1_end=evaluate_t1(Path(grid.work) / c["name"] / "model", Path(grid.work) / c["name"] / "t1",
-                                        args, model_dir, data))
-            runs.append({k: v for k, v in r.items() if k not in ("overrides",)})
+            for objective in args.objectives:
+                runs.append(rl_run(cells.cell("colocated", eta, objective, "recompute", seed), grid, args,
+                                   model_dir, data))
     return {"runs": runs, "t1_start": evaluate_t1(model_dir, Path(grid.work) / "base_t1", args, model_dir, data),
             "command": "python benchmarks/real_model.py " + " ".join(args.argv)}
+
+
+def rl_run(c: dict, grid: argparse.Namespace, args, model_dir: Path, data: Path) -> dict:
+    """One RL cell of the recipe (benchmarks/cells.py), its summary with greedy and pass@4 ends, gain, wall-clock
+    and the final model's T = 1 pass@1."""
+    from benchmarks import cells
+
+    r = cells.run(c, grid)
+    rows = [json.loads(x) for x in (Path(grid.work) / c["name"] / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in rows if "eval_accuracy" in x]
+    summary = json.loads((Path(grid.work) / c["name"] / "summary.json").read_text())
+    r.update(greedy_start=evals[0].get("eval_greedy_accuracy"), wall_seconds=summary["wall_seconds"],
+             pass_at_4_start=evals[0].get("eval_pass_at_4"), pass_at_4_end=evals[-1].get("eval_pass_at_4"),
+             gain=r["accuracy_end"] - r["accuracy_start"],
+             t1_end=evaluate_t1(Path(grid.work) / c["name"] / "model", Path(grid.work) / c["name"] / "t1", args,
+                                model_dir, data))
+    return {k: v for k, v in r.items() if k not in ("overrides",)}
 
 
 def evaluate_t1(model: Path, out: Path, args, model_dir: Path, data: Path) -> float:
     """Held-out pass@1 at temperature 1 (python -m arealjax.evaluate), cached in `out`."""
     summary = out / "summary.json"
     if not summary.is_file():
-        res = subprocess.run([sys.executable, "-m", "arealjax.evaluate", "--config=configs/smollm2.py",
-                              f"--model={model}", f"--out={out}", f"--config.model_path={model_dir}",
-                              f"--config.data.path={data}", "--config.eval.temperature=1.0",
+        res = subprocess.run([sys.executable, "-m", "arealjax.evaluate", *recipe(model_dir, data),
+                              f"--model={model}", f"--out={out}", "--config.eval.temperature=1.0",
                               "--config.eval.greedy=False", f"--config.eval.num_problems={args.eval_problems}",
                               *args.overrides],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -573,12 +588,12 @@ def report(res: dict) -> str:
                   f"Held-out pass@1 at the recipe's temperature and greedy accuracy, {runs[0].get('steps')} steps, "
                   "mean ± sd over seeds; T = 1 pass@1 of the base model "
                   f"{r['t1_start']:.2f}.", "",
-                  "| η | pass@1 start → end | gain by seed | mean gain | greedy start → end | pass@1 at T = 1, end | "
-                  "s / step by seed | wall-clock by seed |", "|---|---|---|---|---|---|---|---|"]
-        for eta in sorted({x["eta"] for x in runs}):
-            rs = sorted([x for x in runs if x["eta"] == eta], key=lambda x: x["seed"])
+                  "| objective | η | pass@1 start → end | gain by seed | mean gain | greedy start → end | "
+                  "pass@1 at T = 1, end | s / step by seed | wall-clock by seed |", "|---" * 9 + "|"]
+        for objective, eta in sorted({(x["objective"], x["eta"]) for x in runs}):
+            rs = sorted([x for x in runs if (x["objective"], x["eta"]) == (objective, eta)], key=lambda x: x["seed"])
             gains = ", ".join(f"{x['seed']}: {x['gain']:+.2f}" for x in rs)
-            lines.append(f"| {eta} | {stat(x['accuracy_start'] for x in rs)} → "
+            lines.append(f"| {objective} | {eta} | {stat(x['accuracy_start'] for x in rs)} → "
                          f"**{stat(x['accuracy_end'] for x in rs)}** | {gains} | "
                          f"**{np.mean([x['gain'] for x in rs]):+.2f}** | "
                          f"{stat(x['greedy_start'] for x in rs)} → {stat(x['greedy_end'] for x in rs)} | "
@@ -589,7 +604,7 @@ def report(res: dict) -> str:
 
 
 def figure(res: dict, out: Path) -> None:
-    """Held-out pass@1 against training wall-clock for every RL run (colour: η)."""
+    """Held-out pass@1 against training wall-clock for every RL run (colour: objective and η)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -600,11 +615,13 @@ def figure(res: dict, out: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4))
     colours = {}
-    for x in sorted(runs, key=lambda x: (x["eta"], x["seed"])):
-        c = colours.setdefault(x["eta"], f"C{len(colours)}")
+    for x in sorted(runs, key=lambda x: (x["objective"], x["eta"], x["seed"])):
+        key = (x["objective"], x["eta"])
+        c = colours.setdefault(key, f"C{len(colours)}")
         curve = np.array([[p[1] / 60, p[2]] for p in x["curve"]])
+        first = x["seed"] == min(r["seed"] for r in runs if (r["objective"], r["eta"]) == key)
         ax.plot(curve[:, 0], curve[:, 1], marker="o", color=c, alpha=0.8,
-                label=f"η = {x['eta']}" if x["seed"] == min(r["seed"] for r in runs) else None)
+                label=f"{x['objective']}, η = {x['eta']}" if first else None)
     ax.set_xlabel("training wall-clock (min, evaluations left out)")
     ax.set_ylabel("held-out pass@1")
     ax.set_title("SmolLM2-135M-Instruct on word problems, 2 CPU cores")
@@ -635,6 +652,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=0, help="the model's first N blocks only (0: all 30; --smoke: 2)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--etas", default="0,2")
+    p.add_argument("--objectives", default="", help="rl: PPO objectives (default: the recipe's own)")
     p.add_argument("--steps", type=int, default=0, help="rl: RL steps (0: the recipe's)")
     p.add_argument("--warmup", type=int, default=2, help="rl: first steps left out of s/step (compilation)")
     p.add_argument("--eval-problems", type=int, default=200, help="rl: held-out problems")
@@ -648,10 +666,11 @@ def main() -> None:
     args.slots = [int(s) for s in args.slots.split(",")]
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.etas = [int(s) for s in args.etas.split(",")]
+    from configs.smollm2 import get_config
+
+    args.objectives = args.objectives.split(",") if args.objectives else [get_config().trainer.ppo.objective]
     args.memory_variants = MEMORY_VARIANTS
     if not args.steps:
-        from configs.smollm2 import get_config
-
         args.steps = get_config().rl.steps
     if args.smoke:
         args.work = args.results = str(Path(args.work) / "smoke")
