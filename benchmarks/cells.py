@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -97,6 +98,17 @@ def portable(argv: list[str]) -> list[str]:
         else:
             out.append(a)
     return out
+
+
+def cpu_model() -> str:
+    """The processor's name ('AMD EPYC', from /proc/cpuinfo; elsewhere Python's guess): timings are only comparable
+    on one kind of machine, and a run's numbers (float rounding, the timing of asynchronous steps) depend on it."""
+    try:
+        names = [x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                 if x.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or "unknown"
 
 
 def commit(checkout: Path = ROOT) -> str:

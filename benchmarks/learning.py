@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from arealjax.runtime import child_env  # noqa: E402
-from benchmarks.cells import SMOKE, commit, portable, training_curve  # noqa: E402
+from benchmarks.cells import SMOKE, commit, cpu_model, portable, training_curve  # noqa: E402
 
 
 def config_file(job: str) -> str:
@@ -102,7 +102,8 @@ def summarize(cell: dict, workdir: Path, args) -> dict:
     failed = summary.get("error", "").split(" (")[0]  # its first clause
     trained = [r for r in rows if r["step"] > 0 and "router_disagreement" in r]  # a mixture of experts' steps
     mismatch = {k: float(np.mean([r[k] for r in trained if k in r])) for k in MISMATCH} if trained else {}
-    return {**cell, "commit": args.commit, "command": args.command, "steps": last, "status": summary["status"],
+    return {**cell, "commit": args.commit, "command": args.command, "machine": cpu_model(), "steps": last,
+            "status": summary["status"],
             "stopped_early": summary.get("stopped_early") or (f"failed after step {last}: {failed}" if failed else ""),
             "seconds_per_step": (train_wall[last] - train_wall[warm]) / (last - warm),
             "grad_norm_mean": float(np.mean(grad_norms)) if grad_norms else None, "curve": curve,
@@ -134,7 +135,9 @@ def sci(xs) -> str:
 
 def report(results: list[dict]) -> str:
     """One row per (tag, job, η): pass@1 and greedy start → end (mean ± sd over seeds), each seed's final pass@1,
-    s/step, mean gradient norm; then each tag's difference from the first tag on the same (job, η)."""
+    s/step, mean gradient norm, the machine; then each tag's difference from the first tag on the same (job, η)
+    measured on the same kind of machine (a run's numbers depend on it: see docs/figures.md, "Learning over
+    seeds")."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         groups.setdefault((r["tag"], r["job"], r["eta"]), []).append(r)
@@ -145,7 +148,7 @@ def report(results: list[dict]) -> str:
              f"temperature and greedy, {os.cpu_count()} CPU cores; s/step over training wall-clock, "
              f"evaluations and the first steps left out).", "",
              "| tag (commit) | job | η | pass@1 start → end | greedy start → end | final pass@1 by seed | s / step | "
-             "grad norm | n |", "|---|---|---|---|---|---|---|---|---|"]
+             "grad norm | n | machine |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (tag, job, eta), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2], tags.index(kv[0][0]))):
         rs = sorted(rs, key=lambda r: r["seed"])
         commits = ", ".join(sorted({r["commit"] for r in rs}))
@@ -153,7 +156,7 @@ def report(results: list[dict]) -> str:
         lines.append(f"| {tag} ({commits}) | {job} | {eta} | {stat(r['accuracy_start'] for r in rs)} → "
                      f"**{stat(r['accuracy_end'] for r in rs)}** | {stat(r['greedy_start'] for r in rs)} → "
                      f"{stat(r['greedy_end'] for r in rs)} | {seeds} | {stat(r['seconds_per_step'] for r in rs)} | "
-                     f"{stat(r['grad_norm_mean'] for r in rs)} | {len(rs)} |")
+                     f"{stat(r['grad_norm_mean'] for r in rs)} | {len(rs)} | {machines(rs)} |")
     if any(r["stopped_early"] for r in results):
         lines += ["", "\\* ended before its last step (" + "; ".join(sorted({
             f"{r['tag']} {r['job']} η = {r['eta']} seed {r['seed']}: "
@@ -161,12 +164,13 @@ def report(results: list[dict]) -> str:
             for r in results if r["stopped_early"]})) + "); its last evaluation is its final accuracy."]
     diffs = []
     for (tag, job, eta), rs in groups.items():
-        base = groups.get((tags[0], job, eta))
-        if tag == tags[0] or not base:
+        first = next(t for t in tags if (t, job, eta) in groups and machines(groups[t, job, eta]) == machines(rs))
+        base = groups[first, job, eta]
+        if tag == first:
             continue
         a, b = (np.array([r["accuracy_end"] for r in x]) for x in (base, rs))
         se = np.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)) if min(len(a), len(b)) > 1 else float("nan")
-        diffs.append(f"| {job} | {eta} | {tag} − {tags[0]} | {b.mean() - a.mean():+.2f} | {se:.2f} | "
+        diffs.append(f"| {job} | {eta} | {tag} − {first} | {b.mean() - a.mean():+.2f} | {se:.2f} | "
                      f"{(b.mean() - a.mean()) / se if se > 0 else float('nan'):+.1f} |")
     moe = [(key, rs) for key, rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0]))
            if all(MISMATCH[0] in r for r in rs)]
@@ -182,10 +186,16 @@ def report(results: list[dict]) -> str:
                          f"{sci(r['router_disagreement'] for r in rs)} | {sci(r['kl_behaviour_prox'] for r in rs)} | "
                          f"{sci(r.get('lag0_kl_behaviour_prox') for r in rs)} | {len(rs)} |")
     if diffs:
-        lines += ["", "Final pass@1 against the first tag (difference of means, its standard error from the seed "
-                  "spread, and their ratio: |t| < 2 cannot be told from seed noise):", "",
+        lines += ["", "Final pass@1 against the first tag of the same job and η measured on the same kind of machine "
+                  "(difference of means, its standard error from the seed spread, and their ratio: |t| < 2 cannot be "
+                  "told from seed noise):", "",
                   "| job | η | tags | difference | standard error | t |", "|---|---|---|---|---|---|", *diffs]
     return "\n".join(lines)
+
+
+def machines(rs: list[dict]) -> str:
+    """The kinds of machine a group of cells ran on ('—': cells recorded before the machine was)."""
+    return ", ".join(sorted({r.get("machine") or "—" for r in rs}))
 
 
 def figure(results: list[dict], out: Path) -> None:

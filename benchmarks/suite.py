@@ -17,7 +17,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -29,16 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def cpu_model() -> str:
-    """The processor's name ('AMD EPYC', from /proc/cpuinfo; elsewhere Python's guess): suite times are only
-    comparable on one kind of machine."""
-    try:
-        names = [x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                 if x.startswith("model name")]
-    except OSError:
-        names = []
-    return names[0] if names else platform.processor() or "unknown"
+from benchmarks.cells import cpu_model  # noqa: E402
 
 
 def run(tests: list[str], workers: int, junit: Path) -> dict:

@@ -150,6 +150,14 @@ def test_learning_report_compares_tags_over_seeds():
     # difference −0.10, standard error sqrt(0.01/3 + 0.01/3) = 0.0816, t = −1.2: not separable from noise
     assert "| default | 2 | new − old | -0.10 | 0.08 | -1.2 |" in text
 
+    # a run's numbers depend on the machine: tags measured on another kind of machine are compared among themselves
+    other = [dict(cell(tag, i, x), machine="Intel Xeon") for tag, xs in (("old-here", new), ("new-here", old))
+             for i, x in enumerate(xs)]
+    text = report([cell("old", i, x) for i, x in enumerate(old)] + [cell("new", i, x) for i, x in enumerate(new)]
+                  + other)
+    assert "| default | 2 | new − old | -0.10 |" in text and "| default | 2 | new-here − old-here | +0.10 |" in text
+    assert "| 3 | Intel Xeon |" in text and "| 3 | — |" in text and "− old | +" not in text
+
 
 @pytest.mark.parametrize("script", sorted(OWN_SMOKE_TEST))
 def test_a_script_left_out_of_the_smoke_runs_here_has_its_own(script):
