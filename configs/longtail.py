@@ -29,6 +29,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sft.demo_error = 0.3
     config.sft.max_tokens = 512
     config.sft.micro_rows = 16
+    config.sft.optim.lr = 3e-3  # the step size its warm start and every long-tail figure were measured with
 
     config.rl.steps = 60
     config.rl.max_new_tokens = 480  # prompts are ≤ 16 tokens; generator.max_len caps prompt + output
