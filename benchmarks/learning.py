@@ -102,8 +102,9 @@ def summarize(cell: dict, workdir: Path, args) -> dict:
     failed = summary.get("error", "").split(" (")[0]  # its first clause
     trained = [r for r in rows if r["step"] > 0 and "router_disagreement" in r]  # a mixture of experts' steps
     mismatch = {k: float(np.mean([r[k] for r in trained if k in r])) for k in MISMATCH} if trained else {}
+    warm = carried_sums(workdir.parent / f"{slug(cell['job'])}_sft_seed{cell['seed']}", cell["job"])
     return {**cell, "commit": args.commit, "command": args.command, "machine": cpu_model(), "steps": last,
-            "status": summary["status"],
+            "status": summary["status"], **({"warm_start": warm} if warm else {}),
             "stopped_early": summary.get("stopped_early") or (f"failed after step {last}: {failed}" if failed else ""),
             "seconds_per_step": (train_wall[last] - train_wall[warm]) / (last - warm),
             "grad_norm_mean": float(np.mean(grad_norms)) if grad_norms else None, "curve": curve,
@@ -111,6 +112,49 @@ def summarize(cell: dict, workdir: Path, args) -> dict:
             "accuracy_end": summary.get("eval_accuracy_end", curve[-1][2]),  # a failed run: its last evaluation
             "greedy_start": summary.get("eval_greedy_accuracy_start"),
             "greedy_end": summary.get("eval_greedy_accuracy_end", curve[-1][3]), **mismatch}
+
+
+def carried_sums(warm_start: Path, job: str, problems: int = 2000) -> dict[str, float] | None:
+    """What an addition-task warm start (an SFT cache: model.safetensors + config.json) knows of carrying, teacher-
+    forced on the correct traces of `problems` fresh problems: the mean probability of writing the carry where one is
+    due ('+1'), of the right sum digits after a written carry ('8+9+1=' -> '18'), and of the right result after the
+    whole trace. None for another task or without the warm start."""
+    name, _, arg = job.partition(":")
+    config = __import__(f"configs.{name}", fromlist=["get_config"]).get_config(arg or None)
+    if config.task.name != "addition" or config.data.path or not (warm_start / "model.safetensors").is_file():
+        return None
+    import jax
+
+    from arealjax import models
+    from arealjax.builders import make_tokenizer
+    from arealjax.data.arithmetic import demonstration, sample_problems
+    from arealjax.data.pipeline import format_prompt
+
+    tokenizer, model = make_tokenizer(config), models.load_pretrained(warm_start)
+    rows = []
+    for p in sample_problems(problems, seed=12345, min_digits=config.task.min_digits,
+                             max_digits=config.task.max_digits):
+        prompt, trace = format_prompt(tokenizer, p.prompt, config.data.template, config.data.instruction), \
+            demonstration(p)
+        rows.append((len(prompt), prompt + tokenizer.encode(trace), trace))  # one token per character
+    tokens = np.zeros((len(rows), max(len(r[1]) for r in rows)), np.int32)
+    for i, (_, ids, _) in enumerate(rows):
+        tokens[i, :len(ids)] = ids
+    logp = np.asarray(jax.jit(lambda t: jax.nn.log_softmax(model(t), axis=-1))(tokens))
+    target = np.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]  # [i, t]: log p(token t + 1)
+    write, after, result = [], [], []
+    for (n, _, trace), lp in zip(rows, target):
+        trace_lp = lp[n - 1:n - 1 + len(trace)]  # log p of each character of the trace
+        p = lambda lo, hi: float(np.exp(trace_lp[lo:hi].sum()))  # noqa: E731, B023
+        at = 0
+        for step in trace.split(";")[0].split(","):
+            if "+1=" in step:
+                write.append(p(at + step.index("+1="), at + step.index("+1=") + 1))
+                after.append(p(at + step.index("=") + 1, at + len(step)))
+            at += len(step) + 1
+        result.append(p(trace.index(";") + 1, len(trace)))
+    return {"carry_written": float(np.mean(write)), "sum_after_carry": float(np.mean(after)),
+            "result_after_trace": float(np.mean(result))}
 
 
 # A mixture of experts' training-inference mismatch, per step: the share of the generator's experts the trainer's
@@ -137,7 +181,7 @@ def report(results: list[dict]) -> str:
     """One row per (tag, job, η): pass@1 and greedy start → end (mean ± sd over seeds), each seed's final pass@1,
     s/step, mean gradient norm, the machine; then each tag's difference from the first tag on the same (job, η)
     measured on the same kind of machine (a run's numbers depend on it: see docs/figures.md, "Learning over
-    seeds")."""
+    seeds") with runs of the same shape."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         groups.setdefault((r["tag"], r["job"], r["eta"]), []).append(r)
@@ -164,7 +208,8 @@ def report(results: list[dict]) -> str:
             for r in results if r["stopped_early"]})) + "); its last evaluation is its final accuracy."]
     diffs = []
     for (tag, job, eta), rs in groups.items():
-        first = next(t for t in tags if (t, job, eta) in groups and machines(groups[t, job, eta]) == machines(rs))
+        first = next(t for t in tags if (t, job, eta) in groups and machines(groups[t, job, eta]) == machines(rs)
+                     and shape(groups[t, job, eta][0]) == shape(rs[0]))
         base = groups[first, job, eta]
         if tag == first:
             continue
@@ -185,12 +230,36 @@ def report(results: list[dict]) -> str:
             lines.append(f"| {tag} ({', '.join(sorted({r['commit'] for r in rs}))}) | {job} | {eta} | "
                          f"{sci(r['router_disagreement'] for r in rs)} | {sci(r['kl_behaviour_prox'] for r in rs)} | "
                          f"{sci(r.get('lag0_kl_behaviour_prox') for r in rs)} | {len(rs)} |")
+    warm = [(key, rs) for key, rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2], tags.index(kv[0][0])))
+            if any("warm_start" in r for r in rs)]
+    if warm:
+        lines += ["", "The warm starts of the addition task (each seed's SFT result; `carried_sums`): teacher-forced "
+                  "on the correct traces of 2,000 fresh problems, the mean probability of writing a due carry ('+1'), "
+                  "of the right sum after a written carry ('8+9+1=' → '18') and of the right result after the trace; "
+                  "the last column gives the middle one for each seed.", "",
+                  "| tag (commit) | job | η | carry written | sum after a carry | result after the trace | "
+                  "sum after a carry by seed |", "|---|---|---|---|---|---|---|"]
+        for (tag, job, eta), rs in warm:
+            rs = sorted((r for r in rs if "warm_start" in r), key=lambda r: r["seed"])
+            w = {k: stat(r["warm_start"][k] for r in rs) for k in rs[0]["warm_start"]}
+            lines.append(f"| {tag} ({', '.join(sorted({r['commit'] for r in rs}))}) | {job} | {eta} | "
+                         f"{w['carry_written']} | {w['sum_after_carry']} | {w['result_after_trace']} | "
+                         + ", ".join(f"{r['seed']}: {r['warm_start']['sum_after_carry']:.3f}" for r in rs) + " |")
     if diffs:
         lines += ["", "Final pass@1 against the first tag of the same job and η measured on the same kind of machine "
-                  "(difference of means, its standard error from the seed spread, and their ratio: |t| < 2 cannot be "
-                  "told from seed noise):", "",
+                  "with runs of the same length and evaluation (difference of means, its standard error from the "
+                  "seed spread, and their ratio: |t| < 2 cannot be told from seed noise):", "",
                   "| job | η | tags | difference | standard error | t |", "|---|---|---|---|---|---|", *diffs]
     return "\n".join(lines)
+
+
+SHAPE = ("--config.sft.steps", "--config.rl.steps", "--config.eval.n")
+
+
+def shape(cell: dict) -> tuple[str, ...]:
+    """A cell's run length and evaluation (its --config.sft.steps, rl.steps, eval.n overrides): tags are compared
+    only with runs of the same shape; other overrides (a learning rate, a warm start) are what a tag varies."""
+    return tuple(sorted(a for a in cell["command"].split() if a.split("=")[0] in SHAPE))
 
 
 def machines(rs: list[dict]) -> str:

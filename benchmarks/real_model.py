@@ -409,10 +409,10 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
     n = cfg.num_params(active=True) - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     out: dict = {"matmul_peak_gflops": peak / 1e9, "matmul_peak_size": size, "trajectories": len(trajs),
                  "tokens": tokens, "variants": {}}
-    recipe = get_config()
-    for name, rank in (("full fine-tune", 0), (f"LoRA r = {recipe.lora.rank}", recipe.lora.rank)):
-        m = lora.add_lora(model, lora.LoraConfig(rank, recipe.lora.alpha)) if rank else model
-        trainer = Trainer(m, trainer_config(recipe.trainer))  # the recipe's rows, micro-batches, unrolled layers
+    own = get_config()
+    for name, rank in (("full fine-tune", 0), (f"LoRA r = {own.lora.rank}", own.lora.rank)):
+        m = lora.add_lora(model, lora.LoraConfig(rank, own.lora.alpha)) if rank else model
+        trainer = Trainer(m, trainer_config(own.trainer))  # the recipe's rows, micro-batches, unrolled layers
         times = []
         for _ in range(2 if args.smoke else 3):  # the first compiles
             t0 = time.perf_counter()

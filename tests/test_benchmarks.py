@@ -158,6 +158,17 @@ def test_learning_report_compares_tags_over_seeds():
     assert "| default | 2 | new − old | -0.10 |" in text and "| default | 2 | new-here − old-here | +0.10 |" in text
     assert "| 3 | Intel Xeon |" in text and "| 3 | — |" in text and "− old | +" not in text
 
+    # runs of another length are compared among themselves; another learning rate is what a tag varies
+    short = [dict(cell(tag, i, x), command=f"cmd --config.rl.steps=10{extra}") for tag, xs, extra in
+             (("short", old, ""), ("short-lr", new, " --config.trainer.optim.lr=1e-4")) for i, x in enumerate(xs)]
+    text = report([cell("old", i, x) for i, x in enumerate(old)] + short)
+    assert "| default | 2 | short − old |" not in text and "| default | 2 | short-lr − short | -0.10 |" in text
+
+    # the addition task's warm starts: what each seed's SFT result knows of carrying, in a table of their own
+    skills = dict(carry_written=0.45, sum_after_carry=0.8, result_after_trace=0.99)
+    text = report([dict(cell("old", 0, 0.9), warm_start=skills), dict(cell("old", 1, 0.9), warm_start=skills)])
+    assert "| old (old) | default | 2 | 0.45 ± 0.00 | 0.80 ± 0.00 | 0.99 ± 0.00 | 0: 0.800, 1: 0.800 |" in text
+
 
 @pytest.mark.parametrize("script", sorted(OWN_SMOKE_TEST))
 def test_a_script_left_out_of_the_smoke_runs_here_has_its_own(script):
