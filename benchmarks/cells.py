@@ -309,7 +309,8 @@ def summarize(c: dict, workdir: Path, args) -> dict:
     """Over steps (warmup, steps] of training wall-clock: s/step, trained and generated tokens/s, the generator's
     idle share (its own clock), the trainer's idle share (waiting for a batch), the weight push share (the trainer
     blocked sending weights) and transfer share (weights on the wire to the server, overlapping the trainer);
-    over every step: the token-weighted staleness histogram and behaviour-mask share, mean clip fraction; the
+    over every step: the token-weighted staleness histogram and behaviour-mask share, mean clip fraction, mean
+    drift per policy version (KL(μ ‖ π_prox) per version of staleness: how far one update moves the policy); the
     held-out accuracy curve and its ends."""
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     train_wall, curve = training_curve(rows)
@@ -335,6 +336,8 @@ def summarize(c: dict, workdir: Path, args) -> dict:
             "staleness_mean": float(np.dot(np.arange(c["eta"] + 1), hist) / max(hist.sum(), 1)),
             "masked_fraction": float(np.dot([r["masked_fraction"] for r in steps.values()], tokens) / tokens.sum()),
             "clip_fraction": float(np.mean([r["clip_fraction"] for r in steps.values()])),
+            "drift_per_version": float(np.mean([r["kl_behaviour_prox_per_version"] for r in steps.values()
+                                                if "kl_behaviour_prox_per_version" in r] or [np.nan])),
             "curve": curve, "accuracy_start": summary["eval_accuracy_start"],
             "accuracy_end": summary["eval_accuracy_end"], "greedy_end": summary["eval_greedy_accuracy_end"]}
 

@@ -102,9 +102,9 @@ def summarize(cell: dict, workdir: Path, args) -> dict:
     failed = summary.get("error", "").split(" (")[0]  # its first clause
     trained = [r for r in rows if r["step"] > 0 and "router_disagreement" in r]  # a mixture of experts' steps
     mismatch = {k: float(np.mean([r[k] for r in trained if k in r])) for k in MISMATCH} if trained else {}
-    warm = carried_sums(workdir.parent / f"{slug(cell['job'])}_sft_seed{cell['seed']}", cell["job"])
+    skills = carried_sums(workdir.parent / f"{slug(cell['job'])}_sft_seed{cell['seed']}", cell["job"])
     return {**cell, "commit": args.commit, "command": args.command, "machine": cpu_model(), "steps": last,
-            "status": summary["status"], **({"warm_start": warm} if warm else {}),
+            "status": summary["status"], **({"warm_start": skills} if skills else {}),
             "stopped_early": summary.get("stopped_early") or (f"failed after step {last}: {failed}" if failed else ""),
             "seconds_per_step": (train_wall[last] - train_wall[warm]) / (last - warm),
             "grad_norm_mean": float(np.mean(grad_norms)) if grad_norms else None, "curve": curve,
@@ -267,29 +267,36 @@ def machines(rs: list[dict]) -> str:
     return ", ".join(sorted({r.get("machine") or "—" for r in rs}))
 
 
-def figure(results: list[dict], out: Path) -> None:
-    """Held-out pass@1 by RL step per job: mean over seeds with a ±sd band, one line per (tag, η)."""
+def figure(results: list[dict], out: Path, lines: int = 6) -> None:
+    """Held-out pass@1 by RL step, one panel per job and run shape (`shape`): mean over seeds with a ±sd band, one
+    line per (tag, η), the latest `lines` of them (learning.md has every tag)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    jobs = list(dict.fromkeys(r["job"] for r in results))
-    fig, axes = plt.subplots(1, len(jobs), figsize=(6.5 * len(jobs), 4), squeeze=False)
-    for ax, job in zip(axes[0], jobs):
-        keys = list(dict.fromkeys((r["tag"], r["eta"]) for r in results if r["job"] == job))
-        for tag, eta in keys:
-            rs = [r for r in results if (r["job"], r["tag"], r["eta"]) == (job, tag, eta)]
+    panels = list(dict.fromkeys((r["job"], shape(r)) for r in results))
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4 * rows), squeeze=False)
+    for ax, (job, how) in zip(axes.flat, panels):
+        keys = list(dict.fromkeys((r["tag"], r["eta"]) for r in results if (r["job"], shape(r)) == (job, how)))
+        for tag, eta in keys[-lines:]:
+            rs = [r for r in results if (r["job"], shape(r), r["tag"], r["eta"]) == (job, how, tag, eta)]
             n = min(len(r["curve"]) for r in rs)
             step = [p[0] for p in rs[0]["curve"][:n]]
             acc = np.array([[p[2] for p in r["curve"][:n]] for r in rs])
             line, = ax.plot(step, acc.mean(0), marker="o", ms=3, label=f"{tag}, η = {eta} (n = {len(rs)})")
             ax.fill_between(step, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), color=line.get_color(),
                             alpha=0.15)
-        ax.set_title(f"{job}: held-out pass@1 (mean ± sd over seeds)")
+        runs = f" ({' '.join(a.removeprefix('--config.') for a in how)})" if how else ""
+        ax.set_title(f"{job}{runs}: held-out pass@1", fontsize=10)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, title=f"latest {lines} of {len(keys)}" if len(keys) > lines else None,
+                  title_fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_axis_off()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

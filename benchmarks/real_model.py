@@ -586,10 +586,12 @@ def report(res: dict) -> str:
         runs = r["runs"]
         lines += [f"## RL (commit `{', '.join(sorted({x['commit'] for x in runs}))}`)", "", f"`{r['command']}`", "",
                   f"Held-out pass@1 at the recipe's temperature and greedy accuracy, {runs[0].get('steps')} steps, "
-                  "mean ± sd over seeds; T = 1 pass@1 of the base model "
+                  "mean ± sd over seeds; the share of tokens clipped and the drift per policy version (KL(μ ‖ π_prox) "
+                  "per version of staleness), mean over steps and seeds; T = 1 pass@1 of the base model "
                   f"{r['t1_start']:.2f}.", "",
                   "| objective | η | pass@1 start → end | gain by seed | mean gain | greedy start → end | "
-                  "pass@1 at T = 1, end | s / step by seed | wall-clock by seed |", "|---" * 9 + "|"]
+                  "pass@1 at T = 1, end | clipped | drift / version | s / step by seed | wall-clock by seed |",
+                  "|---" * 11 + "|"]
         for objective, eta in sorted({(x["objective"], x["eta"]) for x in runs}):
             rs = sorted([x for x in runs if (x["objective"], x["eta"]) == (objective, eta)], key=lambda x: x["seed"])
             gains = ", ".join(f"{x['seed']}: {x['gain']:+.2f}" for x in rs)
@@ -597,7 +599,9 @@ def report(res: dict) -> str:
                          f"**{stat(x['accuracy_end'] for x in rs)}** | {gains} | "
                          f"**{np.mean([x['gain'] for x in rs]):+.2f}** | "
                          f"{stat(x['greedy_start'] for x in rs)} → {stat(x['greedy_end'] for x in rs)} | "
-                         f"{stat(x['t1_end'] for x in rs)} | {by_seed(rs, 'seconds_per_step', 1, 's')} | "
+                         f"{stat(x['t1_end'] for x in rs)} | {np.mean([x['clip_fraction'] for x in rs]):.1%} | "
+                         f"{np.mean([x.get('drift_per_version', np.nan) for x in rs]):.4f} | "
+                         f"{by_seed(rs, 'seconds_per_step', 1, 's')} | "
                          f"{by_seed(rs, 'wall_seconds', 60, ' min')} |")
         lines += ["", "![real model](real_model.png)", ""]
     return "\n".join(lines)
