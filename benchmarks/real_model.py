@@ -478,8 +478,8 @@ def part_rl(args, model_dir: Path, data: Path) -> dict:
 
 
 def rl_run(c: dict, grid: argparse.Namespace, args, model_dir: Path, data: Path) -> dict:
-    """One RL cell of the recipe (benchmarks/cells.py), its summary with greedy and pass@4 ends, gain, wall-clock
-    and the final model's T = 1 pass@1."""
+    """One RL cell of the recipe (benchmarks/cells.py), its summary with greedy and pass@4 ends, gain, the held-out
+    outputs' median length at both ends, wall-clock and the final model's T = 1 pass@1."""
     from benchmarks import cells
 
     r = cells.run(c, grid)
@@ -488,7 +488,8 @@ def rl_run(c: dict, grid: argparse.Namespace, args, model_dir: Path, data: Path)
     summary = json.loads((Path(grid.work) / c["name"] / "summary.json").read_text())
     r.update(greedy_start=evals[0].get("eval_greedy_accuracy"), wall_seconds=summary["wall_seconds"],
              pass_at_4_start=evals[0].get("eval_pass_at_4"), pass_at_4_end=evals[-1].get("eval_pass_at_4"),
-             gain=r["accuracy_end"] - r["accuracy_start"],
+             gain=r["accuracy_end"] - r["accuracy_start"], length_start=evals[0].get("eval_length_p50"),
+             length_end=evals[-1].get("eval_length_p50"),
              t1_end=evaluate_t1(Path(grid.work) / c["name"] / "model", Path(grid.work) / c["name"] / "t1", args,
                                 model_dir, data))
     return {k: v for k, v in r.items() if k not in ("overrides",)}
