@@ -25,6 +25,8 @@ keyed by tag, job, η, seed), and learning.md / learning.png are redrawn from al
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import os
 import shutil
@@ -114,13 +116,14 @@ def summarize(cell: dict, workdir: Path, args) -> dict:
             "greedy_end": summary.get("eval_greedy_accuracy_end", curve[-1][3]), **mismatch}
 
 
+@functools.cache  # the η cells of a seed share its warm start
 def carried_sums(warm_start: Path, job: str, problems: int = 2000) -> dict[str, float] | None:
     """What an addition-task warm start (an SFT cache: model.safetensors + config.json) knows of carrying, teacher-
     forced on the correct traces of `problems` fresh problems: the mean probability of writing the carry where one is
     due ('+1'), of the right sum digits after a written carry ('8+9+1=' -> '18'), and of the right result after the
     whole trace. None for another task or without the warm start."""
     name, _, arg = job.partition(":")
-    config = __import__(f"configs.{name}", fromlist=["get_config"]).get_config(arg or None)
+    config = importlib.import_module(f"configs.{name}").get_config(arg or None)
     if config.task.name != "addition" or config.data.path or not (warm_start / "model.safetensors").is_file():
         return None
     import jax
@@ -145,7 +148,10 @@ def carried_sums(warm_start: Path, job: str, problems: int = 2000) -> dict[str, 
     write, after, result = [], [], []
     for (n, _, trace), lp in zip(rows, target):
         trace_lp = lp[n - 1:n - 1 + len(trace)]  # log p of each character of the trace
-        p = lambda lo, hi: float(np.exp(trace_lp[lo:hi].sum()))  # noqa: E731, B023
+
+        def p(lo: int, hi: int, trace_lp=trace_lp) -> float:
+            return float(np.exp(trace_lp[lo:hi].sum()))
+
         at = 0
         for step in trace.split(";")[0].split(","):
             if "+1=" in step:
