@@ -59,6 +59,11 @@ class SamplingParams:
     def truncates(self) -> bool:
         return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
 
+    @property
+    def draw(self) -> str:
+        """How its tokens are drawn (generation/engine.py DRAWS): 'greedy', 'sample', or 'truncate' (top-k/top-p)."""
+        return "greedy" if self.temperature <= 0 else "truncate" if self.truncates else "sample"
+
 
 @dataclasses.dataclass
 class Completion:

@@ -5,8 +5,10 @@ the device's peaks, and the long-tail RL job end to end; one results file pair.
   pip install -r benchmarks/requirements.txt && python benchmarks/accelerator.py     # every part
   python benchmarks/accelerator.py --wheels=.whl     # first pip-installs what is missing from the wheels in .whl
   python benchmarks/accelerator.py --parts=kernels,trainer                            # some parts
-  python benchmarks/accelerator.py --models=qwen3-0.6b --requests=256                 # a short lease
+  python benchmarks/accelerator.py --parts=generator --models=qwen3-0.6b              # one part, one model
+  python benchmarks/accelerator.py --profile --out=DIR   # the decode program and train step profiled (3-4 minutes)
   python benchmarks/accelerator.py --smoke           # CPU, tiny sizes, Pallas in interpret mode (a minute)
+  python benchmarks/accelerator.py --smoke --profile --out=DIR                        # the profile on CPU (40 s)
 
 Parts (--parts, in this order):
   kernels    the Pallas flash attention of training and prefill (models/attention.py: Triton on GPU, Mosaic on
@@ -16,11 +18,13 @@ Parts (--parts, in this order):
              the Pallas kernels on GPU / TPU (sparse and ragged on CPU). The reference runs in fp32 at the highest
              matmul precision on the kernel's own (rounded) inputs; a check passes when every max abs error is
              within TOLERANCE[dtype] × max(1, max |reference|).
-  generator  per model, bf16 weights and KV: useful tokens/s on the long-tail workload (benchmarks/generator.py)
-             at 64 and 256 slots, against transformers `generate` on the same device and Tunix's sampler (each
-             skipped with its reason where it cannot run there); seconds per decode step at 1-256 active rows of
-             512 tokens, and the HBM bandwidth it reaches: (parameter bytes + KV bytes read) / step time,
-             over the device's peak (PEAKS; unknown device: null).
+  generator  per model, bf16 weights and KV: useful tokens/s on the long-tail workload (benchmarks/generator.py,
+             512 requests: twice the most slots) at 64 and 256 slots, against transformers `generate` on the same
+             device, transformers with a static KV cache and its decoding step compiled by `torch.compile` (CUDA
+             graphs on a GPU) and Tunix's sampler (each skipped with its reason where it cannot run there); every
+             system runs the same batches once untimed (compilation, allocation), then 3 timed runs of which the
+             median counts; seconds per decode step at 1-256 active rows of 512 tokens, and the HBM bandwidth it
+             reaches: (parameter bytes + KV bytes read) / step time, over the device's peak (PEAKS; unknown: null).
   trainer    per model: one packed PPO step (bf16 compute on fp32 master weights, scanned layers, full remat,
              attention 'auto') on long-tail trajectories (benchmarks/trainer.py): tokens/s and model-FLOPs
              utilisation against the device's dense bf16 peak (PEAKS; unknown device: the measured bf16 matmul peak).
@@ -37,18 +41,47 @@ commit, each part's command and each goal met / missed / unmeasured; the parts o
 and device that this command does not run are kept (parts run as separate commands add up). A part that fails is
 recorded with its error and the others still run; the exit status is 1 when a kernel is out of tolerance, 'auto'
 resolves elsewhere, or a part failed.
+
+Profile (--profile; alone it runs no part, with --parts after them): the size's first model (Qwen3-0.6B, bf16
+random weights; --smoke: the tiny one on CPU) under the microscope, into --out (default: a temporary directory),
+five files, each written as its stage ends (docs/accelerator.md reads them):
+  profile.json     the numbers: seconds per decode step of 16 active rows of 512 tokens in 16 and in 256 slots and
+                   their ratio ('free_slots': near 1 when a decode step touches only the rows' pages, far above when
+                   it copies the whole KV pool); seconds per step of the traced decode program (64 rows in 256
+                   slots) and of one train step; and the HLO check 'pool_sized_copies': the copies in that decode
+                   program's optimised HLO whose output holds at least one layer's KV pool (kv heads × pages × page
+                   size × head dim, from the engine's config, whatever the pool's layout), each with its
+                   instruction, type and source op (an empty list: none)
+  hlo.tar.gz       the optimised HLO text (`compile().as_text()`) of every program the profile ran: the engine's
+                   decode program (`_generate`, 8 steps) of 64 rows in 256 slots and of the two free-slot engines,
+                   the trainer's `grad` (one micro-batch), `apply` and `zeros`
+  trace.tar.gz     a `jax.profiler` trace (plugins/profile/<run>/: *.trace.json.gz, perfetto_trace.json.gz and, if it
+                   fits in 15 MiB, *.xplane.pb) of one warm decode call and one warm train step, under the host
+                   annotations 'decode' and 'train'
+                   Then, untraced: 'decode_full', the decode step of 256 rows of 512 tokens in 256 slots and its
+                   share of peak HBM (the issue's target); 'paged_sweep', the paged kernel alone at those rows over
+                   page sizes × pages per compute block × partitions (its knobs); 'train_attention', the train step
+                   with each training attention kernel (ours, `pallas`, and JAX's `pallas_mha`)
+  kernels.md       benchmarks/profile_table.py's per-kernel table of that trace, per region
+  environment.txt  jax.print_environment_info(), the packages' versions and nvidia-smi
+A stage that fails is recorded in profile.json's 'errors' and the others still run (exit status 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
+import io
 import json
+import math
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
@@ -59,6 +92,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PARTS = ("kernels", "generator", "trainer", "e2e", "real_model")
+# The generator part's baselines, in its table's order: transformers `generate`, the same with a static KV cache and
+# its decoding step compiled, Tunix's sampler.
+SYSTEMS = ("transformers", "transformers_compiled", "tunix")
 # (substring of jax's device_kind, HBM bytes/s, dense bf16 FLOP/s) from the vendors' datasheets; the first match wins.
 PEAKS = [("H100 PCIe", 2.0e12, 756e12), ("H100 NVL", 3.9e12, 835e12), ("H100", 3.35e12, 989e12),
          ("H200", 4.8e12, 989e12), ("A100-SXM4-40GB", 1.555e12, 312e12), ("A100-PCIE-40GB", 1.555e12, 312e12),
@@ -74,24 +110,33 @@ QWEN3 = {  # the Hugging Face configs' numbers
                        num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
 }
 # attention: batch, tokens per row, heads, kv heads, head dim; paged: rows, longest row, heads, kv heads, head dim,
-# page size; long_tail: workload()'s prompt lengths, median output, σ, output cap; batches: active rows of the
-# decode-step timing, each decoding from `context` tokens; e2e: RL steps, steps left out of the rates, evaluation
-# period, held-out problems.
+# page size; requests: the generator part's, at least twice its most slots (a static batch's longest request would
+# otherwise decide a run); long_tail: workload()'s prompt lengths, median output, σ, output cap; batches: active rows
+# of the decode-step timing, each decoding from `context` tokens; runs: timed throughput runs per system (the median
+# counts); e2e: RL steps, steps left out of the rates, evaluation period, held-out problems; profile (--profile): the
+# traced decode call's active rows in an engine of `slots`, and the rows and slot counts of the free-slot ratio.
 SIZES = {
     "full": dict(models=QWEN3, attention=(2, 1000, 16, 8, 128), paged=(8, 2000, 16, 8, 128, 16), requests=512,
                  long_tail=((16, 64), 64, 1.0, 512), max_prompt=64, slots=(64, 256), decode_steps=8,
-                 batches=(1, 16, 64, 256), context=512, step_repeats=20, repeats=2,
+                 batches=(1, 16, 64, 256), context=512, step_repeats=20, repeats=2, runs=3,
                  trainer=dict(trajectories=512, max_tokens=2048, micro_rows=8), matmul_sizes=(4096, 8192),
                  e2e=dict(steps=30, warmup=3, eval_every=10, eval_problems=256),
-                 real_model=dict(requests=512, median=48, cap=256, groups=64, group=8, rl_steps=10, eval_problems=200)),
+                 real_model=dict(requests=512, median=48, cap=256, groups=64, group=8, rl_steps=10, eval_problems=200),
+                 profile=dict(slots=256, rows=64, ratio_rows=16, ratio_slots=(16, 256), full_rows=256,
+                              sweep=dict(page_sizes=(16, 32, 64), per_blocks=(4, 8, 16), max_splits=(4, 16)),
+                              attentions=("pallas", "pallas_mha"))),
     "smoke": dict(models={"tiny": dict(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
                                        tie_word_embeddings=True)},
-                  attention=(2, 80, 2, 1, 16), paged=(4, 40, 2, 1, 16, 4), requests=4,
+                  attention=(2, 80, 2, 1, 16), paged=(4, 40, 2, 1, 16, 4), requests=8,
                   long_tail=((4, 16), 6, 1.0, 16), max_prompt=16, slots=(4,), decode_steps=4, batches=(1, 4),
-                  context=16, step_repeats=2, repeats=1, trainer=dict(trajectories=8, max_tokens=128, micro_rows=2),
+                  context=16, step_repeats=2, repeats=1, runs=3,
+                  trainer=dict(trajectories=8, max_tokens=128, micro_rows=2),
                   matmul_sizes=(128, 256), e2e=dict(steps=2, warmup=1, eval_every=2, eval_problems=4),
-                  real_model=dict(requests=4, median=6, cap=16, groups=1, group=2, rl_steps=2, eval_problems=4)),
+                  real_model=dict(requests=8, median=6, cap=16, groups=1, group=2, rl_steps=2, eval_problems=4),
+                  profile=dict(slots=16, rows=8, ratio_rows=4, ratio_slots=(4, 16), full_rows=16,
+                               sweep=dict(page_sizes=(4,), per_blocks=(2,), max_splits=(4,)),
+                               attentions=("pallas_mha",))),
 }
 # One colocated device: the trainer's mesh of one, the generator sharing it (cpu_devices only matters on CPU).
 ONE_DEVICE = ["--config.cpu_devices=1", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0"]
@@ -288,9 +333,12 @@ def kernels(size: dict, args) -> dict:
 
 # ---- generator ----
 
-def baselines(model, tmp: str, max_prompt: int, max_len: int) -> tuple[dict, dict]:
+def baselines(model, tmp: str, max_prompt: int, max_len: int, timed_runs: int,
+              compiled: bool = True) -> tuple[dict, dict]:
     """({name: run(prompts, lens, batch) -> (seconds, outputs)}, {name: why skipped}) for transformers `generate`
-    on this device and Tunix's sampler, both on `model`'s weights (exported to `tmp`) in their dtype."""
+    on this device, with `compiled` also transformers with a static KV cache and its decoding step compiled
+    ('transformers_compiled'), and Tunix's sampler, all on `model`'s weights (exported to `tmp`) in their dtype.
+    Each run warms up on the same batches first and returns the median of `timed_runs` timed ones."""
     import importlib.util
 
     import jax
@@ -305,7 +353,9 @@ def baselines(model, tmp: str, max_prompt: int, max_len: int) -> tuple[dict, dic
         skipped["transformers"] = "transformers runs on torch devices: none on a TPU host"
     if not importlib.util.find_spec("tunix"):
         skipped["tunix"] = "google-tunix not installed"
-    if len(skipped) == 2:
+    if compiled and "transformers" in skipped:
+        skipped["transformers_compiled"] = skipped["transformers"]
+    if "transformers" in skipped and "tunix" in skipped:
         return runs, skipped
     save_pretrained(model, tmp)
     if "transformers" not in skipped:
@@ -314,18 +364,30 @@ def baselines(model, tmp: str, max_prompt: int, max_len: int) -> tuple[dict, dic
 
         if platform == "gpu" and not torch.cuda.is_available():
             skipped["transformers"] = "this torch has no CUDA"
+            if compiled:
+                skipped["transformers_compiled"] = skipped["transformers"]
         else:
             dtype = getattr(torch, jax.tree.leaves(model.params)[0].dtype.name)  # the same precision as ours
             hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
             hf = hf.to("cuda" if platform == "gpu" else "cpu")
-            runs["transformers"] = lambda p, n, batch: run_transformers(hf, p, n, batch, 1)
+            runs["transformers"] = lambda p, n, batch: run_transformers(hf, p, n, batch, timed_runs)
+            if compiled:  # the same model: `generate` compiles its decoding step only for the static cache
+                runs["transformers_compiled"] = lambda p, n, batch: run_transformers(hf, p, n, batch, timed_runs,
+                                                                                     compiled=True)
     if "tunix" not in skipped:
         try:
             sampler = tunix_sampler(tmp, max_len + 64)
-            runs["tunix"] = lambda p, n, batch: run_tunix(sampler, p, n, batch, max_prompt, 1)
+            runs["tunix"] = lambda p, n, batch: run_tunix(sampler, p, n, batch, max_prompt, timed_runs)
         except Exception as e:  # an installed Tunix whose API moved
             skipped["tunix"] = f"its sampler did not load: {type(e).__name__}: {e}"
     return runs, skipped
+
+
+def check_requests(requests: int, slots) -> None:
+    """Throughput runs need at least twice the most slots in requests: with fewer, a static batch of `slots` is one
+    batch whose longest request decides the run (the free-slot refills being measured never happen)."""
+    if requests < 2 * max(slots):
+        raise ValueError(f"{requests} requests for {max(slots)} slots: at least {2 * max(slots)} are needed")
 
 
 def generator(size: dict, args) -> dict:
@@ -334,26 +396,28 @@ def generator(size: dict, args) -> dict:
 
     from arealjax.generation.engine import Engine
     from arealjax.models import ModelConfig, from_config
-    from benchmarks.generator import best, decode_step_seconds, run_arealjax, workload
+    from benchmarks.generator import decode_step_seconds, median_run, run_arealjax, workload
 
     hbm = peaks(jax.devices()[0].device_kind)[0]
     cap, k, page = size["long_tail"][-1], size["decode_steps"], args.page_size
     max_len = size["max_prompt"] + cap
     assert size["context"] + k < max_len, "the decode-step timing's rows must fit max_len"
-    out = {"peak_hbm_bytes_per_s": hbm, "decode_steps": k, "page_size": page, "models": {}}
+    check_requests(size["requests"], size["slots"])
+    out = {"peak_hbm_bytes_per_s": hbm, "decode_steps": k, "page_size": page, "timed_runs": size["runs"],
+           "models": {}}
     for name, shape in size["models"].items():
         cfg = ModelConfig.make(**shape, max_position_embeddings=max_len)
         model = from_config(cfg, dtype=jnp.bfloat16)
         prompts, lens = workload(size["requests"], 0, *size["long_tail"], vocab=cfg.vocab_size)
         useful = sum(lens)
         with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-            runs, skipped = baselines(model, tmp, size["max_prompt"], max_len)
+            runs, skipped = baselines(model, tmp, size["max_prompt"], max_len, size["runs"])
             rows = []
             for slots in size["slots"]:
                 engine = Engine(model, slots=slots, max_len=max_len, page_size=page)
                 run_arealjax(engine, model.params, prompts, lens, False, k)  # compiles every shape it meets
-                t, outs, _ = best([run_arealjax(engine, model.params, prompts, lens, False, k)
-                                   for _ in range(size["repeats"])])
+                t, outs, _ = median_run([run_arealjax(engine, model.params, prompts, lens, False, k)
+                                         for _ in range(size["runs"])])
                 row = {"slots": slots, "decode_attention": engine.attention, "arealjax_tokens_per_s": useful / t}
                 for other, run in runs.items():
                     try:
@@ -389,14 +453,24 @@ def generator(size: dict, args) -> dict:
 
 # ---- trainer ----
 
+def ppo_trainer(model, tr: dict):
+    """The trainer part's PPO trainer of `model` (fp32 master weights): bf16 compute, scanned layers, remat 'auto'
+    (the least recomputation that fits the device), attention 'auto' (or `tr`'s), micro-batches of `tr`'s rows and
+    row length."""
+    from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+
+    return Trainer(model, TrainerConfig(max_tokens=tr["max_tokens"], micro_rows=tr["micro_rows"],
+                                        compute_dtype="bfloat16", scan_layers=True, remat="auto",
+                                        attention=tr.get("attention", "auto"), optim=OptimConfig(lr=1e-6)))
+
+
 def trainer(size: dict, args) -> dict:
     import jax
     import jax.numpy as jnp
 
     from arealjax.models import ModelConfig, from_config
     from arealjax.models.attention import pick
-    from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
-    from benchmarks.trainer import best_of, long_tail, matmul_peak, model_flops
+    from benchmarks.trainer import best_of, hardware_flops, long_tail, matmul_peak, model_flops
 
     table = peaks(jax.devices()[0].device_kind)[1]
     measured, n = matmul_peak(size["repeats"], size["matmul_sizes"], jnp.bfloat16)
@@ -409,9 +483,7 @@ def trainer(size: dict, args) -> dict:
            "max_tokens": tr["max_tokens"], "micro_rows": tr["micro_rows"], "models": {}}
     for name, shape in size["models"].items():
         cfg = ModelConfig.make(**shape)
-        train = Trainer(from_config(cfg), TrainerConfig(  # fp32 master weights
-            max_tokens=tr["max_tokens"], micro_rows=tr["micro_rows"], compute_dtype="bfloat16", scan_layers=True,
-            remat="full", attention="auto", optim=OptimConfig(lr=1e-6)))
+        train = ppo_trainer(from_config(cfg), tr)
         metrics = {}
 
         def step(train=train, metrics=metrics):
@@ -421,8 +493,10 @@ def trainer(size: dict, args) -> dict:
         t = best_of(step, size["repeats"])
         flops = model_flops(cfg, trajs)
         out["models"][name] = {"params_m": cfg.num_params() / 1e6, "attention": pick("auto"), "seconds": t,
-                               "tokens_per_s": tokens / t, "model_tflops_per_s": flops / t / 1e12,
-                               "mfu": flops / t / peak, "micro_batches": int(metrics["micro_batches"]),
+                               "remat": train.cfg.remat, "tokens_per_s": tokens / t,
+                               "model_tflops_per_s": flops / t / 1e12, "mfu": flops / t / peak,
+                               "hfu": hardware_flops(cfg, trajs, train.cfg) / t / peak,
+                               "micro_batches": int(metrics["micro_batches"]),
                                "non_padding_fraction": float(metrics["non_padding_fraction"])}
         print(name, json.dumps(out["models"][name]), flush=True)
         del train, step  # the next model's trainer gets the memory
@@ -466,12 +540,13 @@ def real_model(size: dict, args) -> dict:
     from arealjax.rl.trainer import Trainer
     from arealjax.tokenizer import load_tokenizer
     from benchmarks import cells
-    from benchmarks.generator import best, run_arealjax
+    from benchmarks.generator import median_run, run_arealjax
     from benchmarks.real_model import SMOKE_RL, long_tail_lengths, prepare, recipe_trajectories, word_problem_chats
     from benchmarks.trainer import best_of
     from configs.smollm2 import get_config
 
     r = size["real_model"]
+    check_requests(r["requests"], size["slots"])
     model_dir, raw, data = prepare(Path(args.work) / "real_model", layers=2 if args.smoke else 0)
     on_cpu = jax.default_backend() == "cpu"  # --smoke: XLA:CPU's bf16 decode is ~10x slower than its fp32
     model, tok = load_pretrained(model_dir, dtype=jnp.float32 if on_cpu else jnp.bfloat16), load_tokenizer(model_dir)
@@ -483,12 +558,12 @@ def real_model(size: dict, args) -> dict:
                  "useful_tokens": useful, "output_p50": sorted(lens)[len(lens) // 2], "output_max": max(lens),
                  "generator": [], "trainer": {}}
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-        runs, out["skipped"] = baselines(model, tmp, max(map(len, prompts)), max_len)
+        runs, out["skipped"] = baselines(model, tmp, max(map(len, prompts)), max_len, size["runs"], compiled=False)
         for slots in size["slots"]:
             engine = Engine(model, slots=slots, max_len=max_len, page_size=args.page_size)
             run_arealjax(engine, model.params, prompts, lens, False, k)  # compiles every shape it meets
-            t, outs, _ = best([run_arealjax(engine, model.params, prompts, lens, False, k)
-                               for _ in range(size["repeats"])])
+            t, outs, _ = median_run([run_arealjax(engine, model.params, prompts, lens, False, k)
+                                     for _ in range(size["runs"])])
             row = {"slots": slots, "arealjax_tokens_per_s": useful / t}
             if "transformers" in runs:
                 t_o, outs_o = runs["transformers"](prompts, lens, slots)
@@ -537,6 +612,419 @@ def benchmarks_matmul_peak(size: dict) -> float:
 
 
 PART_FNS = {"kernels": kernels, "generator": generator, "trainer": trainer, "e2e": e2e, "real_model": real_model}
+
+
+# ---- profile (--profile) ----
+
+# What comes back from a lent machine: files of at most 16 MiB; a packed trace stays under this.
+TRACE_LIMIT = 15 * 2**20
+PROFILE_FILES = ("hlo.tar.gz", "trace.tar.gz", "kernels.md", "environment.txt")  # --profile's, beside profile.json
+# Instructions that write a whole new buffer of their operand's size; a fusion counts when its root is one of them.
+COPY_OPS = ("copy", "copy-start", "transpose")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"\b[a-z][a-z0-9]*\[([0-9,<=\s]*)\]")
+
+
+def _closing(text: str, depth: int = 0) -> int:
+    """The index of the parenthesis that closes, in `text`, one opened `depth` levels before it (or its first)."""
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def _split_instruction(rest: str) -> tuple[str, str, str]:
+    """'f32[8,64]{1,0} copy(%p), metadata=…' → (its type, opcode, the text from the opcode on); a tuple type
+    '(bf16[..], u32[]) copy-start(…)' is taken whole."""
+    if rest.startswith("("):
+        end = _closing(rest)
+        typ, tail = rest[: end + 1], rest[end + 1:].lstrip()
+    else:
+        typ, _, tail = rest.partition(" ")
+    return typ, tail.split("(", 1)[0].strip(), tail
+
+
+def elements(typ: str) -> int:
+    """Elements of an HLO type's largest array ('f32[8,64]{1,0}' → 512; a tuple: its largest member)."""
+    sizes = [math.prod(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip())
+             for dims in _ARRAY.findall(typ)]
+    return max(sizes, default=0)
+
+
+def hlo_computations(text: str) -> dict[str, dict]:
+    """The computations of an HLO module's text: {name: {'root': instruction, 'instructions': {name: {'type',
+    'opcode', 'operands', 'calls', 'op_name'}}}}."""
+    comps: dict[str, dict] = {}
+    current = None
+    for line in text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m and current is not None:
+            root, name, rest = m.groups()
+            typ, opcode, tail = _split_instruction(rest)
+            args = tail[len(opcode) + 1:]
+            operands = [re.sub(r"/\*.*?\*/", "", o).strip().split(" ")[-1].lstrip("%")
+                        for o in args[:_closing(args, 1)].split(",") if o.strip()]
+            calls = re.search(r"\bcalls=%?([\w.\-]+)", tail)
+            op_name = re.search(r'op_name="([^"]*)"', tail)
+            current["instructions"][name] = {"type": typ, "opcode": opcode, "operands": operands,
+                                             "calls": calls and calls.group(1), "op_name": op_name and op_name.group(1)}
+            if root:
+                current["root"] = name
+        elif line.rstrip().endswith("{") and "->" in line:  # a computation's header
+            name = line.strip().removeprefix("ENTRY").strip().split(" ")[0].lstrip("%")
+            current = comps[name] = {"root": None, "instructions": {}}
+        elif line.strip() == "}":
+            current = None
+    return comps
+
+
+def _root_opcodes(comp: dict, name: str | None, depth: int = 3) -> set[str]:
+    """The opcodes a computation's result comes from: its root's, through tuples and bitcasts."""
+    ins = comp["instructions"].get(name)
+    if ins is None:
+        return set()
+    if ins["opcode"] in ("tuple", "bitcast") and depth:
+        return set().union(*(_root_opcodes(comp, o, depth - 1) for o in ins["operands"]))
+    return {ins["opcode"]}
+
+
+def pool_sized_copies(hlo: str, min_elements: int) -> list[dict]:
+    """The copies of an optimised HLO module (`compile().as_text()`) whose output holds at least `min_elements`:
+    copy, copy-start and transpose instructions outside fusions, and fusions whose root is a copy or transpose.
+    With `min_elements` one layer's KV pool (kv heads × pages × page size × head dim), whatever the pool's layout,
+    each is a decode program writing a pool-sized buffer anew where it should update pages in place."""
+    comps = hlo_computations(hlo)
+    fused = {ins["calls"] for c in comps.values() for ins in c["instructions"].values()
+             if ins["opcode"] == "fusion" and ins["calls"]}
+    found = []
+    for comp_name, comp in comps.items():
+        if comp_name in fused:
+            continue
+        for name, ins in comp["instructions"].items():
+            kind = ins["opcode"] if ins["opcode"] in COPY_OPS else None
+            if ins["opcode"] == "fusion" and ins["calls"] in comps:
+                roots = _root_opcodes(comps[ins["calls"]], comps[ins["calls"]]["root"]) & set(COPY_OPS)
+                kind = f"fusion ({', '.join(sorted(roots))})" if roots else None
+            n = elements(ins["type"])
+            if kind and n >= min_elements:
+                found.append({"instruction": name, "kind": kind, "type": ins["type"][:200], "elements": n,
+                              "computation": comp_name, "op_name": ins["op_name"]})
+    return found
+
+
+@contextlib.contextmanager
+def recording(*owners):
+    """While inside, every jitted function held as an attribute of an owner (a module or an object) records the
+    arguments of its latest call: {attribute: (function, args, kwargs)}, for `optimized_hlo`."""
+    import jax
+
+    calls: dict[str, tuple] = {}
+    jitted = [(o, n, f) for o in owners for n, f in vars(o).items() if isinstance(f, jax.stages.Wrapped)]
+
+    def wrap(name, fn):
+        def call(*a, **kw):
+            calls[name] = (fn, a, kw)
+            return fn(*a, **kw)
+        return call
+
+    for owner, name, fn in jitted:
+        setattr(owner, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for owner, name, fn in jitted:
+            setattr(owner, name, fn)
+
+
+def optimized_hlo(calls: dict[str, tuple]) -> dict[str, str]:
+    """{attribute: the optimised HLO text of the program its recorded call ran}: lowered again with the same
+    arguments (donated ones too: lowering reads only their shapes and placement), which JAX finds compiled
+    already; failing that, with their shapes alone (a second compilation)."""
+    import jax
+
+    def lowered(fn, a, kw):
+        try:
+            return fn.lower(*a, **kw)
+        except Exception:  # a JAX that will not lower a donated (deleted) array
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                  if isinstance(x, jax.Array) else x, (a, kw))
+            return fn.lower(*shapes[0], **shapes[1])
+
+    return {name.strip("_"): lowered(fn, a, kw).compile().as_text() for name, (fn, a, kw) in calls.items()}
+
+
+def write_tar(dest: Path, members: dict[str, str]) -> None:
+    """A .tar.gz of text files {name: text}."""
+    with tarfile.open(dest, "w:gz") as tar:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+
+
+def pack_trace(trace_dir: Path, dest: Path, limit: int = TRACE_LIMIT) -> dict:
+    """The trace directory as one .tar.gz (paths kept: TensorBoard / xprof read it unpacked) under `limit` bytes:
+    whole if it fits, else without the .xplane.pb (xprof's own format), then without the Perfetto copy too."""
+    files = sorted(p for p in trace_dir.rglob("*") if p.is_file())
+    left_out: list[str] = []
+    for drop in (None, lambda p: p.name.endswith(".xplane.pb"), lambda p: p.name == "perfetto_trace.json.gz"):
+        if drop:
+            left_out += [p.name for p in files if drop(p)]
+            files = [p for p in files if not drop(p)]
+        with tarfile.open(dest, "w:gz") as tar:
+            for f in files:
+                tar.add(f, arcname=str(f.relative_to(trace_dir)))
+        if dest.stat().st_size <= limit:
+            break
+    return {"file": dest.name, "bytes": dest.stat().st_size, "members": [str(f.relative_to(trace_dir)) for f in files],
+            "left_out": left_out}
+
+
+def environment() -> str:
+    """jax.print_environment_info() (with the JAX / XLA variables), the other packages' versions and nvidia-smi."""
+    import importlib.metadata
+
+    import jax
+
+    lines = ["$ jax.print_environment_info()", jax.print_environment_info(return_string=True).rstrip(), ""]
+    for pkg in ("flax", "optax", "torch", "transformers", "triton", "google-tunix"):
+        try:
+            lines.append(f"{pkg}: {importlib.metadata.version(pkg)}")
+        except importlib.metadata.PackageNotFoundError:
+            lines.append(f"{pkg}: not installed")
+    smi = shutil.which("nvidia-smi")
+    run = subprocess.run([smi], capture_output=True, text=True, timeout=60) if smi else None
+    lines += ["", "$ nvidia-smi", run.stdout + run.stderr if run else "(not found)"]
+    return "\n".join(lines) + "\n"
+
+
+def paged_sweep(rows: int, context: int, shape: dict, sweep: dict, repeats: int) -> list[dict]:
+    """The Pallas paged decode kernel alone, one layer of `shape`'s heads in bf16, `rows` rows of `context` tokens on
+    pages scattered over the pool: seconds per call and the share of peak HBM its K and V reads reach, for each page
+    size × pages per compute block × most partitions of `sweep` (the kernel's knobs, models/paged.py)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from arealjax.models.paged import DecodeIndex, kernel_blocks, pallas_attention
+    from benchmarks.trainer import best_of
+
+    hbm = peaks(jax.devices()[0].device_kind)[0]
+    h, hkv, d = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    rng = np.random.RandomState(0)
+    q = jnp.asarray(rng.normal(size=(rows, h, d)), jnp.bfloat16)
+    positions = jnp.full(rows, context - 1, jnp.int32)
+    out = []
+    for size in sweep["page_sizes"]:
+        per_row = -(-context // size)
+        table = rng.permutation(rows * per_row).reshape(rows, per_row).astype(np.int32)
+        index = DecodeIndex(jnp.asarray(table), *(jnp.zeros(1, jnp.int32) for _ in range(3)))  # the kernel reads
+        k, v = (jnp.asarray(rng.normal(size=(hkv, rows * per_row, size, d)), jnp.bfloat16) for _ in range(2))
+        read = 2 * rows * context * hkv * d * 2  # K and V of every row, bf16
+        for per_block in sweep["per_blocks"]:
+            for max_splits in sweep["max_splits"]:
+                fn = functools.partial(jax.jit(functools.partial(pallas_attention, per_block=per_block,
+                                                                 max_splits=max_splits)), q, k, v, positions, index)
+                row = {"page_size": size, "per_block": kernel_blocks(per_row, per_block, max_splits)[2],
+                       "k_splits": kernel_blocks(per_row, per_block, max_splits)[1], "max_splits": max_splits}
+                try:
+                    fn().block_until_ready()
+                    t = best_of(lambda fn=fn: fn().block_until_ready(), repeats)
+                    row.update(seconds=t, bytes=read, hbm_fraction=read / t / hbm if hbm else None)
+                except Exception as e:  # a shape the kernel cannot lower leaves the others' figures
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                out.append(row)
+                print("paged_sweep", json.dumps(row), flush=True)
+        del k, v
+    return out
+
+
+def profile(size: dict, args, out: Path) -> dict:
+    """--profile: the decode program and the train step of the size's first model under the microscope; writes
+    profile.json, hlo.tar.gz, trace.tar.gz, kernels.md and environment.txt into `out` (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    import arealjax.generation.engine as engine_module
+    import arealjax.rl.trainer as trainer_module
+    from arealjax.models import ModelConfig, from_config
+    from benchmarks import profile_table
+    from benchmarks.cells import commit, portable
+    from benchmarks.generator import DecodeBench
+    from benchmarks.trainer import hardware_flops, long_tail, model_flops
+
+    p, k, page, context = size["profile"], size["decode_steps"], args.page_size, size["context"]
+    max_len = size["max_prompt"] + size["long_tail"][-1]
+    name, shape = next(iter(size["models"].items()))
+    cfg = ModelConfig.make(**shape, max_position_embeddings=max_len)
+    device = jax.devices()[0]
+    work = Path(args.work) / "profile"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    res = {"device": device.device_kind, "platform": device.platform, "commit": commit(),
+           "date": time.strftime("%Y-%m-%d %H:%M"), "smoke": args.smoke,
+           "command": " ".join(["python benchmarks/accelerator.py", *portable(sys.argv[1:])]), "model": name,
+           "params_m": cfg.num_params() / 1e6, "dtype": "bfloat16", "max_len": max_len, "page_size": page,
+           "decode_steps": k, "context": context, "seconds": {}, "errors": {}}
+    hlo: dict[str, str] = {}
+    programs: dict[str, dict] = {}
+    held: dict = {"model": from_config(cfg, dtype=jnp.bfloat16)}
+
+    def decode_bench(rows: int, slots: int) -> tuple[DecodeBench, str]:
+        """A DecodeBench of `rows` of `slots`, its program compiled and its optimised HLO kept: (bench, key)."""
+        bench = DecodeBench(held["model"], slots, [context] * rows, max_len, page, k)
+        with recording(engine_module, bench.engine) as calls:
+            bench.call()
+        if not calls:
+            raise RuntimeError("the decode call ran no jitted function of arealjax.generation.engine or its Engine")
+        e = bench.engine
+        pool = e.cfg.num_kv_heads * e.num_pages * e.page_size * e.cfg.head_dim  # one layer's K (or V) pages
+        for fn, text in optimized_hlo(calls).items():
+            hlo[f"decode-{rows}of{slots}-{fn}"] = text
+            programs[f"decode-{rows}of{slots}-{fn}"] = {
+                "chars": len(text), "attention": e.attention, "num_pages": e.num_pages, "pool_elements": pool,
+                "pool_sized_copies": pool_sized_copies(text, pool)}
+        key = max((x for x in programs if x.startswith(f"decode-{rows}of{slots}-")), key=lambda x: len(hlo[x]))
+        return bench, key  # the largest program of the call: the decode steps
+
+    def free_slots():
+        rows, slots = p["ratio_rows"], p["ratio_slots"]
+        times = []
+        for s in slots:
+            bench, _ = decode_bench(rows, s)
+            times.append(bench.seconds_per_step(size["step_repeats"]))
+            del bench
+        res["free_slots"] = {"rows": rows, "context": context, "slots": list(slots), "seconds_per_step": times,
+                             "ratio": times[-1] / times[0]}
+
+    def decode():
+        held["bench"], key = decode_bench(p["rows"], p["slots"])
+        res["decode"] = {"rows": p["rows"], "slots": p["slots"], "program": key, **{
+            x: programs[key][x] for x in ("attention", "num_pages")},
+            "seconds_per_step": held["bench"].seconds_per_step(size["step_repeats"])}
+        res["pool_elements"] = programs[key]["pool_elements"]
+        res["pool_sized_copies"] = programs[key]["pool_sized_copies"]
+
+    def decode_full():
+        for key in ("bench", "train", "trajectories"):  # traced already: their memory to the full-row engine
+            held.pop(key, None)
+        rows = p["full_rows"]
+        bench = DecodeBench(held["model"], rows, [context] * rows, max_len, page, k)
+        t = bench.seconds_per_step(size["step_repeats"])
+        model = held["model"]
+        param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+        if not cfg.tie_word_embeddings:  # the embedding table is gathered (one row per token), not read
+            param_bytes -= cfg.vocab_size * cfg.hidden_size * 2
+        read = param_bytes + rows * (context + (k + 1) / 2) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        hbm = peaks(device.device_kind)[0]
+        res["decode_full"] = {"rows": rows, "slots": rows, "context": context, "seconds_per_step": t, "bytes": read,
+                              "bytes_per_s": read / t, "hbm_fraction": read / t / hbm if hbm else None}
+
+    def sweep():
+        res["paged_sweep"] = paged_sweep(p["full_rows"], context, shape, p["sweep"], size["step_repeats"])
+
+    def train():
+        tr = size["trainer"]
+        trajs = long_tail(tr["trajectories"], tr["max_tokens"])
+        t = ppo_trainer(from_config(ModelConfig.make(**shape)), tr)
+        with recording(t, trainer_module) as calls:
+            metrics = t.train_step(trajs)  # compiles
+        hlo.update({f"train-{fn}": text for fn, text in optimized_hlo(calls).items()})
+        t0 = time.perf_counter()
+        t.train_step(trajs)
+        jax.block_until_ready(t.params)
+        res["train"] = {"trajectories": len(trajs), "tokens": sum(len(x) for x in trajs),
+                        "max_tokens": tr["max_tokens"], "micro_rows": tr["micro_rows"],
+                        "micro_batches": int(metrics["micro_batches"]), "seconds": time.perf_counter() - t0}
+        held["train"], held["trajectories"] = t, trajs  # traced only once it ran
+
+    def trace():
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0  # host work is in the TraceMe events; Python's calls would swamp them
+        with jax.profiler.trace(str(work / "trace"), create_perfetto_trace=True, profiler_options=options):
+            if "bench" in held:
+                with jax.profiler.TraceAnnotation("decode"):
+                    held["bench"].call()
+            if "train" in held:
+                with jax.profiler.TraceAnnotation("train"):
+                    held["train"].train_step(held["trajectories"])
+                    jax.block_until_ready(held["train"].params)
+        res["trace"] = {**pack_trace(work / "trace", out / "trace.tar.gz"), "regions": ["decode", "train"]}
+        (out / "kernels.md").write_text(profile_table.report(profile_table.load_trace(work / "trace"), top=30))
+
+    def train_attention():
+        tr = size["trainer"]
+        trajs = long_tail(tr["trajectories"], tr["max_tokens"])
+        res["train_attention"] = {}
+        for kind in p["attentions"]:  # the default ('auto': ours on GPU) is the train stage's
+            t = ppo_trainer(from_config(ModelConfig.make(**shape)), {**tr, "attention": kind})
+            try:
+                t.train_step(trajs)  # compiles
+                t0 = time.perf_counter()
+                t.train_step(trajs)
+                jax.block_until_ready(t.params)
+                sec = time.perf_counter() - t0
+                peak = peaks(device.device_kind)[1]
+                res["train_attention"][kind] = {"seconds": sec, "remat": t.cfg.remat, **({} if not peak else {
+                    "mfu": model_flops(t.model_cfg, trajs) / sec / peak,
+                    "hfu": hardware_flops(t.model_cfg, trajs, t.cfg) / sec / peak})}
+            except Exception as e:
+                res["train_attention"][kind] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            del t
+
+    for stage, fn in (("environment", lambda: (out / "environment.txt").write_text(environment())),
+                      ("free_slots", free_slots), ("decode", decode), ("train", train), ("trace", trace),
+                      ("decode_full", decode_full), ("sweep", sweep), ("train_attention", train_attention)):
+        print(f"\n[{time.strftime('%H:%M:%S')}] profile: {stage}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # a stage that fails leaves the others' files
+            traceback.print_exc()
+            res["errors"][stage] = f"{type(e).__name__}: {e}"
+        res["seconds"][stage] = time.perf_counter() - t0
+        if hlo:  # after every stage, as the parts do: a command cut short keeps what is done
+            write_tar(out / "hlo.tar.gz", {f"{key}.hlo.txt": text for key, text in hlo.items()})
+            res["hlo"] = {"file": "hlo.tar.gz", "programs": {key: programs.get(key, {"chars": len(text)})
+                                                             for key, text in hlo.items()}}
+        res["files"] = {f.name: f.stat().st_size for f in sorted(out.iterdir()) if f.name in PROFILE_FILES}
+        (out / "profile.json").write_text(json.dumps(res, indent=1) + "\n")
+    held.clear()
+    return res
+
+
+def profile_summary(res: dict) -> str:
+    """A few lines: what --profile measured and wrote."""
+    lines = [f"profile of {res['model']} on {res['device']}:"]
+    if "free_slots" in res:
+        f = res["free_slots"]
+        lines.append(f"  decode step, {f['rows']} rows of {f['context']} tokens: " + ", ".join(
+            f"{s} slots {t * 1e3:.3f} ms" for s, t in zip(f["slots"], f["seconds_per_step"]))
+            + f" — ratio {f['ratio']:.2f}")
+    if "decode" in res:
+        d = res["decode"]
+        lines.append(f"  decode step, {d['rows']} rows of {d['slots']} slots ({d['attention']}): "
+                     f"{d['seconds_per_step'] * 1e3:.3f} ms; copies of ≥ one layer's KV pool "
+                     f"({res['pool_elements']:,} elements): {len(res['pool_sized_copies'])}")
+    if "train" in res:
+        lines.append(f"  train step, {res['train']['tokens']} tokens: {res['train']['seconds']:.3f} s")
+    if "decode_full" in res:
+        f = res["decode_full"]
+        lines.append(f"  decode step, {f['rows']} rows of {f['context']} tokens: {f['seconds_per_step'] * 1e3:.3f} ms, "
+                     f"{f['bytes_per_s'] / 1e9:,.0f} GB/s, {fmt(f['hbm_fraction'], '.1%')} of peak HBM")
+    for row in res.get("paged_sweep", []):
+        lines.append(f"  paged kernel, pages of {row['page_size']}, {row['per_block']} per block, {row['k_splits']} "
+                     f"splits: " + (row.get("error") or f"{row['seconds'] * 1e6:.1f} µs, "
+                                    f"{fmt(row['hbm_fraction'], '.1%')} of peak HBM"))
+    for kind, r in res.get("train_attention", {}).items():
+        lines.append(f"  train step with attention '{kind}': " + (r.get("error") or (
+            f"{r['seconds']:.3f} s, remat {r['remat']}, MFU {fmt(r.get('mfu'), '.1%')}, "
+            f"HFU {fmt(r.get('hfu'), '.1%')}")))
+    lines += [f"  {n}: {b:,} bytes" for n, b in res.get("files", {}).items()]
+    lines += [f"  {stage} failed: {e}" for stage, e in res["errors"].items()]
+    return "\n".join(lines)
 
 
 # ---- goals and report ----
@@ -609,15 +1097,16 @@ def report(res: dict) -> str:
                              f"{'yes' if c['passed'] else '**no**'} |")
         if name == "generator":
             for model, m in p["models"].items():
+                runs = f"the median of {p['timed_runs']} timed runs" if "timed_runs" in p else "timed"
                 lines += [f"**{model}** ({m['params_m']:.0f}M params, bf16): {m['requests']} long-tail requests, "
-                          f"{m['useful_tokens']} useful tokens (output p50 {m['output_p50']}, max {m['output_max']})"
+                          f"{m['useful_tokens']} useful tokens (output p50 {m['output_p50']}, max {m['output_max']}); "
+                          f"each system {runs} after an untimed one of the same batches"
                           + "".join(f"; {s} skipped: {why}" for s, why in m["skipped"].items()), "",
-                          "| slots | arealjax tok/s | transformers tok/s | Tunix tok/s | ÷ transformers | ÷ Tunix |",
-                          "|---|---|---|---|---|---|"]
+                          "| slots | arealjax tok/s | transformers tok/s | transformers compiled tok/s | Tunix tok/s | "
+                          "÷ transformers | ÷ transformers compiled | ÷ Tunix |", "|---|---|---|---|---|---|---|---|"]
                 lines += [f"| {r['slots']} | {r['arealjax_tokens_per_s']:,.0f} | "
-                          f"{fmt(r.get('transformers_tokens_per_s'), ',.0f')} | "
-                          f"{fmt(r.get('tunix_tokens_per_s'), ',.0f')} | {fmt(r.get('over_transformers'), '.2f')} | "
-                          f"{fmt(r.get('over_tunix'), '.2f')} |" for r in m["long_tail"]]
+                          + " | ".join(fmt(r.get(f"{x}_tokens_per_s"), ",.0f") for x in SYSTEMS) + " | "
+                          + " | ".join(fmt(r.get(f"over_{x}"), ".2f") for x in SYSTEMS) + " |" for r in m["long_tail"]]
                 lines += [f"\n{key.removesuffix('_error')} at {r['slots']} slots failed: `{e}`"
                           for r in m["long_tail"] for key, e in r.items() if key.endswith("_error")]
                 lines += ["", f"| active rows of {m['context']} tokens | decode step ms | MB read | GB/s | "
@@ -630,11 +1119,11 @@ def report(res: dict) -> str:
             lines += [f"Peak {p['peak_flops'] / 1e12:.1f} TFLOP/s ({p['peak_from']}; measured bf16 matmul "
                       f"{p['matmul_bf16_flops'] / 1e12:.1f}); {p['trajectories']} long-tail trajectories, "
                       f"{p['tokens']} tokens, rows of {p['max_tokens']}, {p['micro_rows']} rows per micro-batch.", "",
-                      "| model | s / step | tokens/s | model TFLOP/s | MFU | real tokens |",
-                      "|---|---|---|---|---|---|"]
+                      "| model | s / step | tokens/s | model TFLOP/s | MFU | HFU | remat | real tokens |",
+                      "|---|---|---|---|---|---|---|---|"]
             lines += [f"| {n} ({m['params_m']:.0f}M) | {m['seconds']:.3f} | {m['tokens_per_s']:,.0f} | "
-                      f"{m['model_tflops_per_s']:.2f} | {m['mfu']:.1%} | {m['non_padding_fraction']:.0%} |"
-                      for n, m in p["models"].items()]
+                      f"{m['model_tflops_per_s']:.2f} | {m['mfu']:.1%} | {fmt(m.get('hfu'), '.1%')} | "
+                      f"{m.get('remat', 'full')} | {m['non_padding_fraction']:.0%} |" for n, m in p["models"].items()]
         if name == "e2e":
             lines += [f"`{p['config']}` {' '.join(p['flags'])}, {p['steps']} steps (rates after step {p['warmup']}); "
                       f"η = 4 speedup {p['speedup_eta4']:.2f}×", "",
@@ -661,11 +1150,14 @@ def report(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of: " + ", ".join(PARTS))
+    ap.add_argument("--parts", default=None, help="comma-separated, of: " + ", ".join(PARTS) + " (default: all; "
+                                                  "with --profile: none)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, interpret-mode Pallas (a minute)")
+    ap.add_argument("--profile", action="store_true", help="after the parts, profile the decode program and the train "
+                                                           "step into --out (module docstring)")
     ap.add_argument("--wheels", default="", help="a folder of wheels to install what is missing from, first")
-    ap.add_argument("--out", default="", help="where the results go (default: benchmarks/results; --smoke: a "
-                                              "temporary directory)")
+    ap.add_argument("--out", default="", help="where the results go (default: benchmarks/results; --smoke or "
+                                              "--profile: a temporary directory)")
     ap.add_argument("--work", default="", help="scratch: HF exports, the e2e runs (default: a temporary directory)")
     ap.add_argument("--models", default="", help="comma-separated: the generator and trainer parts' models "
                                                  "(default: all of the size's, " + ", ".join(QWEN3) + ")")
@@ -673,12 +1165,13 @@ def main() -> None:
                                                               "(default: the size's, 512)")
     ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args()
-    parts = [p for p in args.parts.split(",") if p]
+    parts = [p for p in (args.parts or ("" if args.profile else ",".join(PARTS))).split(",") if p]
     if unknown := sorted(set(parts) - set(PARTS)):
         ap.error(f"unknown parts {unknown}; expected some of {PARTS}")
     scratch = Path(tempfile.gettempdir()) / "arealjax_accelerator" / ("smoke" if args.smoke else "")
     args.work = args.work or str(scratch)
-    out = Path(args.out or (scratch if args.smoke else ROOT / "benchmarks" / "results"))
+    out = Path(args.out or (scratch / ("profile" if args.profile else "") if args.smoke or args.profile
+                            else ROOT / "benchmarks" / "results"))
     for d in (Path(args.work), out):
         d.mkdir(parents=True, exist_ok=True)
     if args.smoke:
@@ -699,6 +1192,8 @@ def main() -> None:
             sys.exit(f"error: --models: unknown {unknown}; expected some of {sorted(size['models'])}")
         size = {**size, "models": {m: size["models"][m] for m in names}}
     if args.requests:
+        if args.requests < 2 * max(size["slots"]):
+            ap.error(f"--requests={args.requests}: the most slots, {max(size['slots'])}, need at least twice that")
         size = {**size, "requests": args.requests}
     res = {"device": device.device_kind, "platform": device.platform, "devices": jax.device_count(),
            "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M"), "smoke": args.smoke,
@@ -711,7 +1206,8 @@ def main() -> None:
         old = json.loads(path.with_suffix(".json").read_text())
         if [old.get(k) for k in ("commit", "device", "smoke")] == [res[k] for k in ("commit", "device", "smoke")]:
             res["parts"] = {p: r for p, r in old.get("parts", {}).items() if p not in parts}
-    print(f"{device.device_kind} ({device.platform}), {jax.device_count()} device(s); results: {path}.json, .md",
+    print(f"{device.device_kind} ({device.platform}), {jax.device_count()} device(s); results: "
+          + (f"{path}.json, .md" if parts else "") + (f"{', ' * bool(parts)}{out}/profile.json …" * args.profile),
           flush=True)
     for part in parts:
         print(f"\n[{time.strftime('%H:%M:%S')}] {part}", flush=True)
@@ -725,10 +1221,15 @@ def main() -> None:
         res["goals"] = goals(res["parts"])
         path.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")  # after every part: a later crash
         path.with_suffix(".md").write_text(report(res))  # keeps what is done
-    print("\n" + report(res), flush=True)
+    if parts:
+        print("\n" + report(res), flush=True)
     failed = [p for p in parts if "error" in res["parts"][p]]  # this command's parts, not those it kept
     if "kernels" in parts and res["parts"]["kernels"].get("passed") is False:
         failed.append("kernels (out of tolerance, or 'auto' resolving elsewhere)")
+    if args.profile:
+        prof = profile(size, args, out)
+        print("\n" + profile_summary(prof), flush=True)
+        failed += [f"profile {stage}" for stage in prof["errors"]]
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")
 

@@ -11,14 +11,17 @@ same useful work; useful tokens/s = requested output tokens / wall-clock):
   short      prompts of 16-48 tokens, lognormal (median 24, σ 0.9) capped at 192 — 16 slots
 Systems: (a) arealjax continuous batching over paged KV (a freed slot is refilled at once); (b) arealjax static
 batches that wait for their longest (the synchronous baseline, short workload only); (c) Tunix's vanilla sampler
-(google-tunix) and (d) transformers `generate` (torch CPU), both in static batches of `slots`.
-Then: (e) one decode step's time as the longest active sequence grows (16 active rows, the others 48 tokens) and
-with 4 active rows out of 4, 64 and 256 slots; (f) weight swaps during (a): update_weights() -> next token latency
+(google-tunix), (d) transformers `generate` (torch CPU) and (e) the same with a static KV cache and its decoding
+step compiled by `torch.compile` (transformers' fastest `generate`), each in static batches of `slots`.
+Then: (f) one decode step's time as the longest active sequence grows (16 active rows, the others 48 tokens) and
+with 4 active rows out of 4, 64 and 256 slots; (g) weight swaps during (a): update_weights() -> next token latency
 and the loop time spent applying them, recompute and keep modes. Peak KV bytes held by (a) are reported against a
-dense slots × max_len cache. Timings: fastest of --repeats runs after one warm-up pass.
+dense slots × max_len cache. Timings: the median of --repeats (3) timed runs, each system after one untimed run of
+the same batches (compilation, first allocations).
 Printed to stdout as tables; nothing is written but a temporary HF checkpoint. A system whose package is missing
-(google-tunix; torch / transformers) is skipped with one printed line, as with --skip. --smoke shrinks the model,
-the workloads and (e) to seconds.
+(google-tunix; torch / transformers) is skipped with one printed line, as with --skip; (e) failing (a torch that
+cannot compile here) prints its error and leaves the others' figures. --smoke shrinks the model, the
+workloads and (f) to seconds.
 """
 
 import argparse
@@ -36,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 # The model (a Qwen3 config), the output cap, the prompt cap, and the workloads: (requests, prompt lengths, median
-# output length, σ, output cap) — requests None: --requests. (e): lengths of the longest row, slot counts.
+# output length, σ, output cap) — requests None: --requests. (f): lengths of the longest row, slot counts.
 SIZES = {
     "full": dict(model=dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                             num_attention_heads=8, num_key_value_heads=4, head_dim=64), cap=512, max_prompt=64,
@@ -136,13 +139,31 @@ def run_tunix(sampler, prompts, lens, batch, max_prompt, repeats):
         return outs
 
     go()  # compile every batch shape
-    return best([timed(go) for _ in range(repeats)])
+    return median_run([timed(go) for _ in range(repeats)])
 
 
-def run_transformers(hf_model, prompts, lens, batch, repeats):
+def compile_config(device):
+    """transformers' CompileConfig for `generate` with a static KV cache, which then runs each decoding step through
+    `torch.compile`d forward: on a GPU transformers' default (inductor, 'reduce-overhead': CUDA graphs); on a CPU
+    inductor's default mode, and a flag without which `generate` compiles on accelerators only."""
+    from transformers import CompileConfig
+
+    if device.type != "cpu":
+        return CompileConfig()
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True
+    return config
+
+
+def run_transformers(hf_model, prompts, lens, batch, repeats, compiled: bool = False):
+    """(median seconds of `repeats` timed runs, outputs) of transformers `generate` over `prompts` in static batches
+    of `batch`, each for its longest length, after one untimed run of the same batches (first calls allocate, and
+    `compiled` compiles a program per batch shape). `compiled`: a static KV cache and the decoding step compiled
+    (`compile_config`), the fastest `generate` transformers offers; raises if it did not compile."""
     import torch
 
     device = hf_model.device  # inputs where the model is (a GPU's, or the CPU)
+    fast = dict(cache_implementation="static", compile_config=compile_config(device)) if compiled else {}
 
     def go():
         outs = []
@@ -153,14 +174,15 @@ def run_transformers(hf_model, prompts, lens, batch, repeats):
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
             with torch.no_grad():
                 out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=max(ls), min_new_tokens=max(ls),
-                                        do_sample=False, eos_token_id=None, pad_token_id=0).cpu()
+                                        do_sample=False, eos_token_id=None, pad_token_id=0, **fast).cpu()
             outs += [out[j, width: width + n].tolist() for j, n in enumerate(ls)]
         return outs
 
-    with torch.no_grad():  # warm-up (torch compiles nothing, but first calls allocate)
-        hf_model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=2, do_sample=False,
-                          pad_token_id=0)
-    return best([timed(go) for _ in range(repeats)])
+    go()  # warm-up at the timed shapes
+    if compiled and not hasattr(hf_model, "_compiled_call"):
+        raise RuntimeError("generate ran its static-cache decoding uncompiled (this transformers compiles it on "
+                           "other devices only)")
+    return median_run([timed(go) for _ in range(repeats)])
 
 
 def timed(fn):
@@ -169,49 +191,68 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
-def best(runs):
-    return min(runs, key=lambda r: r[0])
+def median_run(runs):
+    """The run of median time among (seconds, outputs) runs (the upper median of an even count)."""
+    return sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+
+
+class DecodeBench:
+    """An engine of `slots` slots whose first len(lengths) slots decode, row i from position lengths[i] (its earlier
+    KV is whatever the pages hold: the cost is the same); `call()` runs one `generate` call of `steps` steps and
+    puts every row back at its starting position, so calls can repeat."""
+
+    def __init__(self, model, slots: int, lengths: list[int], max_len: int, page_size: int, steps: int):
+        import jax
+
+        from arealjax.api import SamplingParams
+        from arealjax.generation.engine import Engine, PageWrites, SlotSampling, pack
+        from arealjax.generation.pages import PagePool, decode_index
+
+        self.model, self.steps = model, steps
+        self.engine = engine = Engine(model, slots=slots, max_len=max_len, page_size=page_size)
+        pool = PagePool(engine.num_pages, page_size)
+        state = engine.init_decode_state()
+        held = [pool.alloc(pool.pages_for(min(n + steps, max_len))) for n in lengths]
+        prefix = engine.prefill(model.params, pack([[1] * 16], page_size, 1, 16, max_len))  # KV contents: any
+        a = len(lengths)
+        sampling = SlotSampling.of([SamplingParams(temperature=0, max_new_tokens=max_len)] * a, [0] * a, a)
+        state, _ = engine.insert(prefix, state, np.zeros(a, np.int32), np.arange(a, dtype=np.int32), sampling,
+                                 PageWrites(np.full(8, engine.num_pages, np.int32), *np.zeros((2, 8), np.int32)),
+                                 np.full(a, 5, np.int32), np.full(a, max_len, np.int32))
+        self.positions = np.array(list(lengths) + [0] * (slots - a), np.int32)
+        self.state = state._replace(positions=jax.device_put(self.positions))
+        self.rows = np.arange(a, dtype=np.int32)
+        self.index = decode_index(held, [min(n + steps - 1, max_len - 1) for n in lengths], a, engine.max_pages,
+                                  engine.num_pages, page_size)
+
+    def call(self) -> None:
+        """One `generate` call of `steps` decode steps, waited for."""
+        import jax
+
+        state, result = self.engine.generate(self.model.params, self.state, self.rows, self.index, steps=self.steps)
+        result.block_until_ready()
+        self.state = state._replace(positions=jax.device_put(self.positions))  # the call donated the state
+
+    def seconds_per_step(self, repeats: int) -> float:
+        """Median seconds per decode step over `repeats` calls, after two (compilation and warm-up)."""
+        times = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            self.call()
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[2:])) / self.steps
 
 
 def decode_step_seconds(model, slots: int, lengths: list[int], max_len: int, page_size: int, decode_steps: int,
                         repeats: int = 20) -> float:
     """Median seconds per decode step (one call of `decode_steps`, divided) of `len(lengths)` active rows, row i
     decoding from position lengths[i], in an engine of `slots` slots (its default attention: 'auto')."""
-    import jax
-
-    from arealjax.api import SamplingParams
-    from arealjax.generation.engine import Engine, PageWrites, SlotSampling, pack
-    from arealjax.generation.pages import PagePool, decode_index
-
-    engine = Engine(model, slots=slots, max_len=max_len, page_size=page_size)
-    pool = PagePool(engine.num_pages, page_size)
-    state = engine.init_decode_state()
-    held = [pool.alloc(pool.pages_for(min(n + decode_steps, max_len))) for n in lengths]
-    prefix = engine.prefill(model.params, pack([[1] * 16], page_size, 1, 16, max_len))  # KV contents: any
-    a = len(lengths)
-    sampling = SlotSampling.of([SamplingParams(temperature=0, max_new_tokens=max_len)] * a, [0] * a, a)
-    state, _ = engine.insert(prefix, state, np.zeros(a, np.int32), np.arange(a, dtype=np.int32), sampling,
-                             PageWrites(np.full(8, engine.num_pages, np.int32), *np.zeros((2, 8), np.int32)),
-                             np.full(a, 5, np.int32), np.full(a, max_len, np.int32))
-    # every slot decodes from position `n` (its earlier KV is whatever the pages hold: the cost is the same)
-    positions = np.array(list(lengths) + [0] * (slots - a), np.int32)
-    state = state._replace(positions=jax.device_put(positions))
-    rows = np.arange(a, dtype=np.int32)
-    index = decode_index(held, [min(n + decode_steps - 1, max_len - 1) for n in lengths], a, engine.max_pages,
-                         engine.num_pages, page_size)
-    times = []
-    for _ in range(repeats + 2):  # the first two: compilation and warm-up
-        t0 = time.perf_counter()
-        state, result = engine.generate(model.params, state, rows, index, steps=decode_steps)
-        result.block_until_ready()
-        times.append(time.perf_counter() - t0)
-        state = state._replace(positions=jax.device_put(positions))
-    return float(np.median(times[2:])) / decode_steps
+    return DecodeBench(model, slots, lengths, max_len, page_size, decode_steps).seconds_per_step(repeats)
 
 
 def step_times(model, max_len, page_size, decode_steps, longest_lens=(64, 128, 256, 512), free_slots=(4, 64, 256),
                repeats=20):
-    """(e): seconds per decode step for 16 active rows as the longest grows, and for 4 active rows in more slots."""
+    """(f): seconds per decode step for 16 active rows as the longest grows, and for 4 active rows in more slots."""
     base = min(48, min(longest_lens) - 1, max_len - decode_steps - 1)
     longest = {n: decode_step_seconds(model, 16, [base] * 15 + [n], max_len, page_size, decode_steps, repeats)
                for n in longest_lens}
@@ -229,14 +270,14 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--swap-every", default="256,1024", help="generated tokens between weight swaps (list)")
     ap.add_argument("--decode-steps", type=int, default=4, help="decode steps per device call in (a) and (b)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per system after warm-up; the fastest counts")
-    ap.add_argument("--skip", default="", help="systems to leave out: tunix,transformers")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per system after warm-up; the median counts")
+    ap.add_argument("--skip", default="", help="systems to leave out: tunix,transformers,transformers_compiled")
     args = ap.parse_args()
     size = SIZES["smoke" if args.smoke else "full"]
     if args.quick:
         args.requests, args.slots, args.repeats = 32, "8,32", 1
     if args.smoke:
-        args.requests, args.slots, args.repeats, args.swap_every = 8, "4", 1, "16"
+        args.requests, args.slots, args.swap_every = 8, "4", "16"
     skip = set(args.skip.split(","))
     for name, modules in (("tunix", ("tunix",)), ("transformers", ("torch", "transformers"))):
         if name not in skip and not all(importlib.util.find_spec(m) for m in modules):
@@ -289,29 +330,35 @@ def main():
         for slots in (slot_counts if name == "long-tail" else slot_counts[:1]):
             engine = Engine(model, slots=slots, max_len=max_len, page_size=ps)
             run_arealjax(engine, model.params, prompts, lens, False, k)  # compile every shape it uses
-            t_a, out_a, st_a = best([run_arealjax(engine, model.params, prompts, lens, False, k)
-                                     for _ in range(args.repeats)])
+            t_a, out_a, st_a = median_run([run_arealjax(engine, model.params, prompts, lens, False, k)
+                                           for _ in range(args.repeats)])
             dense_bytes = slots * max_len * engine.page_bytes // ps
             row = {"workload": name, "slots": slots, "useful": useful, "a": t_a,
                    "kv_peak": st_a.peak_pages * engine.page_bytes, "kv_dense": dense_bytes}
             if name == "short":
                 run_arealjax(engine, model.params, prompts, lens, True, k)
-                t_b, out_b, _ = best([run_arealjax(engine, model.params, prompts, lens, True, k)
-                                      for _ in range(args.repeats)])
+                t_b, out_b, _ = median_run([run_arealjax(engine, model.params, prompts, lens, True, k)
+                                            for _ in range(args.repeats)])
                 assert out_a == out_b, "continuous and static batching must produce the same greedy tokens"
                 row["b"] = t_b
             if sampler is not None:
-                row["c"], out_c = run_tunix(sampler, prompts, lens, slots, max_prompt, 1)
+                row["c"], out_c = run_tunix(sampler, prompts, lens, slots, max_prompt, args.repeats)
                 row["agree_c"] = np.mean([a == c for a, c in zip(out_a, out_c)])
             if "transformers" not in skip:
-                row["d"], out_d = run_transformers(hf_model, prompts, lens, slots, 1)
+                row["d"], out_d = run_transformers(hf_model, prompts, lens, slots, args.repeats)
                 row["agree_d"] = np.mean([a == d for a, d in zip(out_a, out_d)])
+            if "transformers" not in skip and "transformers_compiled" not in skip:
+                try:
+                    row["e"], out_e = run_transformers(hf_model, prompts, lens, slots, args.repeats, compiled=True)
+                    row["agree_e"] = np.mean([a == e for a, e in zip(out_a, out_e)])
+                except Exception as e:  # torch.compile needs a C++ compiler on a CPU, Triton on a GPU
+                    print(f"   (e) transformers compiled failed: {type(e).__name__}: {e}", flush=True)
             rows.append(row)
             print("  ", {x: (round(y, 3) if isinstance(y, float) else y) for x, y in row.items()}, flush=True)
 
     print("\n| workload | slots / batch | (a) arealjax tok/s | (b) static | (c) Tunix | (d) transformers | "
-          "(a) ÷ (c) | (a) ÷ (d) | KV peak (a) / dense |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "(e) transformers compiled | (a) ÷ (c) | (a) ÷ (d) | (a) ÷ (e) | KV peak (a) / dense |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     def tps(r, key):
         return f"{r['useful'] / r[key]:,.0f}" if key in r else "—"
 
@@ -320,13 +367,14 @@ def main():
 
     for r in rows:
         print(f"| {r['workload']} | {r['slots']} | {tps(r, 'a')} | {tps(r, 'b')} | {tps(r, 'c')} | {tps(r, 'd')} | "
-              f"{ratio(r, 'c')} | {ratio(r, 'd')} | {r['kv_peak'] / 2**20:.0f} / {r['kv_dense'] / 2**20:.0f} MiB |")
-    agree = [(r["workload"], r["slots"], r.get("agree_c"), r.get("agree_d")) for r in rows]
-    print("\ngreedy outputs identical to (a), share of requests (Tunix, transformers):", agree)
+              f"{tps(r, 'e')} | {ratio(r, 'c')} | {ratio(r, 'd')} | {ratio(r, 'e')} | "
+              f"{r['kv_peak'] / 2**20:.0f} / {r['kv_dense'] / 2**20:.0f} MiB |")
+    agree = [(r["workload"], r["slots"], r.get("agree_c"), r.get("agree_d"), r.get("agree_e")) for r in rows]
+    print("\ngreedy outputs identical to (a), share of requests (Tunix, transformers, compiled):", agree)
 
     longest, free = step_times(model, max_len, ps, k, size["longest"], size["free"], 2 if args.smoke else 20)
     lo, hi, s0 = min(longest), max(longest), min(free)
-    print(f"\n(e) decode step, 16 active rows (15 × {min(48, lo - 1, max_len - k - 1)} tokens + one of n):",
+    print(f"\n(f) decode step, 16 active rows (15 × {min(48, lo - 1, max_len - k - 1)} tokens + one of n):",
           ", ".join(f"n={n}: {t * 1e3:.1f} ms" for n, t in longest.items()),
           f"— longest {hi} ÷ {lo}: {longest[hi] / longest[lo]:.2f}×")
     print(f"    4 active rows of {min(100, max_len - k - 1)} tokens in S slots:",
@@ -335,7 +383,7 @@ def main():
 
     prompts, lens = workloads["short"]
     engine = Engine(model, slots=slot_counts[0], max_len=max_len, page_size=ps)
-    print("\n(f) | weight swaps, one per N generated tokens | swaps | update_weights -> next token, mean | "
+    print("\n(g) | weight swaps, one per N generated tokens | swaps | update_weights -> next token, mean | "
           "loop time applying swaps (share of wall-clock) | tokens re-prefilled |\n|---|---|---|---|---|")
     for mode in ("recompute", "keep"):
         for every in map(int, args.swap_every.split(",")):

@@ -7,6 +7,8 @@
 2. One RL train step (decoupled PPO, one minibatch, AdamW) on long-tail trajectory lengths, sequence-packed:
    trained tokens/s and model-FLOPs utilisation against that peak. Model FLOPs count only real tokens:
    6·(matmul params) per token plus causal attention within each trajectory (×3 for forward + backward).
+   Hardware-FLOPs utilisation beside it counts what the step executes (`hardware_flops`: padding, the head at the
+   positions it scores, the attention pairs the kernel scores, recomputation).
 3. The same trajectories with naive padding (one trajectory per row): tokens/s and the packed / naive ratio.
 4. The packed step with the layers unrolled instead of scanned.
 Printed to stdout as JSON (one line per variant, then the whole result); --json also writes it to a file.
@@ -16,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -25,7 +28,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arealjax.models import ModelConfig, from_config  # noqa: E402
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig  # noqa: E402
+from arealjax.models import attention as attn  # noqa: E402
+from arealjax.rl.packing import pack, split_minibatches  # noqa: E402
+from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, loss_positions  # noqa: E402
 from arealjax.rl.trajectory import Trajectory  # noqa: E402
 
 
@@ -63,15 +68,88 @@ def long_tail(n: int, max_len: int, seed: int = 0) -> list[Trajectory]:
     return out
 
 
+def layer_params(cfg: ModelConfig) -> int:
+    """Matmul params of the transformer layers (attention projections and the MLP)."""
+    d, f, h, kv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return cfg.num_layers * (d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f)
+
+
 def model_flops(cfg: ModelConfig, trajs: list[Trajectory]) -> float:
     """Training FLOPs of the useful work: 6·N_matmul per token + causal attention per trajectory, ×3 for bwd."""
-    d, f, h, kv, hd, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                          cfg.vocab_size)
-    per_layer = d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f
-    matmul_params = cfg.num_layers * per_layer + d * v  # the lm head is a matmul; the embedding gather is not
+    h, hd = cfg.num_heads, cfg.head_dim
+    matmul_params = layer_params(cfg) + cfg.hidden_size * cfg.vocab_size  # the head is a matmul; the embedding is not
     tokens = sum(len(t) for t in trajs)
     attn_fwd = sum(cfg.num_layers * 2 * 2 * h * hd * len(t) * (len(t) + 1) / 2 for t in trajs)
     return 6 * matmul_params * tokens + 3 * attn_fwd
+
+
+def attention_pairs(segment_ids: np.ndarray, kind: str) -> int:
+    """Query–key pairs the training attention kernel `kind` (models/attention.py, resolved) scores for a micro-batch
+    of segment ids [R, T], padding included: `xla` query blocks of 128 read every key up to their end; `flash`
+    blocks of 512 below the diagonal; `pallas` (the GPU kernel) and `sparse` each block of queries from the block
+    of its earliest segment's first token (`sparse`: blocks of ≥ 64 tokens, the earliest over the micro-batch, the
+    lookback rounded up to a power of two)."""
+    r, t = segment_ids.shape
+    if kind in ("xla", "flash"):
+        bs = min(128 if kind == "xla" else 512, t)
+        n = -(-t // bs)
+        return r * sum(bs * min((i + 1) * bs, t) for i in range(n))
+    bs = 64 if kind == "pallas" else max(64, -(-t // 16))
+    n = -(-t // bs)
+    starts = np.full((r, n * bs), n * bs)  # per position, the first position of its segment in the row
+    for row, ids in enumerate(segment_ids):
+        _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        starts[row, :t] = first[inverse]
+    first = starts.reshape(r, n, bs).min(2) // bs  # [R, n]: each query block's first key block
+    if kind == "sparse":
+        back = np.arange(n) - first.min(0)
+        pow2 = np.where(back > 0, 2 ** np.ceil(np.log2(np.maximum(back, 1))), 0)
+        first = np.broadcast_to(np.arange(n) - np.minimum(pow2, np.arange(n)), (r, n)).astype(int)
+    ends = np.minimum((np.arange(n) + 1) * bs, n * bs if kind == "pallas" else t)  # pallas pads the row to blocks
+    return int(np.sum(bs * (ends - first * bs)))
+
+
+def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerConfig, shards: int = 1) -> float:
+    """FLOPs one `Trainer.train_step` on `trajs` executes under `tcfg` (the trainer's own, where remat "auto" is
+    resolved; `shards`: a micro-batch's batch shards, 1 on one device), packed as the trainer packs them: what
+    hardware-FLOPs utilisation (HFU) divides by, where `model_flops` (MFU) counts the useful work only. Matmuls and
+    attention; elementwise work is left out.
+      layers     2·N_layers per position of every row run, padding included; ×3 with the backward, and one forward
+                 more under remat "full" (8N instead of 6N)
+      head       2·D·V per position scored (`trainer.loss_positions`' slots, or every position), ×3 with the
+                 backward, and one forward more where the logits are chunked (a rematerialised scan)
+      attention  4·H·hd per query–key pair scored (`attention_pairs`), backward ×2 (×2.5 where the kernel
+                 recomputes the scores: flash, pallas, sparse), and one forward more under remat "full",
+                 "save_dots" or "offload" (attention's dots are not saved)
+      passes     no-grad forwards: π_prox for every minibatch but the first (decoupled PPO; every one for M2PO),
+                 the reference policy for all (a KL penalty)"""
+    if tcfg.remat == "auto":
+        raise ValueError("hardware_flops: pass the Trainer's cfg, where remat 'auto' is resolved")
+    kind = attn.pick(tcfg.attention)
+    rows, t = tcfg.micro_rows, tcfg.max_tokens
+    n_mb = tcfg.ppo_n_minibatches if tcfg.loss == "ppo" else 1
+    unit = shards if rows % shards == 0 else rows
+    per_pos, head, attn_pair = 2 * layer_params(cfg), 2 * cfg.hidden_size * cfg.vocab_size, (
+        4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
+    attn_train = 1 + (2 if kind == "xla" else 2.5) + (tcfg.remat != "none")
+    total = 0.0
+    for i, trajectories in enumerate(split_minibatches(trajs, n_mb)):
+        batch = pack(trajectories, t, rows, packed=tcfg.packing, unit=unit)
+        passes = 0
+        if tcfg.loss == "ppo":
+            passes = int(tcfg.ppo.needs_prox and (i > 0 or tcfg.ppo.objective == "m2po")) + int(bool(tcfg.ppo.kl_coef))
+        for j in range(batch.n_micro):
+            mb = batch.micro(j)
+            r = len(mb["tokens"])
+            size = loss_positions(mb["loss_mask"], shards)
+            slots = r * t // shards if size is None else size
+            steps = 1 if tcfg.logits_chunk <= 0 else -(-slots // max(tcfg.logits_chunk * r // shards, 1))
+            scored = shards * steps * -(-slots // steps)
+            pairs = attention_pairs(mb["segment_ids"], kind)
+            total += per_pos * r * t * (3 + (tcfg.remat == "full") + passes)
+            total += head * scored * (3 + (steps > 1) + passes)
+            total += attn_pair * pairs * (attn_train + passes)
+    return total
 
 
 def main():
@@ -116,6 +194,7 @@ def main():
 
         t = best_of(step, repeats)
         results[name] = dict(seconds=t, tokens_per_s=results["tokens"] / t, mfu=flops / t / peak,
+                             hfu=hardware_flops(cfg, trajs, trainer.cfg) / t / peak,
                              model_tflops_per_s=flops / t / 1e12, micro_batches=int(metrics["micro_batches"]),
                              non_padding_fraction=metrics["non_padding_fraction"])
         print(name, json.dumps(results[name]), flush=True)

@@ -154,8 +154,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.trainer.max_skipped_in_a_row = 3  # steps skipped for a non-finite loss/gradient before the run stops
     # Memory and speed (the numbers stay within float tolerance): attention kernel ("auto": Pallas flash on GPU/TPU,
     # block-sparse einsums on CPU; "flash": pure-JAX flash for long rows anywhere), per-layer remat (none | full |
-    # save_dots | offload), layers under lax.scan, logits computed logits_chunk tokens of a row at a time, and
-    # the matmul dtype ("bfloat16" on fp32 master params).
+    # save_dots | offload | auto: the least recomputation that fits the device's memory), layers under lax.scan,
+    # logits computed logits_chunk tokens of a row at a time, and the matmul dtype ("bfloat16" on fp32 master params).
     config.trainer.attention = "auto"
     config.trainer.remat = "none"
     config.trainer.scan_layers = True

@@ -3,6 +3,7 @@ interpret mode), parts as separate commands adding up in one results file, and k
 wrong kernels."""
 
 import json
+import tarfile
 
 import pytest
 from conftest import link_prepared, results_digest, run_script
@@ -39,6 +40,7 @@ def test_accelerator_smoke_measures_every_part(tmp_path, smollm2_prepared):
     gen = parts["generator"]["models"]["tiny"]
     (row,) = gen["long_tail"]
     assert row["arealjax_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0 and row["over_transformers"] > 0
+    assert row["transformers_compiled_tokens_per_s"] > 0 and row["transformers_compiled_same_tokens"] == 1
     assert "tunix_tokens_per_s" in row or "tunix" in gen["skipped"]
     assert [s["rows"] for s in gen["decode_step"]] == [1, 4]
     assert all(s["seconds"] > 0 and s["bytes"] > 0 and s["hbm_fraction"] is None for s in gen["decode_step"])
@@ -116,3 +118,107 @@ def test_kernel_checks_fail_a_wrong_mask_a_wrong_gradient_and_an_off_by_one_leng
     assert paged_check(jnp.float32, pages, paged_ragged, "ragged")["passed"]
     past = paged_check(jnp.float32, pages, lambda q, pool, pos, index: paged_ragged(q, pool, pos + 1, index), "ragged")
     assert not past["passed"]
+
+
+@pytest.mark.slow
+def test_profile_smoke_writes_its_files_and_profile_table_reads_its_trace(tmp_path):
+    """accelerator.py --smoke --profile writes the five files a lent GPU sends back (each under the 16 MiB a file
+    may be): the numbers, the decode and train programs' optimised HLO, the trace of a warm decode call and train
+    step, its kernel table and the environment; the ragged decode copies no pool-sized buffer; and
+    profile_table.py prints that trace's kernels per region."""
+    before = results_digest()
+    out = tmp_path / "out"
+    stdout, wall = run_script("accelerator.py", ["--smoke", "--profile", f"--out={out}"], tmp_path, 300)
+    print(f"accelerator.py --smoke --profile: {wall:.1f} s")
+    files = {p.name: p.stat().st_size for p in out.iterdir()}
+    assert sorted(files) == ["environment.txt", "hlo.tar.gz", "kernels.md", "profile.json", "trace.tar.gz"], files
+    assert all(0 < n <= 16 * 2**20 for n in files.values()), files
+    res = json.loads((out / "profile.json").read_text())
+    assert res["errors"] == {} and res["model"] == "tiny" and res["platform"] == "cpu"
+    free = res["free_slots"]
+    assert free["slots"] == [4, 16] and free["rows"] == 4 and free["ratio"] > 0
+    assert (res["decode"]["rows"], res["decode"]["slots"], res["decode"]["attention"]) == (8, 16, "ragged")
+    assert res["decode"]["seconds_per_step"] > 0 and res["train"]["seconds"] > 0
+    assert res["pool_elements"] == 1 * 32 * 16 * 32  # kv heads × 16 slots' 2 pages × page size × head dim
+    assert res["pool_sized_copies"] == []  # the ragged decode writes its pages in place
+    with tarfile.open(out / "hlo.tar.gz") as tar:
+        names = set(tar.getnames())
+        assert all(tar.extractfile(n).read(9) == b"HloModule" for n in names)
+    assert {"decode-8of16-generate.hlo.txt", "decode-4of4-generate.hlo.txt", "decode-4of16-generate.hlo.txt",
+            "train-grad.hlo.txt", "train-apply.hlo.txt"} <= names, names
+    assert set(res["hlo"]["programs"]) == {n.removesuffix(".hlo.txt") for n in names}
+    assert any(m.endswith(".trace.json.gz") for m in res["trace"]["members"])
+    assert "free_slots" in stdout or "decode step" in stdout
+    table, _ = run_script("profile_table.py", [str(out)], tmp_path, 60)
+    assert "## decode: wall" in table and "## train: wall" in table, table
+    assert "| jit__generate |" in table and "| jit_grad |" in table, table
+    assert (out / "kernels.md").read_text().startswith("Kernels: host XLA op events")
+    assert results_digest() == before
+
+
+def test_pool_sized_copy_check_finds_a_copied_pool_and_passes_one_updated_in_place():
+    """The HLO check of --profile: a page write into a pool that is not donated makes XLA copy the whole pool first
+    (found, with its source op); donated, the write is in place (nothing found); a materialised transpose is a
+    fusion whose root is a copy (found). Buffers below the threshold are never listed."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.accelerator import elements, pool_sized_copies
+
+    pool, page = jnp.zeros((4, 64, 8, 32)), jnp.ones((8, 32))  # [layers, pages, page size, head dim]
+    layer = 64 * 8 * 32
+
+    def write(p, x):
+        return p.at[1, 5].set(x)
+
+    def hlo(f, *args):
+        return f.lower(*args).compile().as_text()
+
+    copied = pool_sized_copies(hlo(jax.jit(write), pool, page), layer)
+    assert [(c["kind"], c["elements"]) for c in copied] == [("copy", 4 * layer)], copied
+    assert pool_sized_copies(hlo(jax.jit(write, donate_argnums=0), pool, page), layer) == []
+    moved = pool_sized_copies(hlo(jax.jit(lambda p: p.transpose(1, 0, 2, 3)), pool), layer)
+    assert len(moved) == 1 and moved[0]["kind"] == "fusion (copy)" and moved[0]["op_name"].endswith("transpose")
+    assert pool_sized_copies(hlo(jax.jit(write), pool, page), 4 * layer + 1) == []
+    assert elements("(bf16[4,64]{1,0}, u32[]) ") == 256 and elements("s32[<=8,3]{1,0}") == 24 and elements("f32[]") == 1
+
+
+def test_profile_table_reads_gpu_streams_by_region():
+    """profile_table.py on a GPU trace's layout: kernels are the device's stream events (the derived 'XLA Ops' line
+    is not counted again), split by the host annotations they start in, with calls, totals and shares."""
+    from benchmarks.profile_table import report, split
+
+    def meta(pid, tid, kind, name):
+        return {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
+
+    def span(pid, tid, name, ts, dur, module=None):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur,
+                **({"args": {"hlo_module": module}} if module else {})}
+
+    trace = {"traceEvents": [
+        meta(1, None, "process_name", "/host:CPU"), meta(1, 7, "thread_name", "python"),
+        meta(2, None, "process_name", "/device:GPU:0"), meta(2, 13, "thread_name", "Stream #13(Compute)"),
+        meta(2, 14, "thread_name", "Stream #14(MemcpyD2D)"), meta(2, 99, "thread_name", "XLA Ops"),
+        span(1, 7, "decode", 0, 100), span(1, 7, "train", 200, 300),
+        span(2, 13, "fusion_1", 10, 20, "jit__generate"), span(2, 13, "fusion_1", 40, 20, "jit__generate"),
+        span(2, 14, "MemcpyD2D", 70, 40, "jit__generate"), span(2, 99, "fusion.1", 10, 50, "jit__generate"),
+        span(2, 13, "gemm", 250, 90, "jit_grad"), span(2, 13, "fusion_1", 350, 10, "jit_apply")]}
+    parts, source = split(trace, ["decode", "train"])
+    assert source == "/device:GPU:0: stream threads"
+    assert [e["name"] for e in parts["decode"]["events"]] == ["fusion_1", "fusion_1", "MemcpyD2D"]
+    text = report(trace)
+    assert "## decode: wall 0.100 ms, kernel time 0.080 ms in 3 calls of 2 kernels" in text
+    assert "| jit__generate | fusion_1 | 2 | 0.040 | 20.0 | 50.0% |" in text
+    assert "| jit__generate | MemcpyD2D | 1 | 0.040 | 40.0 | 50.0% |" in text
+    assert "| jit_grad | gemm | 1 | 0.090 | 90.0 | 90.0% |" in text and "| jit_apply | fusion_1 | 1 |" in text
+
+
+def test_generator_sizes_feed_every_slot_count_twice_over():
+    """A throughput run needs at least twice the most slots in requests (the generator and real-model parts)."""
+    from benchmarks.accelerator import SIZES, check_requests
+
+    for size in SIZES.values():
+        check_requests(size["requests"], size["slots"])
+        check_requests(size["real_model"]["requests"], size["slots"])
+    with pytest.raises(ValueError, match="at least 512"):
+        check_requests(256, (64, 256))

@@ -3,6 +3,7 @@ accuracy at a budget read the right evaluation. And nothing rots: every script i
 with --help and runs end to end with --smoke (seconds), leaving its result but never touching benchmarks/results."""
 
 import argparse
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -27,7 +28,7 @@ SMOKE_RESULTS = {
     "checkpoint.py": (["| local disk |", "| gs:// (local emulator) |", "| stream prompts"], []),
     "disaggregated.py": (["| synchronous colocated | ", "| disaggregated η = 1 | ", "speedup_eta4 = None"],
                          [f"arealjax_disaggregated/smoke/disaggregated.{x}" for x in ("json", "md", "png")]),
-    "generator.py": (["| long-tail | 4 |", "| short | 4 |", "(e) decode step", "| keep, N=16 |"], []),
+    "generator.py": (["| long-tail | 4 |", "| short | 4 |", "(f) decode step", "| keep, N=16 |"], []),
     "learning.py": (["| default | 2 |", "| carry written | sum after a carry |"],
                     [f"arealjax_learning/smoke/learning.{x}" for x in ("json", "md", "png")]),
     "lora.py": (["| LoRA r=2 |", "| LoRA r=2, on_the_fly |", "on the fly / merged:"], []),
@@ -37,6 +38,7 @@ SMOKE_RESULTS = {
     "moe.py": (["| 64 | 32 | 16 | 8 | 2 |"], ["arealjax_moe/smoke/moe.json", "arealjax_moe/smoke/moe.md"]),
     "objectives.py": (["| synchronous | 0 |", "| m2po | 1 |"],
                       [f"arealjax_objectives/smoke/objectives.{x}" for x in ("json", "md", "png")]),
+    "profile_table.py": (["## decode: wall", "## train: wall", "| calls | total ms | mean µs | share |"], []),
     "rewards.py": (["| math (math-verify) | 1 | 16 |", "| code ("], []),
     "staleness_ablation.py": (["| η = 0 |", "| η = 1 (keep) |"],
                               [f"arealjax_ablation/smoke/staleness_ablation.{x}" for x in ("json", "md", "png")]),
@@ -132,6 +134,40 @@ def test_time_to_target_and_accuracy_at_budget():
     assert accuracy_at(curve, 60.0) == 0.85
     assert accuracy_at(curve, 1000.0) == 0.79
     assert accuracy_at(curve, 0.0) == 0.5
+
+
+def test_hardware_flops_count_what_the_trainer_executes():
+    """benchmarks/trainer.py: HFU's FLOPs for one trajectory of 200 prompt and 56 output tokens filling a row of 256,
+    by hand: layers 3·2N per position, the head 3·2DV per slot it scores (the 56 loss positions' 128-slot bucket,
+    where MFU counts every token), XLA attention (query blocks of 128 read every key up to their end, ×3); full
+    remat adds a forward of the layers and of attention, save_dots of attention only; a π_prox pass (second
+    minibatch) and a reference pass add forwards; chunked logits add the head's forward. And the pairs each
+    attention kernel scores on a packed row."""
+    import numpy as np
+
+    from arealjax.models import ModelConfig
+    from arealjax.rl.losses import PPOConfig
+    from arealjax.rl.trainer import TrainerConfig
+    from arealjax.rl.trajectory import Trajectory
+    from benchmarks.trainer import attention_pairs, hardware_flops, layer_params, model_flops
+
+    cfg = ModelConfig.make(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8)
+    traj = Trajectory.from_completion(np.full(200, 5), np.full(56, 6), np.zeros(56), np.zeros(56))
+    layers, head, pair = 2 * layer_params(cfg), 2 * 32 * 64, 4 * 2 * 4 * 8
+    pairs = 128 * 128 + 128 * 256
+    base = TrainerConfig(max_tokens=256, micro_rows=1, attention="xla", logits_chunk=0)
+    hfu = lambda trajs=(traj,), **kw: hardware_flops(cfg, list(trajs), dataclasses.replace(base, **kw))  # noqa: E731
+    assert hfu() == 3 * (256 * layers + 128 * head + pairs * pair)
+    assert model_flops(cfg, [traj]) == 3 * 256 * (layers + head) + 3 * 256 * 257 / 2 * pair  # causal pairs
+    assert hfu(remat="full") - hfu() == 256 * layers + pairs * pair
+    assert hfu(remat="save_dots") - hfu() == pairs * pair
+    assert hfu(logits_chunk=100) == hfu() + 128 * head  # 128 slots in 2 chunks of 64, recomputed
+    two = hfu((traj, traj), ppo_n_minibatches=2, ppo=PPOConfig(kl_coef=0.1))
+    assert two == 2 * hfu() + 3 * (256 * layers + 128 * head + pairs * pair)  # π_prox once, the reference twice
+    segments = np.array([[1] * 100 + [2] * 100 + [0] * 56])  # two segments and padding
+    assert attention_pairs(segments, "flash") == 256 * 256 and attention_pairs(segments, "xla") == pairs
+    assert attention_pairs(segments, "pallas") == 64 * (64 + 128 + 128 + 192)  # key blocks from 0, 0, 1, 1
 
 
 def test_learning_report_compares_tags_over_seeds():

@@ -177,7 +177,7 @@ def test_generator_scores_like_the_trainer_after_a_sync():
     traj = Trajectory.from_completion(prompt, out.output_tokens, out.logprobs, out.versions)
     batch = trainer.pack([traj])[0]
     logp = np.asarray(trainer.logprobs(trainer.params, batch)[0])
-    row, cols = np.nonzero(batch.segment_ids[0] == 1)
+    row, cols = np.nonzero(batch.micro(0)["segment_ids"] == 1)
     got = logp[row[0], cols[len(prompt) - 1:-1]]
     np.testing.assert_allclose(out.logprobs, got, atol=2e-5)
 

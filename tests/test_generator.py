@@ -1,6 +1,7 @@
 """The interruptible generator: engine correctness, continuous batching, weight swaps, abort / pause / failure."""
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -491,6 +492,88 @@ def test_pallas_kernel_behind_the_generator_matches_ragged(max_len):
     for a, b in zip(outs["ragged"], outs["pallas"]):
         assert a.output_tokens == b.output_tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def _kernel_operand_origins(closed, origins: list) -> list[list]:
+    """For each pallas_call in a jaxpr (nested jits and scans followed): each operand's origin, the name of the
+    top-level input it is (`origins`, one per input leaf), written in place at most (scatter,
+    dynamic_update_slice), or None where it was computed — a slice of an input is computed, a new buffer."""
+    from jax.extend import core as jcore
+
+    found = []
+
+    def walk(jaxpr, labels):
+        get = lambda v: labels.get(v) if isinstance(v, jcore.Var) else None  # noqa: E731
+        for eqn in jaxpr.eqns:
+            ins, name, sub = [get(v) for v in eqn.invars], eqn.primitive.name, eqn.params.get("jaxpr")
+            outs = [None] * len(eqn.outvars)
+            if name == "pallas_call":
+                found.append(ins)
+            elif name in ("pjit", "jit", "closed_call", "scan") and sub is not None:
+                inner = getattr(sub, "jaxpr", sub)  # a scan's carry and consts come in under their own names
+                back = walk(inner, dict(zip(inner.invars, ins)))
+                outs = back if name != "scan" else [o if o == i else None for o, i in zip(back, ins[eqn.params[
+                    "num_consts"]:])] + [None] * (len(eqn.outvars) - eqn.params["num_carry"])
+            elif name in ("scatter", "dynamic_update_slice"):
+                outs = [ins[0]]
+            labels.update(zip(eqn.outvars, outs))
+        return [get(v) for v in jaxpr.outvars]
+
+    walk(closed.jaxpr, dict(zip(closed.jaxpr.invars, origins)))
+    return found
+
+
+def test_pallas_decode_kernel_reads_each_layers_pool_in_place():
+    """The decode program the engine runs (steps scanned, layers unrolled) hands the Pallas kernel of layer i the
+    pool array of layer i as the call received it (written in place by the step's token), never a slice of a
+    larger pool: a kernel's operand is a buffer of its own, so a slice would copy a layer's pool out every step —
+    the whole pool read and written once per decode step. Traced here, on CI's CPU (interpret mode); the GPU run
+    checks the optimised HLO for pool-sized copies (benchmarks/accelerator.py)."""
+    eng = Engine(MODEL_A, slots=SLOTS, max_len=MAX_LEN, page_size=8, attention="pallas")
+    state = eng.init_decode_state()
+    rows = np.array([0, 2, SLOTS, SLOTS], np.int32)
+    index = decode_index([[0, 1], [2], [], []], [9, 3, 0, 0], 4, eng.max_pages, eng.num_pages, eng.page_size)
+    jaxpr = jax.make_jaxpr(lambda p, st, r, i: eng.generate(p, st, r, i, steps=3))(MODEL_A.params, state, rows, index)
+    paths = jax.tree_util.tree_flatten_with_path((MODEL_A.params, state, rows, index))[0]
+    origins = _kernel_operand_origins(jaxpr, [jax.tree_util.keystr(p) for p, _ in paths])
+    assert len(origins) == CFG.num_layers  # one kernel per layer in the scanned step
+    for layer, ins in enumerate(origins):  # operands: q, k pages, v pages, page table, lengths
+        assert ins[1:3] == [f"[1].pages.k[{layer}]", f"[1].pages.v[{layer}]"], ins
+
+
+@pytest.mark.parametrize("draw", ["greedy", "sample", "truncate"])
+def test_decode_program_has_no_data_dependent_branch(draw):
+    """What a decode call draws with is compiled in (engine.DRAWS): its program holds no `cond` (a branch on data
+    keeps a GPU from replaying the step as one captured graph), and 'greedy' holds no sampling either."""
+    eng = Engine(MODEL_A, slots=SLOTS, max_len=MAX_LEN, page_size=8)
+    rows = np.array([0, 1, SLOTS, SLOTS], np.int32)
+    index = decode_index([[0], [1], [], []], [3, 3, 0, 0], 4, eng.max_pages, eng.num_pages, eng.page_size)
+    jaxpr = str(jax.make_jaxpr(lambda p, st: eng.generate(p, st, rows, index, draw, steps=2))(
+        MODEL_A.params, eng.init_decode_state()))
+    primitives = set(re.findall(r"= (\w+)\[", jaxpr))
+    assert "cond" not in primitives and "scan" in primitives
+    assert ("random_bits" in primitives) == (draw != "greedy") and ("sort" in primitives) == (draw == "truncate")
+
+
+def test_draw_modes_agree_where_they_overlap():
+    """The same greedy rows decode to the same tokens and logprobs under every draw mode, and sampled rows the same
+    under 'sample' and 'truncate' when no row truncates (top_k 0, top_p 1); logprobs are log-softmax's."""
+    from arealjax.generation.engine import SlotSampling, sample
+
+    logits = jax.random.normal(jax.random.key(0), (6, 64)) * 3
+    temps = [0.0, 0.0, 0.7, 1.0, 1.3, 0.0]
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate(temps)]
+    s = SlotSampling.of(params, [0] * 6, 6)
+    pos = jnp.arange(6)
+    out = {d: sample(logits, s, pos, d) for d in ("greedy", "sample", "truncate")}
+    greedy = np.array(temps) == 0
+    for d in ("sample", "truncate"):
+        np.testing.assert_array_equal(np.asarray(out[d][0])[greedy], np.asarray(out["greedy"][0])[greedy])
+        np.testing.assert_array_equal(np.asarray(out[d][1])[greedy], np.asarray(out["greedy"][1])[greedy])
+    np.testing.assert_array_equal(out["sample"][0], out["truncate"][0])
+    t = jnp.where(jnp.asarray(temps) > 0, jnp.asarray(temps), 1.0)[:, None]
+    want = jnp.take_along_axis(jax.nn.log_softmax(logits / t), out["sample"][0][:, None], 1)[:, 0]
+    np.testing.assert_array_equal(out["sample"][1], want)
 
 
 def test_pallas_kernel_blocks_are_powers_of_two():

@@ -283,7 +283,7 @@ def _packed_segments(rng, b, t):
 
 @pytest.mark.parametrize("kind,t,block", [("flash", 40, 16), ("flash", 64, 64), ("sparse", 100, 16),
                                           ("sparse", 64, 64), ("pallas", 80, None), ("pallas", 48, None),
-                                          ("pallas_tpu", 100, None)])
+                                          ("pallas_mha", 48, None), ("pallas_tpu", 100, None)])
 def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
     """Every attention kind == the XLA reference on packed rows (random segments, padding tail, GQA 2:1): outputs
     and gradients of q, k, v. flash at T not a multiple of its block pads; sparse at T not a multiple of its block
@@ -297,6 +297,7 @@ def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
     ct = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
     fn = {"flash": lambda *a: attn.attend_flash(*a, block=block), "pallas": attn.attend_pallas,
           "sparse": lambda *a: attn.attend_sparse(*a, block=block),
+          "pallas_mha": lambda *a: attn.attend_pallas(*a, mha=True),
           "pallas_tpu": lambda *a: attn.attend_pallas(*a, platform="tpu")}[kind]
 
     def out_and_grads(f):
@@ -327,6 +328,80 @@ def test_pallas_gpu_rows_and_blocks_are_powers_of_two():
         for blk in (min(64, n), min(32, n)):
             assert blk & (blk - 1) == 0 and n % blk == 0, (t, n, blk)
         assert padded_length(t, 128, "tpu") % 128 == 0
+
+
+def _unordered_segments(t):
+    """Ids that decrease (3, 2, then 4) and recur (3 again after 4), a padding tail: a block's first key block
+    then falls again after rising, and a key block is read by query blocks on both sides of one that skips it."""
+    row = np.zeros(t, np.int32)
+    row[:64], row[64:100], row[100:150], row[150:170] = 3, 2, 4, 3
+    return row
+
+
+@pytest.mark.parametrize("t,hkv", [(200, 2), (256, 1)])
+def test_flash_gpu_equals_xla_on_packed_rows_in_any_order(t, hkv):
+    """The GPU kernel (interpret mode) == the XLA reference, outputs and dq / dk / dv, on rows of ragged segments
+    with a padding tail and on a row of decreasing, recurring ids (its 32-query blocks' first key blocks are
+    [0, 0, 1, 1, 0, 0, 2, 3]: exact only if the dk/dv loop of key block 0 reaches past blocks 2-3, which skip it);
+    GQA 2:1 and 4:1; T=200 is padded to 256."""
+    from arealjax.models import attention as attn
+
+    rng = np.random.RandomState(t)
+    b, h, d = 3, 4, 16
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32) for n in (h, hkv, hkv))
+    seg = jnp.asarray(np.concatenate([_packed_segments(rng, 2, t), _unordered_segments(t)[None]]))
+    ct = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+
+    def out_and_grads(f):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v, seg) * ct), argnums=(0, 1, 2)))(q, k, v)
+
+    (ref, ref_g), (out, g) = out_and_grads(attn.attend_xla), out_and_grads(attn.attend_pallas)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=5e-5)
+    np.testing.assert_allclose(np.asarray(jax.jit(attn.attend_pallas)(q, k, v, seg)),
+                               np.asarray(attn.attend_xla(q, k, v, seg)), atol=2e-5, rtol=0)
+    for name, a, r in zip("qkv", g, ref_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=5e-5, rtol=0, err_msg=f"d{name}")
+
+
+def _block_pairs(seg, block_q, block_k):
+    """[B, nq, nk] bool: (query block, key block) pairs holding at least one same-segment causal query-key pair."""
+    t = seg.shape[1]
+    pos = np.arange(t)
+    mask = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None] >= pos[None, :])
+    return mask.reshape(len(seg), t // block_q, block_q, t // block_k, block_k).any(axis=(2, 4))
+
+
+def test_flash_gpu_visits_only_key_blocks_of_its_own_segments():
+    """The GPU kernel's loops (`key_loops`: forward and dq; `query_loops`: dk/dv) visit exactly the block pairs of a
+    row of 8 segments of 64 tokens, at the forward's 64 × 64 blocks and the backward's 64 × 32 and 32 × 64: 8 of the
+    causal triangle's 36 pairs. On random rows (unordered, recurring ids, padding) they visit every block pair that
+    holds a same-segment causal pair, so no score is skipped that the mask keeps."""
+    from arealjax.models import flash_gpu
+
+    def visited(seg, block_q, block_k):
+        n_q, n_k = seg.shape[1] // block_q, seg.shape[1] // block_k
+        kl = np.asarray(flash_gpu.key_loops(jnp.asarray(seg), block_q, block_k))  # [B, nq, 2]
+        ql = np.asarray(flash_gpu.query_loops(jnp.asarray(seg), block_q, block_k))  # [B, nk, 2]
+        j, i = np.arange(n_k), np.arange(n_q)
+        by_query = (kl[:, :, None, 0] <= j) & (j < kl[:, :, None, 1])
+        by_key = ((ql[:, :, None, 0] <= i) & (i < ql[:, :, None, 1])).transpose(0, 2, 1)
+        return by_query, by_key
+
+    row = np.repeat(np.arange(1, 9), 64)[None]
+    for bq, bk in ((64, 64), (64, 32), (32, 64)):
+        by_query, by_key = visited(row, bq, bk)
+        np.testing.assert_array_equal(by_query, _block_pairs(row, bq, bk))
+        np.testing.assert_array_equal(by_key, _block_pairs(row, bq, bk))
+    by_query, _ = visited(row, 64, 64)
+    assert by_query.sum() == 8 and _block_pairs(np.ones_like(row), 64, 64).sum() == 36
+
+    rng = np.random.RandomState(0)
+    rows = np.concatenate([_packed_segments(rng, 16, 256), _unordered_segments(256)[None],
+                           rng.randint(0, 4, size=(16, 256))])
+    for bq, bk in ((64, 64), (64, 32), (32, 64)):
+        needed = _block_pairs(rows, bq, bk)
+        for loops in visited(rows, bq, bk):
+            assert not (needed & ~loops).any(), (bq, bk)
 
 
 def test_sparse_attention_reads_keys_from_the_earliest_segment_start_only():

@@ -1,6 +1,8 @@
 """The sharded train step: policy gradient against an unpacked reference, packing / micro-batching / sharding
 invariance, NaN-step skipping, schedules and an SFT run that learns."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,11 +24,11 @@ def model():
     return from_config(CFG, seed=0)
 
 
-def trajectories(n=12, seed=0, stale=0.0):
+def trajectories(n=12, seed=0, stale=0.0, prompt=(2, 8)):
     rng = np.random.RandomState(seed)
     out = []
     for i in range(n):
-        p, o = rng.randint(2, 8), rng.randint(1, 20)
+        p, o = rng.randint(*prompt), rng.randint(1, 20)
         out.append(Trajectory.from_completion(rng.randint(3, 64, p), rng.randint(3, 64, o),
                                               rng.normal(-4.2, stale, o), np.zeros(o), advantage=rng.normal(),
                                               group=str(i // 4)))
@@ -69,12 +71,15 @@ def test_on_policy_gradient_is_the_policy_gradient(model, objective):
     batch = trainer.pack(trajs)[0]
     assert batch.n_micro > 1 and batch.non_padding_fraction > 0.6
 
-    # per-token logprobs: packed rows (segment ids, restarted positions) == one trajectory per row
+    # per-token logprobs at the loss positions (0 elsewhere): packed rows (segment ids, restarted positions) == one
+    # trajectory per row
     packed_logp = np.concatenate([np.asarray(x) for x in trainer.logprobs(trainer.params, batch)]).reshape(-1, T)
-    seg = batch.segment_ids.reshape(-1, T)
+    seg, loss_mask = batch.segment_ids.reshape(-1, T), batch.loss_mask.reshape(-1, T)
+    assert not packed_logp[~loss_mask].any()
     for i, t in enumerate(trajs):
         row, cols = np.nonzero(seg == i + 1)
-        np.testing.assert_allclose(packed_logp[row[0], cols[:-1]], ref_logp[i, :len(t) - 1], atol=2e-5)
+        scored = t.loss_mask[1:]
+        np.testing.assert_allclose(packed_logp[row[0], cols[:-1]][scored], ref_logp[i, :len(t) - 1][scored], atol=2e-5)
 
     grads, loss, sums = trainer.gradients(batch)
     mask, adv = masks(trajs)
@@ -143,15 +148,17 @@ def test_first_minibatch_takes_its_own_logprobs_as_prox(model):
     trainer._logprobs = lambda *a: calls.append(1) or passes(*a)
     m1 = trainer.train_step(trajs)
     assert len(calls) == sum(b.n_micro for b in batches[1:]) > 0
-    first = [[every._logprobs(every.params, every.frozen, every._put(b.micro(i))) for i in range(b.n_micro)]
-             for b in batches[:1]]
+    first = [[every._logprobs(every.params, every.frozen, every._put(b.micro(i)), k)
+              for i, k in enumerate(every._loss_sizes(b))] for b in batches[:1]]
     accumulate = every._accumulate  # the first minibatch's π_prox from a separate pass, as the later ones'
-    every._accumulate = lambda n, micro, prox, ref, sums: accumulate(n, micro, first.pop() if first else prox,
-                                                                     ref, sums)
+    every._accumulate = lambda n, micro, sizes, prox, ref, sums: accumulate(n, micro, sizes,
+                                                                            first.pop() if first else prox, ref, sums)
     m2 = every.train_step(trajs)
     for key in ("loss", "grad_norm", "clip_fraction", "masked_fraction", "approx_kl"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-7), key
-    assert_trees_close(trainer.params, every.params, 1e-6)
+    # π_prox from the gradient program's forward or from the no-grad program's differs by float noise, which Adam
+    # at lr 1e-2 turns into update noise on near-zero gradients (measured ≤ 2.3e-6; params move ~1e-2 a step)
+    assert_trees_close(trainer.params, every.params, 5e-6)
 
 
 def test_non_finite_step_is_skipped(model):
@@ -242,16 +249,50 @@ def test_on_policy_data_at_any_temperature_has_unit_weights_and_ratios(model):
     assert abs(m["kl_behaviour_prox"]) < 1e-5 and m["masked_fraction"] == 0
 
 
-def test_chunked_logprobs_equal_full_logits_values_and_gradients():
-    """Logits chunk by chunk (chunk 5 of T = 12 pads, chunk 4 divides it): logprobs, entropy and their gradients
-    w.r.t. the hidden states and the output projection equal the full-logits path."""
-    from arealjax.rl.trainer import chunked_logprobs, token_logprobs
+def every_position_logprobs(hidden, head, targets, temperature, chunk, shard=None):
+    """The head as the trainer ran it before scoring only loss positions (the reference the new path must equal):
+    the log-softmax of the full logits at every position of [B, T], `chunk` tokens of each row at a time."""
+    from arealjax.sharding import constrain
+
+    def scores(logits, targets, temperature):
+        logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature[..., None], axis=-1)
+        logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+        return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+    b, t, d = hidden.shape
+    w, eq = head
+    c = t if chunk <= 0 or chunk >= t else chunk
+    pad = -t % c
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    temperature = jnp.pad(temperature, ((0, 0), (0, pad)), constant_values=1.0)
+    split = lambda x: jnp.moveaxis(x.reshape(b, -1, c, *x.shape[2:]), 1, 0)  # noqa: E731 — [n, B, c, ...]
+
+    @jax.checkpoint
+    def body(_, xs):
+        x, tgt, temp = xs
+        logits = jnp.einsum(eq, x.reshape(b * c, d), w, preferred_element_type=jnp.float32).reshape(b, c, -1)
+        return None, scores(constrain(logits, shard, ("batch", "length", "vocab")), tgt, temp)
+
+    _, out = jax.lax.scan(body, None, (split(hidden), split(targets), split(temperature)))
+    return tuple(jnp.moveaxis(x, 0, 1).reshape(b, t + pad)[:, :t] for x in out)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize("chunk", [0, 1, 5])
+def test_loss_position_logprobs_equal_the_full_log_softmax_values_and_gradients(shards, chunk):
+    """The head at the loss positions only (gathered per shard into a bucket of slots, or every position), in
+    chunks (1 and 5 slots per row: several chunks, one padded) or at once: logprobs, entropy and their gradients
+    w.r.t. the hidden states and the output projection equal the full log-softmax's at the loss positions, and
+    are 0 elsewhere."""
+    from arealjax.rl.trainer import loss_logprobs
 
     rng = np.random.RandomState(0)
-    hidden = jnp.asarray(rng.normal(size=(3, 12, 16)), jnp.float32)
+    hidden = jnp.asarray(rng.normal(size=(4, 12, 16)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(16, 50)), jnp.float32)
-    targets = jnp.asarray(rng.randint(0, 50, (3, 12)))
-    temperature = jnp.asarray(rng.choice([0.7, 1.0, 1.3], (3, 12)), jnp.float32)
+    targets = jnp.asarray(rng.randint(0, 50, (4, 12)))
+    temperature = jnp.asarray(rng.choice([0.7, 1.0, 1.3], (4, 12)), jnp.float32)
+    mask = rng.rand(4, 12) < 0.4
 
     def objective(f):
         def g(h, w):
@@ -259,11 +300,69 @@ def test_chunked_logprobs_equal_full_logits_values_and_gradients():
             return jnp.sum(logp * jnp.arange(12)) + 0.3 * jnp.sum(ent), (logp, ent)
         return jax.jit(jax.value_and_grad(g, argnums=(0, 1), has_aux=True))(hidden, w)
 
-    (_, ref), ref_g = objective(lambda h, w: token_logprobs(jnp.einsum("btd,dv->btv", h, w), targets, temperature))
-    for chunk in (5, 4):
-        (_, out), g = objective(lambda h, w, c=chunk: chunked_logprobs(h, (w, "nd,dv->nv"), targets, temperature, c))
+    full = lambda h, w: tuple(jnp.where(mask, x, 0.0) for x in every_position_logprobs(  # noqa: E731
+        h, (w, "nd,dv->nv"), targets, temperature, chunk))
+    (_, ref), ref_g = objective(full)
+    size = int(mask.reshape(shards, -1).sum(1).max()) + 1  # any number of slots that holds the fullest shard's
+    for k in (size, None):
+        (_, out), g = objective(lambda h, w, k=k: loss_logprobs(h, (w, "nd,dv->nv"), targets, temperature, mask, k,
+                                                                chunk, shards))
+        assert not np.asarray(out[0])[~mask].any() and not np.asarray(out[1])[~mask].any()
         for a, b in zip([*out, *g], [*ref, *ref_g]):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_loss_positions_are_bucketed():
+    """A shard's loss tokens round up to the next eighth of its positions, or of 128 slots if coarser (few programs
+    per shape); where that reaches every position, None."""
+    from arealjax.rl.trainer import loss_positions
+
+    mask = np.zeros((4, 512), bool)
+    assert loss_positions(mask) == 256  # nothing to score: one bucket still compiles
+    mask[0, :300] = True
+    assert loss_positions(mask) == 512  # eighths of 2048 positions
+    assert loss_positions(mask, shards=4) == 384  # 512 per shard: by 128, not by 64
+    mask[1:, :400] = True
+    assert loss_positions(mask, shards=4) is None  # 400 of 512 rounds up to all of them
+    assert loss_positions(mask[:, :16]) is None  # 64 positions: less than one bucket
+
+
+@pytest.mark.parametrize("case", ["decoupled_kl", "sft", "sharded"])
+def test_loss_position_head_and_fewer_padding_rows_leave_the_step_unchanged(model, case):
+    """Two train steps of the trainer as it is (the head at the loss positions only, the last micro-batch of each
+    minibatch no larger than its rows) against the same trainer running the head at every position (the full
+    log-softmax) with every micro-batch full size: the same params, losses and metrics. Decoupled PPO with two
+    minibatches (a π_prox pass) and a KL reference pass, chunked logits; SFT; and on fsdp 2 × tensor 4 (the loss
+    positions gathered per batch shard)."""
+    from arealjax.rl import trainer as trainer_module
+
+    # Rows of 64 with long prompts: a micro-batch's loss tokens fit in half its positions per shard (128 slots)
+    kw = dict(max_tokens=64, micro_rows=4, logits_chunk=24, optim=OptimConfig(lr=1e-3))
+    cfg = {"decoupled_kl": TrainerConfig(ppo_n_minibatches=2, ppo=PPOConfig(kl_coef=0.1), **kw),
+           "sft": TrainerConfig(loss="sft", **kw),
+           "sharded": TrainerConfig(ppo_n_minibatches=2, **{**kw, "micro_rows": 8})}[case]  # last: 2, 4 or 8 rows
+    mesh = make_mesh(dict(data=1, fsdp=2, tensor=4), jax.devices()[:8]) if case == "sharded" else None
+    new, old = Trainer(model, cfg, mesh=mesh), Trainer(model, cfg, mesh=mesh)
+    old._unit = old._rows  # every micro-batch full size, as before
+    batches = [trajectories(n=34 if mesh else 18, seed=step, stale=0.8, prompt=(10, 30)) for step in range(2)]
+    assert sum(b.n_rows for b in new.pack(batches[0])) < sum(b.n_rows for b in old.pack(batches[0]))
+    assert any(k is not None for b in new.pack(batches[0]) for k in new._loss_sizes(b))  # fewer than every position
+
+    def every_position(hidden, head, targets, temperature, mask, size, chunk, shards, shard):
+        return every_position_logprobs(hidden, head, targets, temperature, chunk, shard)
+
+    for trajs in batches:
+        m_new = new.train_step(trajs)
+        with pytest.MonkeyPatch.context() as mp:  # traced on the first step, inside the patch
+            mp.setattr(trainer_module, "loss_logprobs", every_position)
+            m_old = old.train_step(trajs)
+        keys = ("loss", "grad_norm", "entropy", *(("nll",) if case == "sft" else ("approx_kl", "clip_fraction",
+                                                                                  "masked_fraction")))
+        for key in keys:
+            assert m_new[key] == pytest.approx(m_old[key], rel=1e-5, abs=1e-7), key
+        assert m_new["trained_tokens"] == m_old["trained_tokens"]
+        assert m_new["non_padding_fraction"] >= m_old["non_padding_fraction"]  # > on the first step (above)
+    assert_trees_close(new.params, old.params, 2e-6)
 
 
 @pytest.mark.parametrize("knobs", [dict(logits_chunk=8, remat="full", attention="flash"),
@@ -329,3 +428,42 @@ def test_drift_by_staleness_lag_is_reported_and_warned_about_once(model, caplog)
         m["lag2_kl_behaviour_prox"] / 2, rel=1e-5)
     warnings = [r.getMessage() for r in caplog.records if "off-policy drift" in r.getMessage()]
     assert len(warnings) == 1 and "tokens 2 versions stale" in warnings[0], warnings
+
+
+def test_auto_remat_picks_the_least_recomputation_that_fits(model, caplog):
+    """trainer.remat = "auto": the compiler's bytes for the train step fall from none to save_dots to full, and as
+    the memory limit shrinks past each (less the margin) the choice moves from none to save_dots to full; full when
+    nothing fits. Without memory statistics (CPU) the default, compiling nothing."""
+    from arealjax.rl.trainer import (
+        REMAT_AUTO,
+        REMAT_DEFAULT,
+        REMAT_MARGIN,
+        choose_remat,
+        grad_step_bytes,
+        memory_budget,
+    )
+
+    cfg = TrainerConfig(max_tokens=64, micro_rows=2, attention="xla")
+    tx = make_optimizer(cfg.optim)
+    needs = {name: grad_step_bytes(model.graphdef, model.params, dataclasses.replace(cfg, remat=name), tx)
+             for name in REMAT_AUTO}
+    assert needs["none"] > 1.3 * needs["save_dots"] and needs["save_dots"] > needs["full"], needs
+    asked = []
+
+    def need(name):
+        asked.append(name)
+        return needs[name]
+
+    fits = {name: int(needs[name] / (1 - REMAT_MARGIN)) + 1 for name in REMAT_AUTO}  # the least limit it fits in
+    chosen = [choose_remat(need, limit) for limit in (10 * fits["none"], fits["none"], fits["none"] - 2,
+                                                      fits["save_dots"], fits["full"], fits["full"] - 2, 1)]
+    assert chosen == ["none", "none", "save_dots", "save_dots", "full", "full", "full"]
+    asked.clear()
+    assert memory_budget(jax.devices()[0]) is None  # CPU reports no memory statistics
+    with caplog.at_level("INFO"):
+        trainer = Trainer(model, TrainerConfig(max_tokens=T, remat="auto"))
+        assert choose_remat(need, None) == REMAT_DEFAULT and not asked
+    assert trainer.cfg.remat == REMAT_DEFAULT
+    assert sum("trainer.remat = auto" in r.getMessage() for r in caplog.records) == 2
+    m = trainer.train_step(trajectories())
+    assert np.isfinite(m["loss"])

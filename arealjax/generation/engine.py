@@ -22,6 +22,7 @@ Sampling keys are derived from (request seed, sample index, token position) only
 do not depend on which slot it landed in, what else was running, or when weights were swapped.
 The logprob returned for a token is log softmax(logits / temperature) at that token (log softmax(logits) when
 greedy): the behaviour policy the trainer can recompute. top-k / top-p only restrict which tokens can be drawn.
+What a call draws with (greedy, sample, truncate: `draw_mode`) is compiled in, so no program branches on data.
 """
 
 from __future__ import annotations
@@ -135,26 +136,35 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.sum(cdf <= u * cdf[-1]), last)
 
 
-def sample(logits: jax.Array, s: SlotSampling, token_pos: jax.Array, truncating: bool) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row of fp32 logits [N, V]; returns (tokens, behaviour logprobs)."""
+DRAWS = ("greedy", "sample", "truncate")  # what a decode program draws with, each compiled in statically
+
+
+def draw_mode(samplings) -> str:
+    """The draw mode (DRAWS) a call over rows with these SamplingParams needs: the most general any row needs."""
+    return max((p.draw for p in samplings), key=DRAWS.index, default="greedy")
+
+
+def sample(logits: jax.Array, s: SlotSampling, token_pos: jax.Array, draw: str) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row of fp32 logits [N, V]; returns (tokens, behaviour logprobs). `draw` (static, DRAWS)
+    compiles in only what the rows need — argmax alone for 'greedy', top-k/top-p masks only for 'truncate' — so no
+    program branches on data. The logprob is the token's logit less the row's logsumexp: no [N, V] log-softmax."""
     greedy = s.temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
-    logp = jax.nn.log_softmax(scaled, axis=-1)
-    argmax = jnp.argmax(logits, axis=-1)
-
-    def drawn():
-        probs = jnp.exp(logp)
-        if truncating:
+    shifted = scaled - jax.lax.stop_gradient(jnp.max(scaled, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))  # log Σ exp, after the max: as jax.nn.log_softmax
+    tokens = jnp.argmax(logits, axis=-1)
+    if draw != "greedy":
+        probs = jnp.exp(shifted - lse[:, None])
+        if draw == "truncate":
             probs = jnp.where(truncate(scaled, s.top_k, s.top_p) > -jnp.inf, probs, 0.0)
 
-        def draw(seed, sample_idx, pos, row):  # inverse CDF: one uniform per row instead of V Gumbel draws
+        def drawn(seed, sample_idx, pos, row):  # inverse CDF: one uniform per row instead of V Gumbel draws
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_idx), pos)
             return inverse_cdf(row, jax.random.uniform(key))
 
-        return jnp.where(greedy, argmax, jax.vmap(draw)(s.seed, s.sample, token_pos, probs))
-
-    tokens = jax.lax.cond(jnp.all(greedy), lambda: argmax, drawn).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        tokens = jnp.where(greedy, tokens, jax.vmap(drawn)(s.seed, s.sample, token_pos, probs))
+    tokens = tokens.astype(jnp.int32)
+    return tokens, jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - lse
 
 
 def _result(tokens, logprobs, done, routes=None) -> jax.Array:
@@ -178,10 +188,10 @@ def _done(max_len: int, tokens, stop, remaining, token_pos):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
-def _insert(max_len: int, truncating: bool, attention: str, prefix: Prefix, state: DecodeState, rows, slots,
+def _insert(max_len: int, draw: str, attention: str, prefix: Prefix, state: DecodeState, rows, slots,
             s: SlotSampling, writes: PageWrites, last, remaining):
     lengths = prefix.lengths[rows]
-    sampled, logprobs = sample(prefix.logits[rows], s, lengths, truncating)
+    sampled, logprobs = sample(prefix.logits[rows], s, lengths, draw)
     tokens = jnp.where(last >= 0, last, sampled)  # a resumed sequence continues from its last token
     done = _done(max_len, tokens, s.stop, remaining, lengths)
     put = lambda dst, src: dst.at[slots].set(src, mode="drop")  # noqa: E731
@@ -195,14 +205,14 @@ def _insert(max_len: int, truncating: bool, attention: str, prefix: Prefix, stat
     return state, _result(tokens, logprobs, done)
 
 
-def _decode_once(graphdef: nnx.GraphDef, max_len: int, truncating: bool, attention: str, params: nnx.State,
+def _decode_once(graphdef: nnx.GraphDef, max_len: int, draw: str, attention: str, params: nnx.State,
                  index: DecodeIndex, carry):
     pages, st = carry
     model = nnx.merge(graphdef, params)
     logits, pages, *routes = model.decode(pages, st.tokens, st.positions, index, attention,
                                           with_routes=bool(model.cfg.num_experts))
     token_pos = st.positions + 1
-    tokens, logprobs = sample(logits, st.sampling, token_pos, truncating)
+    tokens, logprobs = sample(logits, st.sampling, token_pos, draw)
     remaining = st.remaining - 1
     done = _done(max_len, tokens, st.sampling.stop, remaining, token_pos)
     st = st._replace(tokens=tokens, positions=jnp.minimum(token_pos, max_len - 1), remaining=remaining)
@@ -210,7 +220,7 @@ def _decode_once(graphdef: nnx.GraphDef, max_len: int, truncating: bool, attenti
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=6)
-def _generate(graphdef: nnx.GraphDef, max_len: int, truncating: bool, steps: int, attention: str, params: nnx.State,
+def _generate(graphdef: nnx.GraphDef, max_len: int, draw: str, steps: int, attention: str, params: nnx.State,
               state: DecodeState, rows, index: DecodeIndex):
     """`steps` decode steps for the slots in `rows` [A] (padding rows name slot S: read clipped, written dropped,
     and decoded from position 0, so an attention that reads by length (the Pallas kernel) reads one page for them)."""
@@ -218,7 +228,7 @@ def _generate(graphdef: nnx.GraphDef, max_len: int, truncating: bool, steps: int
     positions = jnp.where(rows < state.tokens.shape[0], take(state.positions), 0)
     active = DecodeState(None, take(state.tokens), positions, take(state.remaining),
                          SlotSampling(*map(take, state.sampling)))
-    step = functools.partial(_decode_once, graphdef, max_len, truncating, attention, params, index)
+    step = functools.partial(_decode_once, graphdef, max_len, draw, attention, params, index)
     (pages, active), result = jax.lax.scan(lambda c, _: step(c), (state.pages, active), None, length=steps)
     put = lambda dst, src: dst.at[rows].set(src, mode="drop")  # noqa: E731
     state = DecodeState(pages, put(state.tokens, active.tokens), put(state.positions, active.positions),
@@ -288,23 +298,24 @@ class Engine:
 
     def insert(self, prefix: Prefix, state: DecodeState, rows: np.ndarray, slots: np.ndarray,
                sampling: SlotSampling, writes: PageWrites, last: np.ndarray, remaining: np.ndarray,
-               truncating: bool = False) -> tuple[DecodeState, jax.Array]:
+               draw: str = "sample") -> tuple[DecodeState, jax.Array]:
         """Puts prefix prompt rows[i] into slot slots[i], copies the prefill KV into pages by `writes`, and samples
         the slot's first token — or, where last[i] ≥ 0 (a sequence resumed after preemption), continues from that
         token. remaining[i]: tokens the slot may still emit after that one. Rows may repeat (n samples of one
-        prompt share one prefill); slot ids ≥ S mark padding entries and are dropped."""
-        return _insert(self.max_len, truncating, self.attention, prefix, state, rows, slots, sampling, writes, last,
+        prompt share one prefill); slot ids ≥ S mark padding entries and are dropped. `draw`: `draw_mode` of the
+        rows' sampling."""
+        return _insert(self.max_len, _checked(draw), self.attention, prefix, state, rows, slots, sampling, writes, last,
                        remaining)
 
     def generate(self, params: nnx.State, state: DecodeState, rows: np.ndarray, index: DecodeIndex,
-                 truncating: bool = False, steps: int = 1) -> tuple[DecodeState, jax.Array]:
+                 draw: str = "sample", steps: int = 1) -> tuple[DecodeState, jax.Array]:
         """`steps` decode steps for the slots in `rows` (padded with S) in one device call: results [steps, A, 3]
         (MoE: [steps, A, 3 + L·k], `routes_of`).
         `index` names each row's pages (writes for all `steps` positions, reads up to them). A slot keeps decoding
         after it is done within the call (its extra tokens are discarded by the caller and their KV writes fall on
         no page or its own), so small `steps` trades a little wasted compute for one dispatch and one device->host
-        copy per `steps` tokens. `truncating` compiles in top-k/top-p (only needed when a slot uses it)."""
-        return _generate(self.graphdef, self.max_len, truncating, steps, self.attention, params, state, rows, index)
+        copy per `steps` tokens. `draw` (`draw_mode` of the slots' sampling) compiles in what their draws need."""
+        return _generate(self.graphdef, self.max_len, _checked(draw), steps, self.attention, params, state, rows, index)
 
     def refill(self, params: nnx.State, state: DecodeState, packed: Packed,
                writes: PageWrites) -> tuple[DecodeState, jax.Array | None]:
@@ -315,6 +326,12 @@ class Engine:
         state, *routes = _refill(self.graphdef, self.attention, self.prefill_attention, bool(self.cfg.num_experts),
                                  params, state, packed.tokens, packed.positions, packed.segment_ids, writes)
         return state, routes[0] if routes else None
+
+
+def _checked(draw: str) -> str:
+    if draw not in DRAWS:
+        raise ValueError(f"draw '{draw}' is unknown; expected one of {DRAWS}")
+    return draw
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:

@@ -13,8 +13,11 @@ repeat_kv) and segment ids [B, T]; a token attends to tokens at or before its in
   flash   FlashAttention in pure JAX: online softmax over key blocks under lax.scan, fully masked blocks skipped,
           and a custom VJP that recomputes the scores block by block from the saved log-sum-exp. Memory
           O(T · block), compile time independent of T, any backend: what makes 32k-token rows fit.
-  pallas  the Pallas flash-attention kernels with segment ids: Triton on GPU (`ops.gpu.attention.mha`), Mosaic on
-          TPU (`ops.tpu.flash_attention`); interpret mode on CPU (tests only: slow).
+  pallas  Pallas flash-attention kernels with segment ids: on GPU our Triton kernel (`flash_gpu`: grouped kv heads
+          read in place, key blocks of other segments skipped as in sparse), on TPU Mosaic's
+          `ops.tpu.flash_attention`; interpret mode on CPU (tests only: slow).
+  pallas_mha  on GPU, JAX's own Triton kernel (`ops.gpu.attention.mha`: skips only the causal triangle, kv heads
+          repeated): the baseline the GPU benchmark compares `pallas` against.
   auto    pallas on GPU and TPU, sparse on CPU.
 """
 
@@ -26,8 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arealjax.models import flash_gpu
+
 Array = jax.Array
-KINDS = ("auto", "xla", "sparse", "flash", "pallas")
+KINDS = ("auto", "xla", "sparse", "flash", "pallas", "pallas_mha")
 XLA_BLOCK = 128  # query block of the xla kind
 SPARSE_BLOCK = 64  # query and key block of the sparse kind (at least; a row has at most SPARSE_BLOCKS of them)
 SPARSE_BLOCKS = 16
@@ -52,7 +57,7 @@ def attend(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "xla") 
         return attend_sparse(q, k, v, segment_ids)
     if kind == "flash":
         return attend_flash(q, k, v, segment_ids)
-    return attend_pallas(q, k, v, segment_ids)
+    return attend_pallas(q, k, v, segment_ids, mha=kind == "pallas_mha")
 
 
 def _mask(segment_ids: Array, q_start, k_start, q_len: int, k_len: int) -> Array:
@@ -101,18 +106,9 @@ def attend_sparse(q: Array, k: Array, v: Array, segment_ids: Array, block: int |
 
 def first_key_blocks(segment_ids: Array, block: int) -> Array:
     """[ceil(T / block)] int32: for each block of queries, the block of the first key any of them attends to, over
-    the batch. A token's earliest key is its segment's first occurrence in the row (found by a stable sort, so ids
-    need not be contiguous or ordered)."""
-    b, t = segment_ids.shape
-    order = jnp.argsort(segment_ids, axis=1, stable=True)  # same ids together, by position
-    ids = jnp.take_along_axis(segment_ids, order, axis=1)
-    starts = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-    run_start = jax.lax.cummax(jnp.where(starts, jnp.arange(t), 0), axis=1)  # sorted index of the run's head
-    first = jnp.take_along_axis(order, run_start, axis=1)  # its position: the id's first occurrence
-    first = jnp.zeros_like(first).at[jnp.arange(b)[:, None], order].set(first)  # back to token order
-    n = -(-t // block)
-    first = jnp.pad(first, ((0, 0), (0, n * block - t)), constant_values=t).reshape(b, n, block)
-    return (jnp.min(first, axis=(0, 2)) // block).astype(jnp.int32)
+    the batch (a token's earliest key is its segment's first occurrence in the row: ids need not be contiguous or
+    ordered)."""
+    return jnp.min(flash_gpu.first_key_blocks(segment_ids, block, block), axis=0)
 
 
 def _lookbacks(t: int, block: int) -> list[list[int]]:
@@ -338,37 +334,42 @@ def padded_length(t: int, block: int, platform: str) -> int:
     return 1 << (t - 1).bit_length()
 
 
-def attend_pallas(q: Array, k: Array, v: Array, segment_ids: Array, platform: str | None = None) -> Array:
+def attend_pallas(q: Array, k: Array, v: Array, segment_ids: Array, platform: str | None = None,
+                  mha: bool = False) -> Array:
     """The Pallas flash kernels for `platform` (default: this backend; 'tpu' or else the GPU kernel). Off their
     hardware the GPU kernel runs in interpret mode; the TPU kernel needs `pltpu.force_tpu_interpret_mode()` around
-    the whole traced computation (tests). kv heads are repeated to the query heads (the kernels want equal head
-    counts) and T is padded to the kernels' block multiple with a segment of its own."""
+    the whole traced computation (tests). T is padded to the kernels' block multiple with a segment of its own. The
+    GPU kernel (`flash_gpu`) reads grouped kv heads itself and skips other segments' key blocks; for the TPU kernel,
+    which wants equal head counts and skips only the causal triangle, kv heads are repeated to the query heads;
+    `mha` runs JAX's GPU kernel instead of ours (the same repeat)."""
     platform = platform or jax.default_backend()
-    b, t, h, d = q.shape
-    g = h // k.shape[2]
-    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    t = q.shape[1]
     block = 128 if platform == "tpu" else 64
     pad = padded_length(t, block, platform) - t
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
         segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
-    scale = float(1.0 / np.sqrt(d))
-    if platform == "tpu":
-        from jax.experimental.pallas.ops.tpu import flash_attention as tpu
+    interpret = jax.default_backend() != "gpu"
+    if platform != "tpu" and not mha:
+        return flash_gpu.attention(q, k, v, segment_ids, interpret=interpret)[:, :t]
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    if platform != "tpu":
+        from jax.experimental.pallas.ops.gpu import attention as gpu
 
-        heads_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
-        sizes = dict(block_q=block, block_k_major=block, block_k=block, block_b=1, block_q_major_dkv=block,
-                     block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block, block_k_major_dq=block,
-                     block_k_dq=block, block_q_dq=block)
+        bq, bk = min(block, t + pad), min(32, t + pad)
+        blocks = gpu.BlockSizes(block_q=bq, block_k=bq, block_q_dkv=bk, block_kv_dkv=bk, block_q_dq=bk,
+                                block_kv_dq=bk)
+        return gpu.mha(q, k, v, segment_ids, sm_scale=float(1.0 / np.sqrt(q.shape[-1])), causal=True,
+                       block_sizes=blocks, interpret=interpret)[:, :t]
+    from jax.experimental.pallas.ops.tpu import flash_attention as tpu
 
-        out = tpu.flash_attention(heads_major(q), heads_major(k), heads_major(v), causal=True, sm_scale=scale,
-                                  segment_ids=tpu.SegmentIds(segment_ids, segment_ids),
-                                  block_sizes=tpu.BlockSizes(**sizes))
-        return heads_major(out)[:, :t]
-    from jax.experimental.pallas.ops.gpu import attention as gpu
-
-    bq, bk = min(block, t + pad), min(32, t + pad)
-    blocks = gpu.BlockSizes(block_q=bq, block_k=bq, block_q_dkv=bk, block_kv_dkv=bk, block_q_dq=bk, block_kv_dq=bk)
-    out = gpu.mha(q, k, v, segment_ids, sm_scale=scale, causal=True, block_sizes=blocks,
-                  interpret=jax.default_backend() != "gpu")
-    return out[:, :t]
+    heads_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    sizes = dict(block_q=block, block_k_major=block, block_k=block, block_b=1, block_q_major_dkv=block,
+                 block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block, block_k_major_dq=block,
+                 block_k_dq=block, block_q_dq=block)
+    out = tpu.flash_attention(heads_major(q), heads_major(k), heads_major(v), causal=True,
+                              sm_scale=float(1.0 / np.sqrt(q.shape[-1])),
+                              segment_ids=tpu.SegmentIds(segment_ids, segment_ids),
+                              block_sizes=tpu.BlockSizes(**sizes))
+    return heads_major(out)[:, :t]

@@ -9,8 +9,10 @@ Decode attention reads, for each sequence, only its own pages; the pool layout f
            sequences flattened into one list of (row, page, first position) triples, gathered (one contiguous
            block per page), scored page by page and reduced per row with segment max / sum, so the work is
            proportional to the tokens in flight — a free slot or a long neighbour costs nothing.
-  pallas   the Pallas paged-attention kernel on GPU (per-row page tables and lengths), pool [layers, kv_heads,
-           pages, page_size, head_dim] as the kernel reads it.
+  pallas   the Pallas paged-attention kernel on GPU (per-row page tables and lengths), one pool per layer,
+           [kv_heads, pages, page_size, head_dim] as the kernel reads it: the kernel is handed the pool array itself.
+           (A kernel's operand is a buffer of its own, so a layer's slice of one [layers, ...] pool would be copied
+           out every step: the whole pool read and written once per decode step.)
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ ATTENTION_KINDS = ("auto", "ragged", "pallas")
 
 
 class PagedKV(NamedTuple):
-    """Keys and values of every layer, in pages (layout: `pool_axes`)."""
+    """Keys and values of every layer, in pages (layout: `pool_axes`): one array each, or for a per-layer layout
+    (`PER_LAYER`) a tuple of one array per layer."""
 
     k: Array
     v: Array
@@ -53,23 +56,27 @@ class DecodeIndex(NamedTuple):
 
 
 # Logical axes of the key and the value pools, by attention kind. Pallas kernels read [kv_heads, pages, page,
-# head_dim] per layer. The ragged attention gathers whole pages, so pages come first (one contiguous block each), and
-# keys are stored transposed so that q·kᵀ is a plain matrix product on CPU (a transposed operand is copied first).
-_HEADS_MAJOR = ("layers", "kv_heads", "pages", "page", "head_dim")
+# head_dim] of one layer, which is then one array per layer (PER_LAYER). The ragged attention gathers whole pages,
+# so pages come first (one contiguous block each), and keys are stored transposed so that q·kᵀ is a plain matrix
+# product on CPU (a transposed operand is copied first); its layers are scanned with the pool in the carry.
+_HEADS_MAJOR = ("kv_heads", "pages", "page", "head_dim")
 LAYOUTS = {
     "pallas": (_HEADS_MAJOR, _HEADS_MAJOR),
     "ragged": (("layers", "pages", "kv_heads", "head_dim", "page"),
                ("layers", "pages", "kv_heads", "page", "head_dim")),
 }
+PER_LAYER = ("pallas",)  # kinds whose pool is a tuple of one array per layer, laid out without the layers axis
 _BLOCK = ("layers", "pages", "page", "kv_heads", "head_dim")  # how prefill KV blocks come: [L, M, size, Hkv, D]
 
 
 def pool_axes(attention: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Logical axes of the (key, value) pools for an attention kind ('ragged' or 'pallas')."""
+    """Logical axes of the (key, value) pool arrays for an attention kind ('ragged' or 'pallas'; for a PER_LAYER
+    kind, of each layer's array)."""
     return LAYOUTS[attention]
 
 
 def pool_shapes(cfg: ModelConfig, num_pages: int, page_size: int, attention: str) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the (key, value) pool arrays (for a PER_LAYER kind, of each layer's array)."""
     sizes = {"layers": cfg.num_layers, "pages": num_pages, "kv_heads": cfg.num_kv_heads, "page": page_size,
              "head_dim": cfg.head_dim}
     return tuple(tuple(sizes[a] for a in axes) for axes in LAYOUTS[attention])
@@ -79,7 +86,10 @@ def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float
                attention: str = "ragged") -> PagedKV:
     """An empty page pool laid out for `attention`, placed by (key, value) `shardings` (NamedShardings) if given."""
     shapes = pool_shapes(cfg, num_pages, page_size, attention)
-    return PagedKV(*(_zeros(tuple(s), jnp.dtype(dtype), sh)() for s, sh in zip(shapes, shardings)))
+    zeros = [_zeros(tuple(s), jnp.dtype(dtype), sh) for s, sh in zip(shapes, shardings)]
+    if attention in PER_LAYER:
+        return PagedKV(*(tuple(z() for _ in range(cfg.num_layers)) for z in zeros))
+    return PagedKV(*(z() for z in zeros))
 
 
 @functools.lru_cache(maxsize=64)
@@ -96,13 +106,18 @@ def write_prefill(pool: PagedKV, k: Array, v: Array, page: Array, row: Array, bl
                   attention: str = "ragged") -> PagedKV:
     """Copies page-sized blocks of prefill KV [L, B, T, Hkv, D] into the pool: block `block[i]` of row `row[i]`
     goes to page `page[i]` (an out-of-range page drops the entry: padding)."""
-    size = pool.v.shape[LAYOUTS[attention][1].index("page")]
+    per_layer = attention in PER_LAYER
+    size = (pool.v[0] if per_layer else pool.v).shape[LAYOUTS[attention][1].index("page")]
     pad = -k.shape[2] % size
 
     def put(dst, src, axes):
         src = jnp.pad(src, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
         layers, b, t, h, d = src.shape
         blocks = src.reshape(layers, b, t // size, size, h, d)[:, row, block]  # [L, M, size, Hkv, D]
+        if per_layer:
+            blocks = blocks.transpose([_BLOCK.index(a) for a in ("layers", *axes)])
+            return tuple(x.at[_at(axes, pages=page)].set(blk.astype(x.dtype), mode="drop")
+                         for x, blk in zip(dst, blocks))
         blocks = blocks.transpose([_BLOCK.index(a) for a in axes]).astype(dst.dtype)
         return dst.at[_at(axes, pages=page)].set(blocks, mode="drop")
 
@@ -110,16 +125,30 @@ def write_prefill(pool: PagedKV, k: Array, v: Array, page: Array, row: Array, bl
     return PagedKV(put(pool.k, k, k_axes), put(pool.v, v, v_axes))
 
 
-def write_token(pool_k: Array, pool_v: Array, layer: int, k: Array, v: Array, table: Array, positions: Array,
+def write_token(pool_k, pool_v, layer, k: Array, v: Array, table: Array, positions: Array,
                 attention: str = "ragged"):
-    """Writes one new token's k, v [A, Hkv, D] per row at its position, into layer `layer` of the pools."""
+    """Writes one new token's k, v [A, Hkv, D] per row at its position, into layer `layer` of the pools (a PER_LAYER
+    pool: into the array of layer `layer`, a Python int, in place; the others come back as they are)."""
     k_axes, v_axes = LAYOUTS[attention]
-    size, num_pages = pool_v.shape[v_axes.index("page")], pool_v.shape[v_axes.index("pages")]
+    per_layer = attention in PER_LAYER
+    first_v = pool_v[layer] if per_layer else pool_v
+    size, num_pages = first_v.shape[v_axes.index("page")], first_v.shape[v_axes.index("pages")]
     page = jnp.take_along_axis(table, (positions // size)[:, None], axis=1, mode="fill", fill_value=num_pages)[:, 0]
     off = positions % size
-    # `layer`, `page` and `off` are never all adjacent, so the indexed shape is [A, Hkv, D] (numpy's rule)
-    put = lambda dst, x, axes: dst.at[_at(axes, layers=layer, pages=page, page=off)].set(  # noqa: E731
-        x.astype(dst.dtype), mode="drop")
+
+    def put(dst, x, axes):
+        if not per_layer:  # `layer`, `page` and `off` are never all adjacent: the indexed shape is [A, Hkv, D]
+            return dst.at[_at(axes, layers=layer, pages=page, page=off)].set(x.astype(dst.dtype), mode="drop")
+        # `page` and `off` adjacent: the indexed shape has [A] where they stand among the other axes
+        rest = [a for a in axes if a not in ("pages", "page")]
+        at = min(axes.index("pages"), axes.index("page"))
+        order = [("kv_heads", "head_dim").index(a) + 1 for a in rest]
+        x = x.transpose(order[:at] + [0] + order[at:])
+        arrays = list(dst)
+        arrays[layer] = arrays[layer].at[_at(axes, pages=page, page=off)].set(x.astype(arrays[layer].dtype),
+                                                                               mode="drop")
+        return tuple(arrays)
+
     return put(pool_k, k, k_axes), put(pool_v, v, v_axes)
 
 
@@ -148,12 +177,14 @@ def ragged_attention(q: Array, k_pool: Array, v_pool: Array, layer: Array | int,
     return o.reshape(a, h, d).astype(q.dtype)
 
 
-def pallas_attention(q: Array, k_pages: Array, v_pages: Array, positions: Array, index: DecodeIndex) -> Array:
-    """The same attention through the Pallas GPU paged-attention kernel (per-row page tables and lengths); off a
-    GPU it runs in Pallas interpret mode (slow: for tests)."""
+def pallas_attention(q: Array, k_pages: Array, v_pages: Array, positions: Array, index: DecodeIndex,
+                     per_block: int = 8, max_splits: int = 16) -> Array:
+    """The same attention through the Pallas GPU paged-attention kernel (per-row page tables and lengths) over one
+    layer's pool [Hkv, P, size, D]; off a GPU it runs in Pallas interpret mode (slow: for tests). `per_block`,
+    `max_splits`: see `kernel_blocks` (the accelerator benchmark sweeps them)."""
     from jax.experimental.pallas.ops.gpu import paged_attention as kernel
 
-    padded, k_splits, per_block = kernel_blocks(index.table.shape[1])
+    padded, k_splits, per_block = kernel_blocks(index.table.shape[1], per_block, max_splits)
     table = jnp.where(index.table < k_pages.shape[1], index.table, 0)  # unwritten entries: masked by the lengths
     table = jnp.pad(table, ((0, 0), (0, padded - table.shape[1])))  # so are the padding pages
     scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)  # the kernel does not scale the logits

@@ -32,7 +32,15 @@ from flax import nnx
 
 from arealjax.models import attention as attn
 from arealjax.models.config import ModelConfig
-from arealjax.models.paged import DecodeIndex, PagedKV, pallas_attention, pool_axes, ragged_attention, write_token
+from arealjax.models.paged import (
+    PER_LAYER,
+    DecodeIndex,
+    PagedKV,
+    pallas_attention,
+    pool_axes,
+    ragged_attention,
+    write_token,
+)
 from arealjax.sharding import LogicalSharding, constrain
 
 Array = jax.Array
@@ -422,17 +430,18 @@ class Transformer(nnx.Module):
         """One token for each of A rows: tokens [A] sit at positions [A] of their sequences, whose KV is in the
         pages `index` names. Writes each row's new KV into its page, then attends over the row's pages only.
         The ragged kind scans the layers with the whole pool in the carry (written in place, read by gather);
-        the Pallas kernel takes one layer's pool as an operand, so its layers are unrolled. `with_routes` (MoE):
-        also the experts each row's token went to, [A, L, k]."""
+        the Pallas kernel takes a layer's pool array (one per layer, models/paged.py) as its operand, so its
+        layers are unrolled. `with_routes` (MoE): also the experts each row's token went to, [A, L, k]."""
         inv_freq = rope_inv_freq(self.cfg)
         k_axes, v_axes = pool_axes(attention)
+        per_layer = attention in PER_LAYER
 
         def layer(block, carry, i):
             x, pk, pv = carry
 
             def attend(q, k, v):  # one token per row: [A, 1, ...]
                 pk_i, pv_i = write_token(pk, pv, i, k[:, 0], v[:, 0], index.table, positions, attention)
-                if attention == "pallas":
+                if per_layer:
                     o = pallas_attention(q[:, 0], pk_i[i], pv_i[i], positions, index)
                 else:
                     o = ragged_attention(q[:, 0], pk_i, pv_i, i, positions, index)
@@ -440,12 +449,19 @@ class Transformer(nnx.Module):
 
             x, (pk, pv), routing = block(x, positions[:, None], inv_freq, self.shard, attend)
             routes = routing.experts[:, 0] if with_routes else None
-            return (x, constrain(pk, self.shard, k_axes), constrain(pv, self.shard, v_axes)), routes
+            if per_layer:
+                pk, pv = (tuple(constrain(a, self.shard, axes) for a in pool) for pool, axes in
+                          ((pk, k_axes), (pv, v_axes)))
+            else:
+                pk, pv = constrain(pk, self.shard, k_axes), constrain(pv, self.shard, v_axes)
+            return (x, pk, pv), routes
 
         if with_routes and not self.cfg.num_experts:
             raise ValueError(f"with_routes: this {self.cfg.family} model has no experts")
         x = self._act(jnp.take(self.embed_tokens[...], tokens[:, None], axis=0))
-        (x, pk, pv), routes = self._layers(layer, (x, *pages), scan=attention != "pallas")
+        # unrolled, the layer index is a Python int: it picks the layer's pool array, no slice of a larger one
+        layers = np.arange(self.cfg.num_layers) if per_layer else None
+        (x, pk, pv), routes = self._layers(layer, (x, *pages), layers, scan=not per_layer)
         logits = self._logits(self.norm(x))[:, 0]
         return (logits, PagedKV(pk, pv)) if not with_routes else (logits, PagedKV(pk, pv), jnp.moveaxis(routes, 0, 1))
 

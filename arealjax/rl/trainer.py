@@ -4,8 +4,10 @@
     metrics = trainer.train_step(trajectories)     # trainer.params and trainer.version move on
 
 Params and optimizer state live sharded on the trainer mesh by the logical rules; micro-batches are sharded over
-the batch (data-parallel) axes. Three jitted functions with explicit shardings, each compiled once because the
-micro-batch shape [R, T] is fixed by config:
+the batch (data-parallel) axes. Three jitted functions with explicit shardings, compiled for a few shapes only:
+micro-batches are [R, T] but a minibatch's last, which has the fewest power-of-two rows that hold the rest
+(packing.micro_sizes), and the head scores a micro-batch's loss positions only, in slots rounded up to an eighth
+of its positions or 128 (`loss_positions`):
   logprobs  no-grad forward -> logprob of each target token (the π_prox pass, and the reference policy's)
   grad      gradient of one micro-batch's share of the minibatch loss, added into an fp32 accumulator
   apply     global-norm clip + AdamW; if the loss or a gradient is not finite, params and state are kept
@@ -19,16 +21,18 @@ not have chosen (the training-inference routing mismatch), replayed or not. SFT 
 loss (`router_aux_loss_coef` of the model config).
 
 Memory knobs (TrainerConfig; none moves the numbers beyond float tolerance): the attention kernel, per-layer
-remat, logits computed `logits_chunk` tokens of a row at a time (never tokens × vocab at once), and bf16 compute
-on fp32 master params. benchmarks/memory.py measures what each buys on real model shapes.
+remat ("auto": the least recomputation whose train step the compiler fits in the device's free memory), logits
+computed `logits_chunk` tokens of a row at a time (never tokens × vocab at once), and bf16 compute on fp32 master
+params. benchmarks/memory.py measures what each buys on real model shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -41,9 +45,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from arealjax.distributed import Processes, put_rows
 from arealjax.models import Model, lora
 from arealjax.models import attention as attn
-from arealjax.models.transformer import REMAT, load_balancing_loss, remat_policy
+from arealjax.models.transformer import HIDDEN_AXES, REMAT, load_balancing_loss, remat_policy
 from arealjax.rl.losses import PPOConfig, lag_metrics, m2_cut, ppo_loss
-from arealjax.rl.packing import PackedBatch, pack, split_minibatches
+from arealjax.rl.packing import FIELDS, FLOATS, PackedBatch, micro_sizes, pack, split_minibatches
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, constrain, tree_shardings
 from arealjax.validate import Problems, accepts, ints
@@ -51,6 +55,16 @@ from arealjax.validate import Problems, accepts, ints
 LOSSES = ("ppo", "sft")
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: compute in the params' dtype
 SCHEDULES = ("constant", "cosine")
+# The head scores a micro-batch's loss positions in slots of 1/LOSS_BUCKETS of its positions per shard, and never
+# finer than LOSS_GRANULE slots: a smaller gather saves too little to pay for a compilation of its own.
+LOSS_BUCKETS = 8
+LOSS_GRANULE = 128
+# trainer.remat = "auto": the first of these whose gradient program fits the device's free memory, less a margin
+# (fragmentation, and what the compiler's estimate leaves out); none fits: the last. No memory statistics (CPU):
+# REMAT_DEFAULT.
+REMAT_AUTO = ("none", "save_dots", "full")
+REMAT_MARGIN = 0.1
+REMAT_DEFAULT = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +129,7 @@ class TrainerConfig:
     # Memory / speed knobs; none changes the numbers beyond float tolerance.
     attention: str = "auto"  # training attention kernel (models/attention.py)
     remat: str = "none"  # per-layer rematerialisation: none | full | save_dots | offload (models/transformer.py)
+    # | auto (the least recomputation whose gradient program fits the device's memory: `choose_remat`)
     scan_layers: bool = True  # False unrolls the layers (compile time grows with depth)
     logits_chunk: int = 1024  # tokens per row whose logits exist at once (0: the whole row)
     compute_dtype: str = "float32"  # "bfloat16": bf16 matmuls on fp32 master params; softmax/logprobs stay fp32
@@ -128,7 +143,8 @@ class TrainerConfig:
         if self.logits_chunk < 0:
             raise ValueError(f"TrainerConfig.logits_chunk = {self.logits_chunk}; expected ≥ 0 (0: no chunking)")
         attn.pick(self.attention)
-        remat_policy(self.remat)
+        if self.remat != "auto":
+            remat_policy(self.remat)
 
 
 def check(config: Any, problems: Problems) -> None:
@@ -138,7 +154,7 @@ def check(config: Any, problems: Problems) -> None:
                       "trainer.max_skipped_in_a_row")
     problems.positive("trainer.logits_chunk", minimum=0)
     need(t.attention in attn.KINDS, "trainer.attention", f"one of {attn.KINDS}")
-    need(t.remat in REMAT, "trainer.remat", f"one of {REMAT}")
+    need(t.remat in (*REMAT, "auto"), "trainer.remat", f"one of {(*REMAT, 'auto')}")
     need(t.remat != "offload" or jax.default_backend() in ("gpu", "tpu"), "trainer.remat",
          f"not 'offload' on {jax.default_backend()} (host offload needs a GPU or TPU)")
     need(isinstance(t.scan_layers, bool), "trainer.scan_layers", "True or False")
@@ -155,41 +171,67 @@ def check(config: Any, problems: Problems) -> None:
              f"≤ rl.batch_size = {rl.batch_size} (every minibatch needs a trajectory)")
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """log π(target) and the entropy of π at every position, fp32, for π = softmax(logits / temperature): the
-    distribution the tokens were sampled from (AReaL ties the actor's temperature to the sampling one)."""
-    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature[..., None], axis=-1)
-    logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-    return logp, entropy
+def loss_positions(mask: np.ndarray, shards: int = 1) -> int | None:
+    """How many positions per batch shard the head scores for a micro-batch with loss mask `mask` [R, T] (rows
+    split evenly over `shards`, in order): its fullest shard's loss tokens rounded up to the next 1/LOSS_BUCKETS of
+    the shard's positions (at least LOSS_GRANULE), so a run compiles at most LOSS_BUCKETS programs per micro-batch
+    shape; None (every position, no gather) where that rounds up to all of them."""
+    per_shard = np.asarray(mask).reshape(shards, -1)
+    positions = per_shard.shape[1]
+    granule = max(-(-positions // LOSS_BUCKETS), LOSS_GRANULE)
+    size = -(-max(int(per_shard.sum(1).max()), 1) // granule) * granule
+    return None if size >= positions else size
 
 
-def chunked_logprobs(hidden: jax.Array, head: tuple[jax.Array, str], targets: jax.Array, temperature: jax.Array,
-                     chunk: int, shard: LogicalSharding | None = None) -> tuple[jax.Array, jax.Array]:
-    """`token_logprobs` of the logits hidden [B,T,D] · head, `chunk` tokens of each row at a time: a scan whose
-    body is rematerialised, so neither the forward nor the backward pass holds more than B × chunk × V logits
-    (Qwen's 151,936-token vocabulary makes one 8k-token row's fp32 logits ~5 GB). Same values and gradients."""
+def loss_logprobs(hidden: jax.Array, head: tuple[jax.Array, str], targets: jax.Array, temperature: jax.Array,
+                  mask: jax.Array, size: int | None, chunk: int, shards: int = 1,
+                  shard: LogicalSharding | None = None) -> tuple[jax.Array, jax.Array]:
+    """log π(target) and the entropy of π, fp32, for π = softmax(logits / temperature) (the distribution the tokens
+    were sampled from: AReaL ties the actor's temperature to the sampling one), at the loss positions `mask` [B, T]
+    and 0 elsewhere: nothing reads another position, and prompts and padding cost a vocabulary projection each.
+
+    Per batch shard (B splits over `shards` in order), the hidden states [B, T, D] of its loss positions are gathered
+    into `size` slots (static: `loss_positions`; None: every position, no gather) and projected onto the
+    vocabulary `chunk` × B / shards slots at a time under a rematerialised scan, so neither pass holds more logits
+    than `chunk` tokens of each row (Qwen's 151,936-word vocabulary makes one 8k-token row's fp32 logits ~5 GB).
+    Each chunk's logits are reduced in one log-sum-exp pass (log π = logit − lse, entropy = −Σ p·(logit − lse)),
+    and the results scattered back. Same values and gradients as a log-softmax of the full logits."""
     b, t, d = hidden.shape
     w, eq = head
-    if chunk <= 0 or chunk >= t:  # one chunk: nothing to save, and no recomputation of the logits
-        logits = jnp.einsum(eq, hidden.reshape(b * t, d), w, preferred_element_type=jnp.float32).reshape(b, t, -1)
-        return token_logprobs(constrain(logits, shard, ("batch", "length", "vocab")), targets, temperature)
-    c = chunk
-    pad = -t % c
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-        temperature = jnp.pad(temperature, ((0, 0), (0, pad)), constant_values=1.0)
-    split = lambda x: jnp.moveaxis(x.reshape(b, -1, c, *x.shape[2:]), 1, 0)  # noqa: E731 — [n, B, c, ...]
+    n = b * t // shards  # positions per shard
+    split = lambda x: x.reshape(shards, n, *x.shape[2:])  # noqa: E731
+    slots = n if size is None else size
+    steps = 1 if chunk <= 0 else -(-slots // max(chunk * b // shards, 1))
+    c = -(-slots // steps)  # slots per chunk
+    if size is None:  # every position, padded to whole chunks
+        pad = lambda x, v=0: jnp.pad(split(x), ((0, 0), (0, steps * c - n), *[(0, 0)] * (x.ndim - 2)),  # noqa: E731
+                                     constant_values=v)
+        x, tgt, temp = pad(hidden), pad(targets), pad(temperature, 1.0)
+    else:  # the loss positions of each shard in order; empty slots point past the end and read its last position
+        idx = jax.vmap(lambda m: jnp.nonzero(m, size=steps * c, fill_value=n)[0])(split(mask))  # [S, slots]
+        take = lambda x: jnp.take_along_axis(split(x), idx.reshape(*idx.shape, *[1] * (x.ndim - 2)),  # noqa: E731
+                                             axis=1, mode="clip")
+        x, tgt, temp = constrain(take(hidden), shard, HIDDEN_AXES), take(targets), take(temperature)
 
-    @jax.checkpoint
-    def body(_, xs):
-        x, tgt, temp = xs
-        logits = jnp.einsum(eq, x.reshape(b * c, d), w, preferred_element_type=jnp.float32).reshape(b, c, -1)
-        return None, token_logprobs(constrain(logits, shard, ("batch", "length", "vocab")), tgt, temp)
+    def scores(x, tgt, temp):
+        logits = jnp.einsum(eq, x.reshape(-1, d), w, preferred_element_type=jnp.float32).reshape(shards, c, -1)
+        z = constrain(logits, shard, ("batch", "length", "vocab")) / temp[..., None]
+        lse = jax.nn.logsumexp(z, axis=-1)
+        logp = jnp.take_along_axis(z, tgt[..., None], axis=-1)[..., 0] - lse
+        z = z - lse[..., None]
+        return logp, -jnp.sum(jnp.exp(z) * z, axis=-1)
 
-    _, out = jax.lax.scan(body, None, (split(hidden), split(targets), split(temperature)))
-    return tuple(jnp.moveaxis(x, 0, 1).reshape(b, t + pad)[:, :t] for x in out)
+    if steps == 1:  # one chunk: nothing to save, and no recomputation of the logits
+        out = scores(x, tgt, temp)
+    else:
+        chunks = lambda a: jnp.moveaxis(a.reshape(shards, steps, c, *a.shape[2:]), 1, 0)  # noqa: E731
+        _, out = jax.lax.scan(jax.checkpoint(lambda _, xs: (None, scores(*xs))), None,
+                              (chunks(x), chunks(tgt), chunks(temp)))
+        out = tuple(jnp.moveaxis(a, 0, 1).reshape(shards, steps * c) for a in out)
+    if size is None:
+        return tuple(jnp.where(mask, a[:, :n].reshape(b, t), 0.0) for a in out)
+    rows = jnp.arange(shards)[:, None]
+    return tuple(jnp.zeros((shards, n), jnp.float32).at[rows, idx].set(a, mode="drop").reshape(b, t) for a in out)
 
 
 def disagreement(logits: jax.Array, routes: jax.Array, k: int) -> dict[str, jax.Array]:
@@ -219,21 +261,35 @@ class Steps:
     copy: Any  # params -> an owned copy
     init: Any  # params -> optimizer state
     zeros: Any  # params -> an fp32 gradient accumulator
-    logprobs: Any  # (params, frozen, micro-batch) -> per-token logprobs [R, T]
-    grad: Any  # (params, frozen, acc, micro-batch, prox, ref, scalar_args(...)) -> (acc + grad, metrics)
+    # The last argument of logprobs and grad (static, default None: every position) is the micro-batch's
+    # `loss_positions`: how many positions per batch shard the head scores.
+    logprobs: Any  # (params, frozen, micro-batch[, size]) -> per-token logprobs [R, T] (0 off the loss mask)
+    grad: Any  # (params, frozen, acc, micro-batch, prox, ref, scalar_args(...)[, size]) -> (acc + grad, metrics)
     m2_cut: Any  # (prox, behaviour logprobs, loss masks) of a minibatch's micro-batches -> M2PO's cut
     apply: Any  # (params, opt_state, grads, loss) -> (params, opt_state, grad_norm, ok)
     p_sh: Any
     f_sh: Any
     o_sh: Any
     b_sh: Any
+    shards: int  # batch shards of a micro-batch (b_sh's): the head gathers loss positions within each
+
+
+def batch_shards(b_sh: NamedSharding | None) -> int:
+    """How many ways a micro-batch's rows are split by its sharding (1 without a mesh)."""
+    axes = None if b_sh is None else b_sh.spec[0] if len(b_sh.spec) else None
+    if axes is None:
+        return 1
+    return int(np.prod([b_sh.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
 
 
 def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx: optax.GradientTransformation,
                mesh: jax.sharding.Mesh | None = None, rules: Rules = DEFAULT_RULES,
                frozen: nnx.State | None = None) -> Steps:
     """The jitted step functions for a model definition: `params` are trained, `frozen` (the base weights under
-    LoRA adapters; empty otherwise) only read. Either may be abstract (shapes and axes only)."""
+    LoRA adapters; empty otherwise) only read. Either may be abstract (shapes and axes only). `cfg.remat` must be
+    a policy (`choose_remat` resolves "auto")."""
+    if cfg.remat == "auto":
+        raise ValueError("make_steps: trainer.remat = 'auto' must be resolved first (choose_remat)")
     frozen = nnx.State({}) if frozen is None else frozen
     if mesh is None:
         p_sh = f_sh = o_sh = b_sh = r_sh = None
@@ -251,26 +307,28 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
 
     dtype = COMPUTE_DTYPES[cfg.compute_dtype]
     act_shard = None if mesh is None else LogicalSharding(mesh, tuple(rules))
+    shards = batch_shards(b_sh)
 
-    def forward(params, frozen, mb, routing: bool = False):
-        """Per-token logprob of the targets and entropy, [R, T] fp32 (and, with `routing`, the MoE's Routing)."""
+    def forward(params, frozen, mb, size, routing: bool = False):
+        """Per-token logprob of the targets and entropy at the loss positions (0 elsewhere), [R, T] fp32 (and, with
+        `routing`, the MoE's Routing)."""
         if dtype is not None:  # bf16 compute: the cast is differentiated, so gradients reach the fp32 params
             params, frozen = jax.tree.map(lambda p: p.astype(dtype), (params, frozen))
         model = nnx.merge(graphdef, params, frozen)
         routes = mb.get("routes") if cfg.router_replay else None
         hidden, _, *routed = model.hidden(mb["tokens"], mb["positions"], mb["segment_ids"], attention=cfg.attention,
                                           scan=cfg.scan_layers, remat=cfg.remat, routes=routes, with_routes=routing)
-        return *chunked_logprobs(hidden, model.head(), mb["targets"], mb["temperature"], cfg.logits_chunk,
-                                 act_shard), *routed
+        return *loss_logprobs(hidden, model.head(), mb["targets"], mb["temperature"], mb["loss_mask"], size,
+                              cfg.logits_chunk, shards, act_shard), *routed
 
-    def logprobs(params, frozen, mb):
-        return forward(params, frozen, mb)[0]
+    def logprobs(params, frozen, mb, size=None):
+        return forward(params, frozen, mb, size)[0]
 
-    def loss(params, frozen, mb, prox, ref, scalars):
+    def loss(params, frozen, mb, prox, ref, scalars, size):
         model_cfg = nnx.merge(graphdef, params, frozen).cfg  # (at trace time)
         aux_coef = model_cfg.router_aux_loss_coef if model_cfg.num_experts and cfg.loss == "sft" else 0.0
         routing = bool(aux_coef) or "routes" in mb
-        logp, entropy, *routed = forward(params, frozen, mb, routing)
+        logp, entropy, *routed = forward(params, frozen, mb, size, routing)
         mask = mb["loss_mask"]
         if cfg.loss == "sft":
             nll = jnp.where(mask, -logp, 0.0)
@@ -293,8 +351,8 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
         metrics["loss"] = value
         return value, metrics
 
-    def grad(params, frozen, acc, mb, prox, ref, scalars):
-        g, metrics = jax.grad(loss, has_aux=True)(params, frozen, mb, prox, ref, scalars)
+    def grad(params, frozen, acc, mb, prox, ref, scalars, size=None):
+        g, metrics = jax.grad(loss, has_aux=True)(params, frozen, mb, prox, ref, scalars, size)
         return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), metrics
 
     def apply(params, opt_state, grads, loss_value):
@@ -309,13 +367,13 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
     return Steps(
         copy=jit(lambda p: jax.tree.map(jnp.copy, p), (p_sh,), p_sh), init=jit(tx.init, (p_sh,), o_sh),
         zeros=jit(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), (p_sh,), p_sh),
-        logprobs=jit(logprobs, (p_sh, f_sh, b_sh), b_sh),
-        grad=jit(grad, (p_sh, f_sh, p_sh, b_sh, b_sh, b_sh, r_sh), (p_sh, r_sh), donate_argnums=2),
+        logprobs=jit(logprobs, (p_sh, f_sh, b_sh), b_sh, static_argnums=3),
+        grad=jit(grad, (p_sh, f_sh, p_sh, b_sh, b_sh, b_sh, r_sh), (p_sh, r_sh), donate_argnums=2, static_argnums=7),
         m2_cut=jax.jit(lambda prox, behav, mask: m2_cut(jnp.concatenate([p - b for p, b in zip(prox, behav)]),
                                                         jnp.concatenate(mask), cfg.ppo.m2_threshold),
                        **({} if mesh is None else {"out_shardings": r_sh})),
         apply=jit(apply, (p_sh, o_sh, p_sh, r_sh), (p_sh, o_sh, r_sh, r_sh), donate_argnums=(0, 1)),
-        p_sh=p_sh, f_sh=f_sh, o_sh=o_sh, b_sh=b_sh)
+        p_sh=p_sh, f_sh=f_sh, o_sh=o_sh, b_sh=b_sh, shards=shards)
 
 
 def _opt_shardings(tx: optax.GradientTransformation, params: nnx.State, p_sh: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -326,6 +384,74 @@ def _opt_shardings(tx: optax.GradientTransformation, params: nnx.State, p_sh: An
     replicated = NamedSharding(mesh, PartitionSpec())
     is_params = lambda x: jax.tree.structure(x) == structure  # noqa: E731
     return jax.tree.map(lambda x: p_sh if is_params(x) else replicated, abstract, is_leaf=is_params)
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `tree`'s arrays, carrying `shardings` (a like-shaped tree, or None)."""
+    if shardings is None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _per_device(tree: Any, shardings: Any) -> int:
+    """Bytes of `tree` one device holds (all of it without shardings)."""
+    leaves = jax.tree.leaves(tree)
+    shapes = ([x.shape for x in leaves] if shardings is None else
+              [s.shard_shape(x.shape) for x, s in zip(leaves, jax.tree.leaves(shardings))])
+    return sum(int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize for shape, x in zip(shapes, leaves))
+
+
+def grad_step_bytes(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx: optax.GradientTransformation,
+                    mesh: jax.sharding.Mesh | None = None, rules: Rules = DEFAULT_RULES,
+                    frozen: nnx.State | None = None, routes: tuple[int, int] | None = None) -> int:
+    """Per-device bytes of the train step at its peak, as the compiler lays it out: the gradient program of one
+    full micro-batch [micro_rows, max_tokens], every position scored (arguments + outputs − donated + temporaries),
+    plus the optimizer state that stays resident meanwhile. Compiles, allocates nothing. `routes`: (layers, k) of a
+    mixture of experts' replayed routes."""
+    frozen = nnx.State({}) if frozen is None else frozen
+    steps = make_steps(graphdef, params, cfg, tx, mesh, rules, frozen)
+    shape = (cfg.micro_rows, cfg.max_tokens)
+    batch = lambda dtype, *extra: jax.ShapeDtypeStruct((*shape, *extra), dtype, sharding=steps.b_sh)  # noqa: E731
+    mb = {f: batch(bool if f == "loss_mask" else jnp.float32 if f in FLOATS else jnp.int32) for f in FIELDS}
+    if routes:
+        mb["routes"] = batch(jnp.int16, *routes)
+    kl = cfg.loss == "ppo" and cfg.ppo.kl_coef
+    scalars = jax.tree.map(lambda x: jax.ShapeDtypeStruct((), x.dtype), scalar_args(1))
+    acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
+    compiled = steps.grad.lower(_abstract(params, steps.p_sh), _abstract(frozen, steps.f_sh),
+                                _abstract(acc, steps.p_sh), mb, batch(jnp.float32), batch(jnp.float32) if kl else None,
+                                scalars).compile()
+    m = compiled.memory_analysis()
+    program = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return int(program) + _per_device(jax.eval_shape(tx.init, params), steps.o_sh)
+
+
+def choose_remat(need: Callable[[str], int], limit: int | None) -> str:
+    """trainer.remat = "auto": the first policy of REMAT_AUTO (least recomputation first) whose train step needs
+    (`need(policy)`, bytes per device: `grad_step_bytes`) at most (1 − REMAT_MARGIN) · `limit`; none fits: the
+    last (the least memory). `limit` None (no memory statistics, e.g. CPU): REMAT_DEFAULT, `need` never called.
+    Logs the choice."""
+    if limit is None:
+        logging.info("trainer.remat = auto: %s (no device memory statistics)", REMAT_DEFAULT)
+        return REMAT_DEFAULT
+    needs = {}
+    for name in REMAT_AUTO:
+        needs[name] = need(name)
+        if needs[name] <= (1 - REMAT_MARGIN) * limit:
+            break
+    gib = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in needs.items())
+    logging.info("trainer.remat = auto: %s (train step GiB per device: %s; %.2f GiB free, %.0f%% margin)", name, gib,
+                 limit / 2**30, 100 * REMAT_MARGIN)
+    return name
+
+
+def memory_budget(device: jax.Device) -> int | None:
+    """Bytes `device` can still allocate (its allocator's limit less what is in use now: what is allocated later,
+    such as a colocated generator's KV pages, is not known), or None where it reports no memory statistics (CPU)."""
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
 class Trainer:
@@ -351,7 +477,22 @@ class Trainer:
         self.skipped_steps = 0
         self.tx = make_optimizer(cfg.optim)
         trainable, self.frozen = lora.split(model.params) if model.lora else (model.params, nnx.State({}))
+        if cfg.remat == "auto":  # before the trainer's own params and state exist: they are part of what must fit
+            routes = (model.cfg.num_layers, model.cfg.num_experts_per_tok) if model.cfg.num_experts else None
+
+            def need(policy: str) -> int:
+                return grad_step_bytes(model.graphdef, trainable, dataclasses.replace(cfg, remat=policy), self.tx,
+                                       mesh, rules, self.frozen, routes)
+
+            cfg = self.cfg = dataclasses.replace(cfg, remat=choose_remat(need, self._budget(mesh)))
         steps = make_steps(model.graphdef, trainable, cfg, self.tx, mesh, rules, self.frozen)
+        # A micro-batch's rows split over `shards` devices; the last micro-batch of a minibatch may be smaller
+        # (packing.micro_sizes), in a multiple of `unit` rows here so that it still splits evenly.
+        unit = steps.shards // math.gcd(steps.shards, count)
+        self._unit = unit if self._rows % unit == 0 else self._rows
+        # Each process's rows are whole shards of the micro-batch when the shards are a multiple of the processes;
+        # otherwise loss positions are not counted per shard here and the head scores every position.
+        self._local_shards = steps.shards // count if steps.shards % count == 0 else None
         if cfg.loss == "ppo" and cfg.ppo.kl_coef and ref_params is None:
             ref_params = trainable  # the initial policy is the reference
         self.ref_params = ref_params if mesh is None or ref_params is None else jax.device_put(ref_params, steps.p_sh)
@@ -365,6 +506,13 @@ class Trainer:
         self._schedule = make_schedule(cfg.optim)
         self.optimizer_steps = 0
 
+    def _budget(self, mesh: jax.sharding.Mesh | None) -> int | None:
+        """Bytes free on this process's first trainer device, the least over the processes (None: unknown)."""
+        device = mesh.local_devices[0] if mesh is not None else jax.local_devices()[0]
+        budget = memory_budget(device)
+        every = self.processes.allgather("memory_budget", budget) if self.processes else [budget]
+        return None if None in every else min(every)
+
     @property
     def model(self) -> Model:
         return Model(self.model_cfg, self.graphdef, nnx.merge_state(self.params, self.frozen), self.lora)
@@ -376,21 +524,35 @@ class Trainer:
         """The RL step's minibatches (this process's share of each), packed into micro-batches."""
         cfg = self.cfg
         n = cfg.ppo_n_minibatches if cfg.loss == "ppo" else 1
-        return [pack(mb, cfg.max_tokens, self._rows, packed=cfg.packing, routes=bool(self.model_cfg.num_experts))
-                for mb in split_minibatches(trajectories, n)]
+        return [pack(mb, cfg.max_tokens, self._rows, packed=cfg.packing, routes=bool(self.model_cfg.num_experts),
+                     unit=self._unit) for mb in split_minibatches(trajectories, n)]
 
-    def _agree(self, batches: list[PackedBatch]) -> tuple[list[PackedBatch], np.ndarray]:
-        """Every process's minibatches padded to the largest micro-batch count among them, and per minibatch the
-        counts over all processes: [micro-batches (each process runs this many), loss tokens, tokens, sequences]."""
-        local = [[b.n_micro, b.n_loss_tokens, b.n_tokens, b.n_sequences] for b in batches]
+    def _loss_sizes(self, batch: PackedBatch) -> list[int | None]:
+        """Per micro-batch, the positions per shard its head scores (`loss_positions`; this process's rows)."""
+        if self._local_shards is None:
+            return [None] * batch.n_micro
+        return [loss_positions(batch.micro(i)["loss_mask"], self._local_shards) for i in range(batch.n_micro)]
+
+    def _agree(self, batches: list[PackedBatch]) -> tuple[list[PackedBatch], np.ndarray, list[list[int | None]]]:
+        """Every process's minibatches padded to the same micro-batch shapes (those of the most rows among them),
+        per minibatch the counts over all processes: [rows (all processes', padding included), loss tokens,
+        tokens, sequences], and per micro-batch the positions per shard its head scores (the most any needs)."""
+        local = [[b.n_rows, b.n_loss_tokens, b.n_tokens, b.n_sequences] for b in batches]
         rows = np.array(self.processes.allgather("pack", local) if self.processes else [local], np.int64)
         totals = rows.sum(0)
-        totals[:, 0] = rows[:, :, 0].max(0)
-        return [b.padded(int(m)) for b, m in zip(batches, totals[:, 0])], totals
+        batches = [b.padded(micro_sizes(int(n), self._rows, self._unit)) for b, n in zip(batches, rows[:, :, 0].max(0))]
+        totals[:, 0] = [self._count * b.n_rows for b in batches]
+        sizes = [self._loss_sizes(b) for b in batches]
+        if self.processes:
+            every = self.processes.allgather("loss_positions", sizes)
+            sizes = [[None if None in ks else max(ks) for ks in zip(*per_batch)] for per_batch in zip(*every)]
+        return batches, totals, sizes
 
     def logprobs(self, params: nnx.State, batch: PackedBatch) -> list[jax.Array]:
-        """Per-target-token logprobs [R, T] of every micro-batch under `params` (no gradient)."""
-        return [self._logprobs(params, self.frozen, self._put(batch.micro(i))) for i in range(batch.n_micro)]
+        """Per-target-token logprobs [rows, T] of every micro-batch under `params` (no gradient), at the loss
+        positions (0 elsewhere)."""
+        return [self._logprobs(params, self.frozen, self._put(batch.micro(i)), k)
+                for i, k in enumerate(self._loss_sizes(batch))]
 
     def gradients(self, batch: PackedBatch) -> tuple[nnx.State, float, dict[str, float]]:
         """fp32 gradient and value of one packed minibatch's loss at the current params (π_prox = current
@@ -399,18 +561,19 @@ class Trainer:
         micro = [self._put(batch.micro(i)) for i in range(batch.n_micro)]
         ref = self.logprobs(self.ref_params, batch) if self.ref_params is not None else [None] * len(micro)
         prox = self.logprobs(self.params, batch) if self._m2po else [None] * len(micro)
-        grads, loss_value = self._accumulate(batch.n_loss_tokens, micro, prox, ref, sums)
+        grads, loss_value = self._accumulate(batch.n_loss_tokens, micro, self._loss_sizes(batch), prox, ref, sums)
         return grads, float(loss_value), jax.device_get(sums)
 
-    def _accumulate(self, n_loss_tokens: int, micro: list, prox: list, ref: list, sums: dict) -> tuple[Any, Any]:
+    def _accumulate(self, n_loss_tokens: int, micro: list, sizes: list, prox: list, ref: list,
+                    sums: dict) -> tuple[Any, Any]:
         """Sum of micro-batch gradients of the minibatch loss (each divided by the minibatch's token count)."""
         cut = (self._m2_cut(tuple(prox), tuple(m["behav_logp"] for m in micro), tuple(m["loss_mask"] for m in micro))
                if self._m2po else np.inf)  # M2PO's mask is the whole minibatch's
         scalars = scalar_args(max(n_loss_tokens, 1), cut, self.version)
         acc = self._zeros(self.params)
         loss_value = jnp.float32(0.0)
-        for m, p, r in zip(micro, prox, ref):
-            acc, metrics = self._grad(self.params, self.frozen, acc, m, p, r, scalars)
+        for m, k, p, r in zip(micro, sizes, prox, ref):
+            acc, metrics = self._grad(self.params, self.frozen, acc, m, p, r, scalars, k)
             loss_value = loss_value + metrics.pop("loss")
             for k, v in metrics.items():
                 sums[k] = jnp.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0) + v
@@ -420,21 +583,23 @@ class Trainer:
         """One RL step (or SFT step) on a batch of trajectories; bumps `version`. Returns metrics."""
         t0 = time.perf_counter()
         cfg = self.cfg
-        batches, totals = self._agree(self.pack(trajectories))
+        batches, totals, sizes = self._agree(self.pack(trajectories))
         micro = [[self._put(b.micro(i)) for i in range(b.n_micro)] for b in batches]
         needs_prox = cfg.loss == "ppo" and cfg.ppo.needs_prox
         # π_prox: params at the start of the step. The first minibatch is differentiated at exactly those params,
         # so its loss takes a stop-gradient copy of its own logprobs instead of a separate pass (with one
         # minibatch, every micro-batch does); the later ones need the pass, before the first update. M2PO's mask
         # needs π_prox of a whole minibatch before its gradients: the pass for every minibatch.
-        prox = [[self._logprobs(self.params, self.frozen, m) for m in ms] if needs_prox and (i or self._m2po)
-                else [None] * len(ms) for i, ms in enumerate(micro)]
-        ref = ([[self._logprobs(self.ref_params, self.frozen, m) for m in ms] for ms in micro]
-               if cfg.loss == "ppo" and cfg.ppo.kl_coef else [[None] * len(ms) for ms in micro])
+        prox = [[self._logprobs(self.params, self.frozen, m, k) for m, k in zip(ms, ks)]
+                if needs_prox and (i or self._m2po) else [None] * len(ms)
+                for i, (ms, ks) in enumerate(zip(micro, sizes))]
+        ref = ([[self._logprobs(self.ref_params, self.frozen, m, k) for m, k in zip(ms, ks)]
+                for ms, ks in zip(micro, sizes)] if cfg.loss == "ppo" and cfg.ppo.kl_coef
+               else [[None] * len(ms) for ms in micro])
         sums: dict[str, Any] = {}
         step_stats = []
-        for n_loss_tokens, ms, ps, rs in zip(totals[:, 1], micro, prox, ref):
-            grads, loss_value = self._accumulate(int(n_loss_tokens), ms, ps, rs, sums)
+        for n_loss_tokens, ms, ks, ps, rs in zip(totals[:, 1], micro, sizes, prox, ref):
+            grads, loss_value = self._accumulate(int(n_loss_tokens), ms, ks, ps, rs, sums)
             lr = self._schedule(self.optimizer_steps + len(step_stats) - self.skipped_steps)
             self.params, self.opt_state, grad_norm, ok = self._apply(self.params, self.opt_state, grads, loss_value)
             step_stats.append((loss_value, grad_norm, ok, lr))
@@ -443,7 +608,7 @@ class Trainer:
         self.optimizer_steps += len(step_stats)
         self.skipped_steps += skipped  # a skipped update does not advance the schedule (optax state is kept)
         self.version += 1
-        out = self._report(sums, totals)
+        out = self._report(sums, totals, sum(b.n_micro for b in batches))
         out.update(loss=float(np.mean([s[0] for s in step_stats])), grad_norm=float(np.max([s[1] for s in step_stats])),
                    lr=float(step_stats[-1][3]), skipped_steps=skipped, version=self.version,
                    step_seconds=time.perf_counter() - t0)
@@ -469,14 +634,13 @@ class Trainer:
             out.get("kl_behaviour_prox_per_version", float("nan")), limit, out[f"{lag}_w_p05"], out[f"{lag}_w_p95"],
             100 * out[f"{lag}_masked_fraction"])
 
-    def _report(self, sums: dict[str, float], totals: np.ndarray) -> dict[str, float]:
+    def _report(self, sums: dict[str, float], totals: np.ndarray, n_micro: int) -> dict[str, float]:
         """Step metrics over the whole batch (every process's share); `totals` as `_agree` returns them."""
         tokens = max(float(sums.get("tokens", 0.0)), 1.0)
-        _, _, n_tokens, n_sequences = totals.sum(0)
-        slots = totals[:, 0].sum() * self.cfg.micro_rows * self.cfg.max_tokens
+        rows, _, n_tokens, n_sequences = totals.sum(0)
         out = {"tokens": float(n_tokens), "trained_tokens": float(sums.get("tokens", 0.0)),
-               "sequences": float(n_sequences), "non_padding_fraction": float(n_tokens / slots),
-               "micro_batches": float(totals[:, 0].sum()),
+               "sequences": float(n_sequences), "non_padding_fraction": float(n_tokens / (rows * self.cfg.max_tokens)),
+               "micro_batches": float(n_micro),
                "entropy": float(sums["entropy_sum"]) / tokens}
         if "routed_experts" in sums:
             out["router_disagreement"] = float(sums["router_disagreement_sum"]) / max(float(sums["routed_experts"]), 1)
