@@ -181,15 +181,16 @@ class RolloutController:
         self._on_scored(group, results)
         self._wake.set()
 
-    def _on_scored(self, group: Group, results: list[Trajectory | None]) -> None:
-        group.trajectories = [t for t in results if t is not None]
+    def _on_scored(self, group: Group, results: list[Trajectory | list[Trajectory] | None]) -> None:
+        """An episode gives one trajectory, several (an agent's chains: workflows/agent.py) or None (rejected)."""
+        group.trajectories = [t for r in results if r is not None for t in (r if isinstance(r, list) else [r])]
         for t in group.trajectories:
             t.group = group.prompt.id
         rewards = [t.reward for t in group.trajectories]
         kept, _ = dynamic_filter([group.trajectories], self.advantage) if group.trajectories else ([], None)
         with self._cv:
             self._running.pop(group.seq, None)
-            self.stats.rejected_episodes += len(results) - len(group.trajectories)
+            self.stats.rejected_episodes += sum(r is None for r in results)
             self.stats.generated_tokens += sum(t.n_model_tokens for t in group.trajectories)
             self.stats.scored_samples += len(rewards)
             self.stats.reward_sum += float(sum(rewards))
@@ -332,7 +333,12 @@ class RolloutController:
                 "generated_tokens_total": cs.generated_tokens, "scored_samples_total": cs.scored_samples,
                 "reward_sum_total": cs.reward_sum, "filtered_groups": Count(cs.filtered),
                 "rejected_episodes": Count(cs.rejected_episodes),
-                **self.prompts.metrics()}
+                **self.prompts.metrics(), **self._workflow_metrics()}
+
+    def _workflow_metrics(self) -> dict[str, float]:
+        """The workflow's own counters (a workflow with `metrics()`: run totals), as Counts."""
+        metrics = getattr(self.workflow, "metrics", None)
+        return {k: Count(v) for k, v in metrics().items()} if callable(metrics) else {}
 
     def stop(self) -> dict[str, int]:
         """Stops submitting, aborts what is in flight and returns the final accounting of admitted prompts."""

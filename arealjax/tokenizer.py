@@ -29,7 +29,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str: ...
 
 
 def _raise(message: str):
@@ -46,7 +47,7 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool, **special: Any) -> str:
+def render_chat(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **special: Any) -> str:
     """Renders a HF chat template with the globals and filters transformers provides."""
     return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
 
@@ -94,11 +95,13 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """The template rendered as transformers renders it; `kwargs` (e.g. `tools`) become its variables."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json); use a template string")
         return render_chat(self.chat_template, messages, add_generation_prompt,
-                           bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                           bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
 
 class CharTokenizer:
@@ -136,8 +139,9 @@ class CharTokenizer:
         special = lambda i: "" if skip_special_tokens else self.SPECIALS[i]  # noqa: E731
         return "".join(self.alphabet[i - n] if i >= n else special(i) for i in ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return render_chat(self.chat_template, messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        return render_chat(self.chat_template, messages, add_generation_prompt, **kwargs)
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,9 @@ class Prompt:
 
 
 class Workflow(Protocol):
-    async def run(self, ep: Episode) -> Trajectory | None: ...
+    """Turns an episode into a trajectory, several (each trained, all in the prompt's group) or None (rejected)."""
+
+    async def run(self, ep: Episode) -> Trajectory | list[Trajectory] | None: ...
 
 
 @dataclasses.dataclass

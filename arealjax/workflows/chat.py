@@ -1,0 +1,347 @@
+"""OpenAI chat completions over one episode, token-faithful: what an agent written against the OpenAI API talks to.
+
+A `ChatSession` serves `POST /v1/chat/completions` bodies (and `GET /v1/models`) for one episode: it renders the
+messages (and `tools`) through the tokenizer's chat template, generates through the episode (`Episode.generate`:
+behaviour logprobs and versions per token, as every workflow), parses the model's tool calls back into
+`tool_calls`, and records every call's tokens for the trajectory.
+
+Token fidelity: a trajectory holds the tokens the generator was fed and produced, never re-tokenized text.
+  - An assistant message the session itself returned is rendered as the model's own output text (the template
+    is given a marker for its content, replaced afterwards), so the next prompt's text extends the previous
+    prompt + output exactly.
+  - A call whose prompt text extends a chain's text (its prompt + outputs so far) continues that chain: the
+    generator is fed the chain's tokens and then the new text's tokens only (environment tokens: in the context,
+    not trained). Otherwise the call starts a chain of its own (`prefix_breaks`): the agent edited the history,
+    or the template dropped part of it. Each chain is one trajectory; all share the episode's reward.
+Tools: a template that renders `tools` gets them; for one that does not (SmolLM2's, the tiny models'), a
+Hermes-style block goes into the system message, assistant tool calls are rendered as `<tool_call>{json}
+</tool_call>` and tool results as `<tool_response>` user turns. Tool calls are parsed from `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` (Hermes / Qwen); one that does not parse stays text and is counted.
+Whatever is not supported is refused with the OpenAI error shape naming the field (`APIError`), never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from arealjax.rl.trajectory import Trajectory
+from arealjax.workflows.base import Episode, Turns
+
+HERMES_TOOLS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function "
+    "signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a "
+    "json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+# request fields served, and those accepted only at their default value (what the SDKs send unasked)
+FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "max_completion_tokens",
+          "stop", "n", "logprobs", "top_logprobs", "seed", "stream", "parallel_tool_calls", "user", "metadata",
+          "store", "frequency_penalty", "presence_penalty", "stream_options", "response_format"}
+DEFAULTS = {"stream": (False, None), "frequency_penalty": (0, None), "presence_penalty": (0, None),
+            "top_logprobs": (0, None), "tool_choice": ("auto", None), "store": (False, None),
+            "response_format": ({"type": "text"}, None)}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """A request the endpoint refuses: HTTP `status` and OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.kind = status, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclasses.dataclass
+class Chain:
+    """One token-faithful conversation: its tokens so far (prompt, model outputs, environment), as a trajectory."""
+
+    turns: Turns
+    text: str  # the decoded tokens, special tokens kept: what the next prompt's text must start with
+
+
+@dataclasses.dataclass
+class Counts:
+    calls: int = 0
+    prefix_breaks: int = 0
+    tool_calls: int = 0
+    unparsed_tool_calls: int = 0
+
+
+class ChatSession:
+    """Serves one episode's chat-completion calls and assembles its trajectories (module docstring)."""
+
+    def __init__(self, ep: Episode, model_name: str = "arealjax", max_calls: int = 64):
+        self.ep, self.tok, self.model_name, self.max_calls = ep, ep.tokenizer, model_name, max_calls
+        self.chains: list[Chain] = []
+        self.counts = Counts()
+        self._returned: dict[str, str] = {}  # key of an assistant message we returned -> the model's own text
+        self._template_tools = "tools" in (getattr(self.tok, "chat_template", "") or "")
+        self.last_assistant: str = ""  # the last returned assistant message's content (the default reward's input)
+
+    # ---- the endpoint ----
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "arealjax"}]}
+
+    async def chat_completions(self, body: Any) -> dict:
+        """A `/v1/chat/completions` request body -> its response body; APIError for what is refused."""
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        unknown = sorted(set(body) - FIELDS)
+        if unknown:
+            raise APIError(f"unsupported field '{unknown[0]}' (served: {sorted(FIELDS)})", unknown[0])
+        for key, allowed in DEFAULTS.items():
+            if key in body and body[key] not in allowed:
+                raise APIError(f"'{key}' = {body[key]!r} is not supported (only {allowed[0]!r})", key)
+        if self.counts.calls >= self.max_calls:
+            raise APIError(f"this episode made {self.max_calls} calls, its limit (workflow.kwargs.max_calls)")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError("'messages' must be a non-empty list", "messages")
+        tools = body.get("tools") or []
+        text = self.render(messages, tools)
+        overrides = self._sampling(body)
+        n = body.get("n", 1)
+        if not isinstance(n, int) or not 1 <= n <= 16:
+            raise APIError(f"'n' = {n!r}: expected an integer in [1, 16]", "n")
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        base = self._continue(text, overrides.get("temperature", self.ep.sampling.temperature))
+        chains = [base] + [Chain(_copy_turns(base.turns), base.text) for _ in range(n - 1)]  # n alternatives
+        self.chains += chains[1:]
+        for i, chain in enumerate(chains):
+            room = self.ep.room(chain.turns.tokens)
+            if room < 1:
+                raise APIError(f"the conversation is {len(chain.turns.tokens)} tokens: no room for a reply in "
+                               f"max_len={self.ep.max_len}", "messages")
+            prompt_tokens = len(chain.turns.tokens)
+            c = await self.ep.generate(chain.turns.tokens, **overrides)
+            self.counts.calls += 1
+            chain.turns.model(c)
+            chain.text += self.tok.decode(c.output_tokens, skip_special_tokens=False)
+            completion_tokens += len(c.output_tokens)
+            choices.append(self._choice(i, c, tools, bool(body.get("logprobs"))))
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": body.get("model", self.model_name), "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    # ---- rendering ----
+
+    def render(self, messages: list, tools: list) -> str:
+        """The prompt text of `messages` (OpenAI form) and `tools`, assistant messages this session returned
+        rendered as the model's own output."""
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES:
+                raise APIError(f"messages[{i}]: expected an object with 'role' one of {ROLES}", f"messages[{i}]")
+        if not isinstance(tools, list) or any(not isinstance(t, dict) or t.get("type") != "function"
+                                              or "name" not in t.get("function", {}) for t in tools):
+            raise APIError("'tools' must be a list of {'type': 'function', 'function': {'name', 'parameters'}}",
+                           "tools")
+        marks: dict[str, str] = {}
+        out = []
+        for i, m in enumerate(messages):
+            role, content = m["role"], _content(m.get("content"), i)
+            if role == "developer":
+                role = "system"
+            if role == "assistant":
+                own = self._returned.get(_key(content, m.get("tool_calls")))
+                if own is not None:
+                    mark = f"\x00MSG{i}\x00"
+                    marks[mark] = own
+                    out.append({"role": "assistant", "content": mark})
+                    continue
+                calls = m.get("tool_calls") or []
+                if calls and not self._template_tools:
+                    content = "\n".join([content] * bool(content) + [_render_call(c) for c in calls])
+                    out.append({"role": "assistant", "content": content})
+                else:
+                    out.append({"role": "assistant", "content": content, **({"tool_calls": [
+                        _hf_call(c) for c in calls]} if calls else {})})
+            elif role == "tool" and not self._template_tools:
+                out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+            else:
+                out.append({"role": role, "content": content,
+                            **({"tool_call_id": m["tool_call_id"]} if "tool_call_id" in m else {})})
+        kwargs = {}
+        if tools and self._template_tools:
+            kwargs["tools"] = tools
+        elif tools:
+            block = HERMES_TOOLS.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+            else:
+                out.insert(0, {"role": "system", "content": block})
+        text = self.tok.apply_chat_template(out, add_generation_prompt=True, **kwargs)
+        for mark, own in marks.items():
+            if mark not in text:  # the template dropped or rewrote the message: no longer the model's own text
+                continue
+            text = text.replace(mark, own, 1)  # the model's end of turn, its last token, is the template's
+        return text
+
+    def _continue(self, text: str, temperature: float) -> Chain:
+        """The chain whose text `text` extends (its tokens then the extension's: environment tokens), or a new one."""
+        logprob_t = temperature if temperature > 0 else 1.0
+        for chain in reversed(self.chains):
+            if text.startswith(chain.text) and chain.turns.temperature in (None, logprob_t):
+                rest = text[len(chain.text):]
+                if rest:
+                    chain.turns.env(self.tok.encode(rest))
+                chain.text = text
+                return chain
+        if self.chains:
+            self.counts.prefix_breaks += 1
+        chain = Chain(Turns(self.tok.encode(text)), text)
+        self.chains.append(chain)
+        return chain
+
+    def _sampling(self, body: dict) -> dict:
+        out: dict[str, Any] = {}
+        if body.get("temperature") is not None:
+            t = body["temperature"]
+            if not isinstance(t, (int, float)) or not 0 <= t <= 2:
+                raise APIError(f"'temperature' = {t!r}: expected a number in [0, 2]", "temperature")
+            out["temperature"] = float(t)
+        if body.get("top_p") is not None:
+            p = body["top_p"]
+            if not isinstance(p, (int, float)) or not 0 < p <= 1:
+                raise APIError(f"'top_p' = {p!r}: expected a number in (0, 1]", "top_p")
+            out["top_p"] = float(p)
+        for key in ("max_completion_tokens", "max_tokens"):
+            if body.get(key) is not None:
+                m = body[key]
+                if not isinstance(m, int) or m < 1:
+                    raise APIError(f"'{key}' = {m!r}: expected an integer ≥ 1", key)
+                out["max_new_tokens"] = min(m, self.ep.sampling.max_new_tokens)
+                break
+        if body.get("seed") is not None:
+            if not isinstance(body["seed"], int):
+                raise APIError(f"'seed' = {body['seed']!r}: expected an integer", "seed")
+        stop = body.get("stop")
+        if stop is not None:
+            stops = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+                raise APIError("'stop' must be a string or a list of at most 4 strings", "stop")
+            ids = []
+            for s in stops:
+                enc = self.tok.encode(s)
+                if len(enc) != 1:
+                    raise APIError(f"'stop' = {s!r} is {len(enc)} tokens for this tokenizer; only single-token stop "
+                                   f"strings are supported (generation stops on token ids)", "stop")
+                ids += enc
+            out["stop_token_ids"] = tuple(dict.fromkeys((*self.ep.sampling.stop_token_ids, *ids)))
+        return out
+
+    # ---- the response ----
+
+    def _choice(self, i: int, c, tools: list, logprobs: bool) -> dict:
+        eos = set(self.tok.eos_ids)
+        out = list(c.output_tokens)
+        own = self.tok.decode(out[:-1] if out and out[-1] in eos else out, skip_special_tokens=False)
+        text = self.tok.decode(out, skip_special_tokens=True)
+        calls, content = [], text
+        if tools:
+            calls, content = self._parse_calls(text)
+        finish = "tool_calls" if calls else ("length" if c.stop_reason == "length" else "stop")
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        self._returned[_key(message["content"] or "", calls)] = own
+        self.last_assistant = content
+        choice = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
+        if logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": self.tok.decode([t], skip_special_tokens=False), "logprob": float(lp),
+                 "bytes": list(self.tok.decode([t], skip_special_tokens=False).encode()), "top_logprobs": []}
+                for t, lp in zip(c.output_tokens, c.logprobs)]}
+        return choice
+
+    def _parse_calls(self, text: str) -> tuple[list[dict], str]:
+        """(tool_calls, the text outside them) from `<tool_call>{json}</tool_call>` blocks; a block that does not
+        parse as {"name": str, "arguments": object} stays in the text (counted)."""
+        calls, kept, last = [], [], 0
+        for m in TOOL_CALL.finditer(text):
+            try:
+                call = json.loads(m.group(1))
+                if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                    raise ValueError(call)
+                args = call.get("arguments", {})
+                if isinstance(args, str):
+                    args = json.loads(args)
+                if not isinstance(args, dict):
+                    raise ValueError(args)
+            except ValueError:
+                self.counts.unparsed_tool_calls += 1
+                continue
+            kept.append(text[last:m.start()])
+            last = m.end()
+            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                          "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+        self.counts.tool_calls += len(calls)
+        kept.append(text[last:])
+        return calls, "".join(kept).strip()
+
+    # ---- the trajectories ----
+
+    def trajectories(self, reward: float, **info: Any) -> list[Trajectory]:
+        """One trajectory per chain with a model turn, each with the episode's reward."""
+        return [c.turns.build(reward, chains=len(self.chains), **info) for c in self.chains if c.turns.model_turns]
+
+
+def _content(content: Any, i: int) -> str:
+    """A message's content as text: a string, None, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("text", "input_text",
+                                                                                     "output_text") for p in content):
+        return "".join(p.get("text", "") for p in content)
+    raise APIError(f"messages[{i}].content: only text is supported (a string or text parts)",
+                   f"messages[{i}].content")
+
+
+def _key(content: str, calls: Sequence[dict] | None) -> str:
+    """What identifies an assistant message the session returned when the agent sends it back."""
+    names = [(c.get("id"), c.get("function", {}).get("name")) for c in calls or []]
+    return json.dumps([content or "", names])
+
+
+def _render_call(call: dict) -> str:
+    f = call.get("function", {})
+    args = f.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        pass
+    return "<tool_call>\n" + json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False) + \
+        "\n</tool_call>"
+
+
+def _hf_call(call: dict) -> dict:
+    """An OpenAI tool call as HF chat templates take it (arguments as an object)."""
+    f = call.get("function", {})
+    args = f.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        pass
+    return {"type": "function", "id": call.get("id"), "function": {"name": f.get("name"), "arguments": args}}
+
+
+def _copy_turns(turns: Turns) -> Turns:
+    out = Turns([])
+    out.tokens, out._mask = list(turns.tokens), list(turns._mask)
+    out._logprobs, out._versions = list(turns._logprobs), list(turns._versions)
+    out.model_turns, out.temperature, out.routes = turns.model_turns, turns.temperature, turns.routes
+    return out

@@ -1,0 +1,168 @@
+"""Agents written against the OpenAI API (workflows/agent.py, workflows/chat.py): the real `openai.AsyncOpenAI`
+routed in process to an episode's generator; trajectories hold exactly the tokens fed and produced across turns;
+an edited history starts a trajectory of its own; what is not supported is refused naming the field; an agent that
+fails is a rejected episode, counted."""
+
+import asyncio
+import json
+
+import numpy as np
+import openai
+import pytest
+
+from arealjax.api import SamplingParams
+from arealjax.generation.engine import Engine
+from arealjax.generation.generator import Generator
+from arealjax.models import load_pretrained
+from arealjax.rewards.service import RewardService
+from arealjax.tokenizer import load_tokenizer
+from arealjax.workflows import Episode, Prompt
+from arealjax.workflows.agent import OpenAIAgent, client_for
+from arealjax.workflows.chat import ChatSession
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds two numbers",
+                                           "parameters": {"type": "object", "properties": {
+                                               "a": {"type": "number"}, "b": {"type": "number"}}}}}]
+
+
+class Recording(Episode):
+    """Keeps what every generate call was fed and what it produced."""
+
+    @property
+    def fed(self) -> list:
+        return self.__dict__.setdefault("_fed", [])
+
+    async def generate(self, tokens, **overrides):
+        c = await super().generate(tokens, **overrides)
+        self.fed.append((list(tokens), c))
+        return c
+
+
+@pytest.fixture(scope="module")
+def served(tiny_recipes):
+    path = tiny_recipes / "qwen3"
+    model, tok = load_pretrained(path), load_tokenizer(path)
+    with Generator(Engine(model, slots=4, max_len=1024), model.params) as gen, \
+            RewardService("reward_fns:length", workers=1) as rewards:
+        yield gen, rewards, tok
+
+
+def episode(served, text="What is 2 + 3?", index=0, **reward_kwargs):
+    gen, rewards, tok = served
+    prompt = Prompt("p", tok.encode(tok.apply_chat_template([{"role": "user", "content": text}])), reward_kwargs)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=tuple(tok.eos_ids), seed=7)
+    return Recording(prompt, index, f"p#0/{index}", gen, rewards, tok, sampling, 1024)
+
+
+def test_a_multi_turn_conversation_is_one_token_faithful_trajectory(served):
+    """Three calls through the SDK, each sending back the history with the assistant's replies as returned: one
+    trajectory whose tokens are exactly what each call was fed (the previous call's tokens, then only the new
+    turn's) and produced; the model's tokens carry their logprobs and versions, the rest is masked."""
+    ep = episode(served)
+    session = ChatSession(ep)
+
+    async def agent():
+        async with client_for(session) as client:
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+            for turn in range(3):
+                r = await client.chat.completions.create(model="any", messages=messages, tools=TOOLS,
+                                                         max_tokens=12, logprobs=True)
+                assert r.usage.completion_tokens == len(ep.fed[-1][1].output_tokens)
+                assert [x.logprob for x in r.choices[0].logprobs.content] == pytest.approx(
+                    list(ep.fed[-1][1].logprobs))
+                messages += [r.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": f"Again, try {turn}."}]
+            return (await client.models.list()).data[0].id
+
+    assert asyncio.run(agent()) == "arealjax"
+    (traj,) = session.trajectories(1.0)
+    assert session.counts.calls == 3 and session.counts.prefix_breaks == 0
+    tokens = list(traj.tokens)
+    for fed, c in ep.fed:  # each call was fed the trajectory so far, and its output follows in the trajectory
+        n = len(fed)
+        assert tokens[:n] == fed and tokens[n:n + len(c.output_tokens)] == list(c.output_tokens)
+        assert traj.loss_mask[n:n + len(c.output_tokens)].all() and not traj.loss_mask[n - 1]
+        np.testing.assert_array_equal(traj.logprobs[n:n + len(c.output_tokens)], c.logprobs)
+    assert traj.loss_mask.sum() == sum(len(c.output_tokens) for _, c in ep.fed)
+    tok = served[2]
+    assert "<tools>" in tok.decode(ep.fed[0][0], skip_special_tokens=False)  # the Hermes block: no template tools
+
+
+def test_an_edited_history_starts_a_trajectory_of_its_own(served):
+    """The agent rewrites the assistant's first reply before the second call: the second call's prompt no longer
+    extends the first call's tokens, so it is a trajectory of its own (counted); both get the episode's reward."""
+    ep = episode(served)
+    session = ChatSession(ep)
+
+    async def agent():
+        async with client_for(session) as client:
+            messages = [{"role": "user", "content": "Say hi."}]
+            await client.chat.completions.create(model="m", messages=messages, max_tokens=6)
+            messages += [{"role": "assistant", "content": "an edited reply"}, {"role": "user", "content": "More."}]
+            await client.chat.completions.create(model="m", messages=messages, max_tokens=6)
+
+    asyncio.run(agent())
+    trajs = session.trajectories(0.5)
+    assert session.counts.prefix_breaks == 1 and len(trajs) == 2 and {t.reward for t in trajs} == {0.5}
+    assert list(trajs[1].tokens[:len(ep.fed[1][0])]) == ep.fed[1][0]
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("stream", True, "'stream' = True is not supported"),
+    ("frobnicate", 1, "unsupported field 'frobnicate'"),
+    ("stop", "a long stop string", "only single-token stop"),
+    ("temperature", 5, "'temperature' = 5"),
+    ("messages", [{"role": "wizard", "content": "x"}], r"messages\[0\]"),
+])
+def test_what_is_not_supported_is_refused_naming_the_field(served, field, value, match):
+    session = ChatSession(episode(served))
+
+    async def agent():
+        async with client_for(session) as client:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+            return await client.chat.completions.create(**body) if field != "frobnicate" else \
+                await client.chat.completions.create(model="m", messages=body["messages"], extra_body={field: value})
+
+    with pytest.raises(openai.BadRequestError, match=match) as e:
+        asyncio.run(agent())
+    assert e.value.status_code == 400 and session.counts.calls == 0 and not session.chains
+
+
+def test_tool_calls_parse_back_and_a_broken_one_stays_text(served):
+    session = ChatSession(episode(served))
+    text = ('I will add.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+            '<tool_call>{"name": "add", "arguments": [1]}</tool_call>')
+    calls, content = session._parse_calls(text)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("add", {"a": 2,
+                                                                                                          "b": 3})]
+    assert content.startswith("I will add.") and '"arguments": [1]' in content
+    assert session.counts.tool_calls == 1 and session.counts.unparsed_tool_calls == 1
+
+
+async def agent_answers(client, data):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": data["prompt"]}],
+                                         max_tokens=8)
+    return None if "score me" in data["prompt"] else 1.0
+
+
+async def agent_raises(client, data):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    raise RuntimeError("the agent's own bug")
+
+
+async def agent_hangs(client, data):
+    await asyncio.sleep(60)
+
+
+def test_the_workflow_trains_what_agents_return_and_rejects_what_fails(served):
+    """OpenAIAgent: a returned reward and a None (the run's reward function scores the last reply: `length`) give
+    trajectories; an agent that raises or hangs past the timeout is a rejected episode with its reason counted."""
+    wf = OpenAIAgent("test_agent:agent_answers")
+    (traj,) = asyncio.run(wf.run(episode(served)))
+    assert traj.reward == 1.0 and traj.loss_mask.any() and wf.metrics()["agent_calls"] == 1
+    (scored,) = asyncio.run(wf.run(episode(served, "score me")))
+    assert scored.reward == float(len(served[2].decode(scored.tokens[scored.loss_mask], skip_special_tokens=True)))
+    for name, reason, kw in (("agent_raises", "error", {}), ("agent_hangs", "timeout", {"timeout": 0.5})):
+        wf = OpenAIAgent(f"test_agent:{name}", **kw)
+        assert asyncio.run(wf.run(episode(served))) is None
+        assert wf.metrics()[f"agent_rejected_{reason}"] == 1
