@@ -119,6 +119,14 @@ class Turns:
         self._versions += [int(v) for v in c.versions]
         self.model_turns += 1
 
+    def copy(self) -> Turns:
+        """An independent copy: a branch of the conversation so far."""
+        out = Turns([])
+        out.tokens, out._mask = list(self.tokens), list(self._mask)
+        out._logprobs, out._versions = list(self._logprobs), list(self._versions)
+        out.model_turns, out.temperature, out.routes = self.model_turns, self.temperature, self.routes
+        return out
+
     def env(self, tokens: Sequence[int]) -> None:
         self.tokens += [int(t) for t in tokens]
         n = len(tokens)

@@ -117,7 +117,7 @@ class ChatSession:
             raise APIError(f"'n' = {n!r}: expected an integer in [1, 16]", "n")
         choices, prompt_tokens, completion_tokens = [], 0, 0
         base = self._continue(text, overrides.get("temperature", self.ep.sampling.temperature))
-        chains = [base] + [Chain(_copy_turns(base.turns), base.text) for _ in range(n - 1)]  # n alternatives
+        chains = [base] + [Chain(base.turns.copy(), base.text) for _ in range(n - 1)]  # n alternatives
         self.chains += chains[1:]
         for i, chain in enumerate(chains):
             room = self.ep.room(chain.turns.tokens)
@@ -318,14 +318,9 @@ def _key(content: str, calls: Sequence[dict] | None) -> str:
 
 
 def _render_call(call: dict) -> str:
-    f = call.get("function", {})
-    args = f.get("arguments", "{}")
-    try:
-        args = json.loads(args) if isinstance(args, str) else args
-    except ValueError:
-        pass
-    return "<tool_call>\n" + json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False) + \
-        "\n</tool_call>"
+    """An OpenAI tool call as the Hermes block the model writes (for a template without tools)."""
+    f = _hf_call(call)["function"]
+    return "<tool_call>\n" + json.dumps(f, ensure_ascii=False) + "\n</tool_call>"
 
 
 def _hf_call(call: dict) -> dict:
@@ -337,11 +332,3 @@ def _hf_call(call: dict) -> dict:
     except ValueError:
         pass
     return {"type": "function", "id": call.get("id"), "function": {"name": f.get("name"), "arguments": args}}
-
-
-def _copy_turns(turns: Turns) -> Turns:
-    out = Turns([])
-    out.tokens, out._mask = list(turns.tokens), list(turns._mask)
-    out._logprobs, out._versions = list(turns._logprobs), list(turns._versions)
-    out.model_turns, out.temperature, out.routes = turns.model_turns, turns.temperature, turns.routes
-    return out
