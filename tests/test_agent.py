@@ -112,6 +112,7 @@ def test_an_edited_history_starts_a_trajectory_of_its_own(served):
     ("frobnicate", 1, "unsupported field 'frobnicate'"),
     ("stop", "a long stop string", "only single-token stop"),
     ("temperature", 5, "'temperature' = 5"),
+    ("seed", 3, "'seed': draws are keyed by"),
     ("messages", [{"role": "wizard", "content": "x"}], r"messages\[0\]"),
 ])
 def test_what_is_not_supported_is_refused_naming_the_field(served, field, value, match):

@@ -224,9 +224,9 @@ class ChatSession:
                     raise APIError(f"'{key}' = {m!r}: expected an integer ≥ 1", key)
                 out["max_new_tokens"] = min(m, self.ep.sampling.max_new_tokens)
                 break
-        if body.get("seed") is not None:
-            if not isinstance(body["seed"], int):
-                raise APIError(f"'seed' = {body['seed']!r}: expected an integer", "seed")
+        if body.get("seed") is not None:  # accepting it would be ignoring it
+            raise APIError("'seed': draws are keyed by the run's seed, the prompt, the sample and the position "
+                           "(an episode replays exactly on resume); leave it out", "seed")
         stop = body.get("stop")
         if stop is not None:
             stops = [stop] if isinstance(stop, str) else stop
