@@ -124,7 +124,8 @@ SIZES = {
                  real_model=dict(requests=512, median=48, cap=256, groups=64, group=8, rl_steps=10, eval_problems=200),
                  profile=dict(slots=256, rows=64, ratio_rows=16, ratio_slots=(16, 256), full_rows=256,
                               sweep=dict(page_sizes=(16, 32, 64), per_blocks=(4, 8, 16), max_splits=(4, 16)),
-                              attentions=("pallas", "pallas_mha"))),
+                              attentions=("pallas", "pallas_mha"),
+                              long_tail=dict(requests=(64, 512), slots=(64, 256)))),
     "smoke": dict(models={"tiny": dict(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
                                        tie_word_embeddings=True)},
@@ -136,7 +137,7 @@ SIZES = {
                   real_model=dict(requests=8, median=6, cap=16, groups=1, group=2, rl_steps=2, eval_problems=4),
                   profile=dict(slots=16, rows=8, ratio_rows=4, ratio_slots=(4, 16), full_rows=16,
                                sweep=dict(page_sizes=(4,), per_blocks=(2,), max_splits=(4,)),
-                               attentions=("pallas_mha",))),
+                               attentions=("pallas_mha",), long_tail=dict(requests=(4, 8), slots=(4,)))),
 }
 # One colocated device: the trainer's mesh of one, the generator sharing it (cpu_devices only matters on CPU).
 ONE_DEVICE = ["--config.cpu_devices=1", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0"]
@@ -922,6 +923,26 @@ def profile(size: dict, args, out: Path) -> dict:
         res["decode_full"] = {"rows": rows, "slots": rows, "context": context, "seconds_per_step": t, "bytes": read,
                               "bytes_per_s": read / t, "hbm_fraction": read / t / hbm if hbm else None}
 
+    def long_tail_rates():
+        """Useful tokens/s of the long-tail workload through the Generator at each slot count, per request count:
+        the first engine warm-up run compiles every shape, then the median of `runs` timed runs."""
+        from arealjax.generation.engine import Engine
+        from benchmarks.generator import median_run, run_arealjax, workload
+
+        lt, rows = p["long_tail"], []
+        for slots in lt["slots"]:
+            engine = Engine(held["model"], slots=slots, max_len=max_len, page_size=page)
+            for n in lt["requests"]:
+                prompts, lens = workload(n, 0, *size["long_tail"], vocab=cfg.vocab_size)
+                run_arealjax(engine, held["model"].params, prompts, lens, False, k)  # compiles what it meets
+                t, _, _ = median_run([run_arealjax(engine, held["model"].params, prompts, lens, False, k)
+                                      for _ in range(size["runs"])])
+                rows.append({"slots": slots, "requests": n, "useful_tokens": sum(lens), "seconds": t,
+                             "tokens_per_s": sum(lens) / t, "attention": engine.attention})
+                print("long_tail", json.dumps(rows[-1]), flush=True)
+            del engine
+        res["long_tail"] = rows
+
     def sweep():
         res["paged_sweep"] = paged_sweep(p["full_rows"], context, shape, p["sweep"], size["step_repeats"])
 
@@ -961,13 +982,14 @@ def profile(size: dict, args, out: Path) -> dict:
         for kind in p["attentions"]:  # the default ('auto': ours on GPU) is the train stage's
             t = ppo_trainer(from_config(ModelConfig.make(**shape)), {**tr, "attention": kind})
             try:
-                t.train_step(trajs)  # compiles
+                metrics = t.train_step(trajs)  # compiles; the first step's metrics compare the kernels
                 t0 = time.perf_counter()
                 t.train_step(trajs)
                 jax.block_until_ready(t.params)
                 sec = time.perf_counter() - t0
                 peak = peaks(device.device_kind)[1]
-                res["train_attention"][kind] = {"seconds": sec, "remat": t.cfg.remat, **({} if not peak else {
+                res["train_attention"][kind] = {"seconds": sec, "remat": t.cfg.remat, **{  # same numbers per kernel
+                    x: float(metrics[x]) for x in ("loss", "grad_norm", "entropy")}, **({} if not peak else {
                     "mfu": model_flops(t.model_cfg, trajs) / sec / peak,
                     "hfu": hardware_flops(t.model_cfg, trajs, t.cfg) / sec / peak})}
             except Exception as e:
@@ -976,7 +998,8 @@ def profile(size: dict, args, out: Path) -> dict:
 
     for stage, fn in (("environment", lambda: (out / "environment.txt").write_text(environment())),
                       ("free_slots", free_slots), ("decode", decode), ("train", train), ("trace", trace),
-                      ("decode_full", decode_full), ("sweep", sweep), ("train_attention", train_attention)):
+                      ("decode_full", decode_full), ("long_tail", long_tail_rates),
+                      ("train_attention", train_attention), ("sweep", sweep)):
         print(f"\n[{time.strftime('%H:%M:%S')}] profile: {stage}", flush=True)
         t0 = time.perf_counter()
         try:
@@ -1014,6 +1037,9 @@ def profile_summary(res: dict) -> str:
         f = res["decode_full"]
         lines.append(f"  decode step, {f['rows']} rows of {f['context']} tokens: {f['seconds_per_step'] * 1e3:.3f} ms, "
                      f"{f['bytes_per_s'] / 1e9:,.0f} GB/s, {fmt(f['hbm_fraction'], '.1%')} of peak HBM")
+    for row in res.get("long_tail", []):
+        lines.append(f"  long-tail generation, {row['requests']} requests in {row['slots']} slots: "
+                     f"{row['tokens_per_s']:,.0f} useful tokens/s")
     for row in res.get("paged_sweep", []):
         lines.append(f"  paged kernel, pages of {row['page_size']}, {row['per_block']} per block, {row['k_splits']} "
                      f"splits: " + (row.get("error") or f"{row['seconds'] * 1e6:.1f} µs, "
@@ -1021,7 +1047,7 @@ def profile_summary(res: dict) -> str:
     for kind, r in res.get("train_attention", {}).items():
         lines.append(f"  train step with attention '{kind}': " + (r.get("error") or (
             f"{r['seconds']:.3f} s, remat {r['remat']}, MFU {fmt(r.get('mfu'), '.1%')}, "
-            f"HFU {fmt(r.get('hfu'), '.1%')}")))
+            f"HFU {fmt(r.get('hfu'), '.1%')}, loss {r['loss']:.6g}, grad norm {r['grad_norm']:.6g}")))
     lines += [f"  {n}: {b:,} bytes" for n, b in res.get("files", {}).items()]
     lines += [f"  {stage} failed: {e}" for stage, e in res["errors"].items()]
     return "\n".join(lines)
