@@ -75,6 +75,7 @@ import dataclasses
 import functools
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -461,7 +462,7 @@ def ppo_trainer(model, tr: dict):
     from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
 
     return Trainer(model, TrainerConfig(max_tokens=tr["max_tokens"], micro_rows=tr["micro_rows"],
-                                        compute_dtype="bfloat16", scan_layers=True, remat="auto",
+                                        compute_dtype="bfloat16", scan_layers=True, remat=tr.get("remat", "auto"),
                                         attention=tr.get("attention", "auto"), optim=OptimConfig(lr=1e-6)))
 
 
@@ -619,6 +620,8 @@ PART_FNS = {"kernels": kernels, "generator": generator, "trainer": trainer, "e2e
 
 # What comes back from a lent machine: files of at most 16 MiB; a packed trace stays under this.
 TRACE_LIMIT = 15 * 2**20
+STAGES = ("environment", "free_slots", "decode", "train", "trace", "decode_full", "long_tail", "train_attention",
+          "sweep")  # --profile's, in their order
 PROFILE_FILES = ("hlo.tar.gz", "trace.tar.gz", "kernels.md", "environment.txt")  # --profile's, beside profile.json
 # Instructions that write a whole new buffer of their operand's size; a fusion counts when its root is one of them.
 COPY_OPS = ("copy", "copy-start", "transpose")
@@ -949,6 +952,8 @@ def profile(size: dict, args, out: Path) -> dict:
     def train():
         tr = size["trainer"]
         trajs = long_tail(tr["trajectories"], tr["max_tokens"])
+        if args.train_variants:  # the first pair's attention and remat
+            tr = {**tr, **dict(zip(("attention", "remat"), args.train_variants.split(",")[0].split(":")))}
         t = ppo_trainer(from_config(ModelConfig.make(**shape)), tr)
         with recording(t, trainer_module) as calls:
             metrics = t.train_step(trajs)  # compiles
@@ -958,7 +963,11 @@ def profile(size: dict, args, out: Path) -> dict:
         jax.block_until_ready(t.params)
         res["train"] = {"trajectories": len(trajs), "tokens": sum(len(x) for x in trajs),
                         "max_tokens": tr["max_tokens"], "micro_rows": tr["micro_rows"],
-                        "micro_batches": int(metrics["micro_batches"]), "seconds": time.perf_counter() - t0}
+                        "micro_batches": int(metrics["micro_batches"]), "seconds": time.perf_counter() - t0,
+                        "attention": t.cfg.attention, "remat": t.cfg.remat}
+        if peak := peaks(device.device_kind)[1]:
+            res["train"].update(mfu=model_flops(t.model_cfg, trajs) / res["train"]["seconds"] / peak,
+                                hfu=hardware_flops(t.model_cfg, trajs, t.cfg) / res["train"]["seconds"] / peak)
         held["train"], held["trajectories"] = t, trajs  # traced only once it ran
 
     def trace():
@@ -976,11 +985,16 @@ def profile(size: dict, args, out: Path) -> dict:
         (out / "kernels.md").write_text(profile_table.report(profile_table.load_trace(work / "trace"), top=30))
 
     def train_attention():
+        logging.getLogger().setLevel(logging.INFO)  # remat 'auto' logs what each policy needs and what is free
         tr = size["trainer"]
         trajs = long_tail(tr["trajectories"], tr["max_tokens"])
-        res["train_attention"] = {}
-        for kind in p["attentions"]:  # the default ('auto': ours on GPU) is the train stage's
-            t = ppo_trainer(from_config(ModelConfig.make(**shape)), {**tr, "attention": kind})
+        res["train_attention"] = {"memory_stats": {k: v for k, v in (device.memory_stats() or {}).items()
+                                                   if k in ("bytes_limit", "bytes_in_use", "largest_free_block_bytes")}}
+        variants = ([tuple(v.split(":")) for v in args.train_variants.split(",")] if args.train_variants
+                    else [(kind, "auto") for kind in p["attentions"]])
+        for kind, remat in variants:  # the default ('auto': ours on GPU) is the train stage's
+            t = ppo_trainer(from_config(ModelConfig.make(**shape)), {**tr, "attention": kind, "remat": remat})
+            kind = f"{kind}:{remat}"
             try:
                 metrics = t.train_step(trajs)  # compiles; the first step's metrics compare the kernels
                 t0 = time.perf_counter()
@@ -1000,6 +1014,8 @@ def profile(size: dict, args, out: Path) -> dict:
                       ("free_slots", free_slots), ("decode", decode), ("train", train), ("trace", trace),
                       ("decode_full", decode_full), ("long_tail", long_tail_rates),
                       ("train_attention", train_attention), ("sweep", sweep)):
+        if args.stages and stage not in args.stages.split(","):
+            continue
         print(f"\n[{time.strftime('%H:%M:%S')}] profile: {stage}", flush=True)
         t0 = time.perf_counter()
         try:
@@ -1032,7 +1048,9 @@ def profile_summary(res: dict) -> str:
                      f"{d['seconds_per_step'] * 1e3:.3f} ms; copies of ≥ one layer's KV pool "
                      f"({res['pool_elements']:,} elements): {len(res['pool_sized_copies'])}")
     if "train" in res:
-        lines.append(f"  train step, {res['train']['tokens']} tokens: {res['train']['seconds']:.3f} s")
+        r = res["train"]
+        lines.append(f"  train step, {r['tokens']} tokens ({r['attention']}, remat {r['remat']}): "
+                     f"{r['seconds']:.3f} s, MFU {fmt(r.get('mfu'), '.1%')}, HFU {fmt(r.get('hfu'), '.1%')}")
     if "decode_full" in res:
         f = res["decode_full"]
         lines.append(f"  decode step, {f['rows']} rows of {f['context']} tokens: {f['seconds_per_step'] * 1e3:.3f} ms, "
@@ -1045,6 +1063,8 @@ def profile_summary(res: dict) -> str:
                      f"splits: " + (row.get("error") or f"{row['seconds'] * 1e6:.1f} µs, "
                                     f"{fmt(row['hbm_fraction'], '.1%')} of peak HBM"))
     for kind, r in res.get("train_attention", {}).items():
+        if kind == "memory_stats":
+            continue
         lines.append(f"  train step with attention '{kind}': " + (r.get("error") or (
             f"{r['seconds']:.3f} s, remat {r['remat']}, MFU {fmt(r.get('mfu'), '.1%')}, "
             f"HFU {fmt(r.get('hfu'), '.1%')}, loss {r['loss']:.6g}, grad norm {r['grad_norm']:.6g}")))
@@ -1190,7 +1210,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0, help="the generator part's long-tail requests per run "
                                                               "(default: the size's, 512)")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--stages", default="", help="--profile's stages to run, comma-separated, of: "
+                                                 + ", ".join(STAGES) + " (default: all)")
+    ap.add_argument("--train-variants", default="", help="train_attention's attention:remat pairs, comma-separated "
+                                                         "(default: each of the size's kernels with remat auto)")
     args = ap.parse_args()
+    if unknown := sorted(set(filter(None, args.stages.split(","))) - set(STAGES)):
+        ap.error(f"unknown --stages {unknown}; expected some of {STAGES}")
     parts = [p for p in (args.parts or ("" if args.profile else ",".join(PARTS))).split(",") if p]
     if unknown := sorted(set(parts) - set(PARTS)):
         ap.error(f"unknown parts {unknown}; expected some of {PARTS}")
