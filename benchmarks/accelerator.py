@@ -1034,6 +1034,13 @@ def profile(size: dict, args, out: Path) -> dict:
     return res
 
 
+def profile_markdown(res: dict, kernels: str) -> str:
+    """profile.md: what a --profile run measured (profile_summary) and its trace's per-kernel table (kernels.md)."""
+    return (f"# Profile: {res['model']} on {res['device']}\n\n`{res['command']}` at `{res['commit']}`, {res['date']}"
+            f" (stages' seconds: {', '.join(f'{k} {v:.0f}' for k, v in res['seconds'].items())}).\n\n```\n"
+            f"{profile_summary(res)}\n```\n\n{kernels.replace('## ', '### ')}")
+
+
 def profile_summary(res: dict) -> str:
     """A few lines: what --profile measured and wrote."""
     lines = [f"profile of {res['model']} on {res['device']}:"]
@@ -1280,6 +1287,8 @@ def main() -> None:
         failed.append("kernels (out of tolerance, or 'auto' resolving elsewhere)")
     if args.profile:
         prof = profile(size, args, out)
+        kernels = out / "kernels.md"
+        (out / "profile.md").write_text(profile_markdown(prof, kernels.read_text() if kernels.exists() else ""))
         print("\n" + profile_summary(prof), flush=True)
         failed += [f"profile {stage}" for stage in prof["errors"]]
     if failed:

@@ -114,10 +114,12 @@ def cpu_model() -> str:
 def commit(checkout: Path = ROOT) -> str:
     """The checkout's short commit, '+dirty' with uncommitted changes outside benchmarks/results (a result names the
     code it measured; the results files a benchmark adds to are not code); a copy of the tree without its git
-    directory (sent to an accelerator host, say) is named by AREALJAX_COMMIT."""
+    directory, or with one that is not the tree's (an accelerator host's copy), is named by AREALJAX_COMMIT, which
+    wins where set."""
     git = lambda *a: subprocess.run(["git", *a], cwd=checkout, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    if not shutil.which("git") or not (head := git("rev-parse", "--short", "HEAD")):
-        return os.environ.get("AREALJAX_COMMIT", "unknown")
+    named = os.environ.get("AREALJAX_COMMIT")
+    if named or not shutil.which("git") or not (head := git("rev-parse", "--short", "HEAD")):
+        return named or "unknown"
     return head + ("+dirty" if git("status", "--porcelain", "-uno", "--", ".", ":!benchmarks/results") else "")
 
 

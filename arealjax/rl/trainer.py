@@ -59,9 +59,9 @@ SCHEDULES = ("constant", "cosine")
 # finer than LOSS_GRANULE slots: a smaller gather saves too little to pay for a compilation of its own.
 LOSS_BUCKETS = 8
 LOSS_GRANULE = 128
-# trainer.remat = "auto": the first of these whose gradient program fits the device's free memory, less a margin
-# (fragmentation, and what the compiler's estimate leaves out); none fits: the last. No memory statistics (CPU):
-# REMAT_DEFAULT.
+# trainer.remat = "auto": the first of these whose gradient program fits the device's free memory and whose
+# temporaries (one allocation) fit its allocator's largest free block, each less a margin (what the compiler's
+# estimate leaves out); none fits: the last. No memory statistics (CPU): REMAT_DEFAULT.
 REMAT_AUTO = ("none", "save_dots", "full")
 REMAT_MARGIN = 0.1
 REMAT_DEFAULT = "none"
@@ -403,11 +403,12 @@ def _per_device(tree: Any, shardings: Any) -> int:
 
 def grad_step_bytes(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx: optax.GradientTransformation,
                     mesh: jax.sharding.Mesh | None = None, rules: Rules = DEFAULT_RULES,
-                    frozen: nnx.State | None = None, routes: tuple[int, int] | None = None) -> int:
-    """Per-device bytes of the train step at its peak, as the compiler lays it out: the gradient program of one
-    full micro-batch [micro_rows, max_tokens], every position scored (arguments + outputs − donated + temporaries),
-    plus the optimizer state that stays resident meanwhile. Compiles, allocates nothing. `routes`: (layers, k) of a
-    mixture of experts' replayed routes."""
+                    frozen: nnx.State | None = None, routes: tuple[int, int] | None = None) -> tuple[int, int]:
+    """Per-device bytes of the train step as the compiler lays it out: (at its peak, its temporaries). The peak is
+    the gradient program of one full micro-batch [micro_rows, max_tokens], every position scored (arguments +
+    outputs − donated + temporaries), plus the optimizer state that stays resident meanwhile; the temporaries are
+    one allocation of the device's allocator. Compiles, allocates nothing. `routes`: (layers, k) of a mixture of
+    experts' replayed routes."""
     frozen = nnx.State({}) if frozen is None else frozen
     steps = make_steps(graphdef, params, cfg, tx, mesh, rules, frozen)
     shape = (cfg.micro_rows, cfg.max_tokens)
@@ -423,35 +424,38 @@ def grad_step_bytes(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfi
                                 scalars).compile()
     m = compiled.memory_analysis()
     program = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    return int(program) + _per_device(jax.eval_shape(tx.init, params), steps.o_sh)
+    return int(program) + _per_device(jax.eval_shape(tx.init, params), steps.o_sh), int(m.temp_size_in_bytes)
 
 
-def choose_remat(need: Callable[[str], int], limit: int | None) -> str:
-    """trainer.remat = "auto": the first policy of REMAT_AUTO (least recomputation first) whose train step needs
-    (`need(policy)`, bytes per device: `grad_step_bytes`) at most (1 − REMAT_MARGIN) · `limit`; none fits: the
-    last (the least memory). `limit` None (no memory statistics, e.g. CPU): REMAT_DEFAULT, `need` never called.
-    Logs the choice."""
+def choose_remat(need: Callable[[str], tuple[int, int]], limit: tuple[int, int] | None) -> str:
+    """trainer.remat = "auto": the first policy of REMAT_AUTO (least recomputation first) whose train step's bytes
+    per device (`need(policy)`: `grad_step_bytes`, (peak, temporaries)) fit `limit` (`memory_budget`: (free,
+    largest free block)), each at most (1 − REMAT_MARGIN) of its limit; none fits: the last (the least memory).
+    `limit` None (no memory statistics, e.g. CPU): REMAT_DEFAULT, `need` never called. Logs the choice."""
     if limit is None:
         logging.info("trainer.remat = auto: %s (no device memory statistics)", REMAT_DEFAULT)
         return REMAT_DEFAULT
     needs = {}
     for name in REMAT_AUTO:
         needs[name] = need(name)
-        if needs[name] <= (1 - REMAT_MARGIN) * limit:
+        if all(n <= (1 - REMAT_MARGIN) * free for n, free in zip(needs[name], limit)):
             break
-    gib = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in needs.items())
-    logging.info("trainer.remat = auto: %s (train step GiB per device: %s; %.2f GiB free, %.0f%% margin)", name, gib,
-                 limit / 2**30, 100 * REMAT_MARGIN)
+    gib = ", ".join(f"{k} {v[0] / 2**30:.2f} (temporaries {v[1] / 2**30:.2f})" for k, v in needs.items())
+    logging.info("trainer.remat = auto: %s (train step GiB per device: %s; %.2f GiB free, largest free block %.2f GiB, "
+                 "%.0f%% margin)", name, gib, limit[0] / 2**30, limit[1] / 2**30, 100 * REMAT_MARGIN)
     return name
 
 
-def memory_budget(device: jax.Device) -> int | None:
-    """Bytes `device` can still allocate (its allocator's limit less what is in use now: what is allocated later,
-    such as a colocated generator's KV pages, is not known), or None where it reports no memory statistics (CPU)."""
+def memory_budget(device: jax.Device) -> tuple[int, int] | None:
+    """(bytes `device` can still allocate, the largest of them in one allocation): its allocator's limit less what
+    is in use now (what is allocated later, such as a colocated generator's KV pages, is not known), and its largest
+    free block where it reports one (a GPU's BFC allocator: an H200 with 94 GiB free gave at most 32 GiB at once);
+    None where it reports no memory statistics (CPU)."""
     stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return free, min(free, int(stats.get("largest_free_block_bytes", free)))
 
 
 class Trainer:
@@ -480,7 +484,7 @@ class Trainer:
         if cfg.remat == "auto":  # before the trainer's own params and state exist: they are part of what must fit
             routes = (model.cfg.num_layers, model.cfg.num_experts_per_tok) if model.cfg.num_experts else None
 
-            def need(policy: str) -> int:
+            def need(policy: str) -> tuple[int, int]:
                 return grad_step_bytes(model.graphdef, trainable, dataclasses.replace(cfg, remat=policy), self.tx,
                                        mesh, rules, self.frozen, routes)
 
@@ -506,12 +510,13 @@ class Trainer:
         self._schedule = make_schedule(cfg.optim)
         self.optimizer_steps = 0
 
-    def _budget(self, mesh: jax.sharding.Mesh | None) -> int | None:
-        """Bytes free on this process's first trainer device, the least over the processes (None: unknown)."""
+    def _budget(self, mesh: jax.sharding.Mesh | None) -> tuple[int, int] | None:
+        """`memory_budget` of this process's first trainer device, each the least over the processes (None:
+        unknown)."""
         device = mesh.local_devices[0] if mesh is not None else jax.local_devices()[0]
         budget = memory_budget(device)
         every = self.processes.allgather("memory_budget", budget) if self.processes else [budget]
-        return None if None in every else min(every)
+        return None if None in every else tuple(min(x) for x in zip(*every))
 
     @property
     def model(self) -> Model:
