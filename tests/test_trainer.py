@@ -312,6 +312,45 @@ def test_loss_position_logprobs_equal_the_full_log_softmax_values_and_gradients(
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("eq", ["nd,dv->nv", "nd,vd->nv"])
+def test_bf16_head_backward_runs_in_bf16_and_matches_fp32(eq):
+    """In bf16 compute the head's gradient GEMMs take bf16 operands (autodiff of an fp32-output einsum gave them the
+    fp32 cotangent: TF32 GEMMs on a GPU, a tenth of an H200 train step), for the lm_head and the tied embedding;
+    logprobs, entropy and both gradients stay within bf16 rounding of the same function computed in fp32."""
+    from arealjax.rl.trainer import loss_logprobs
+
+    rng = np.random.RandomState(1)
+    hidden = jnp.asarray(rng.normal(size=(2, 16, 32)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(32, 64) if eq.startswith("nd,dv") else (64, 32)) / 6, jnp.float32)
+    targets = jnp.asarray(rng.randint(0, 64, (2, 16)))
+    temperature = jnp.full((2, 16), 0.8, jnp.float32)
+    mask = rng.rand(2, 16) < 0.6
+
+    def loss(h, w):
+        logp, ent = loss_logprobs(h, (w, eq), targets, temperature, mask, None, 8)
+        return jnp.sum(logp * jnp.arange(16)) + 0.3 * jnp.sum(ent), (logp, ent)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    low = (hidden.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    jaxpr = jax.make_jaxpr(grad)(*low)
+
+    def dots(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                yield e
+            for sub in jax.core.jaxprs_in_params(e.params):
+                yield from dots(sub)
+
+    found = list(dots(jaxpr.jaxpr))
+    assert len(found) >= 3 and all(v.aval.dtype == jnp.bfloat16 for e in found for v in e.invars), [
+        [v.aval.dtype for v in e.invars] for e in found]
+    (_, out), g = jax.jit(grad)(*low)
+    (_, ref), ref_g = jax.jit(grad)(*(x.astype(jnp.float32) for x in low))  # the same rounded inputs, in fp32
+    for a, b in zip([*out, *g], [*ref, *ref_g]):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), (np.linalg.norm(a - b), np.linalg.norm(b))
+
+
 def test_loss_positions_are_bucketed():
     """A shard's loss tokens round up to the next eighth of its positions, or of 128 slots if coarser (few programs
     per shape); where that reaches every position, None."""

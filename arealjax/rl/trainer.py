@@ -29,6 +29,7 @@ params. benchmarks/memory.py measures what each buys on real model shapes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -183,6 +184,37 @@ def loss_positions(mask: np.ndarray, shards: int = 1) -> int | None:
     return None if size >= positions else size
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _head_logits_low(x: jax.Array, w: jax.Array, eq: str) -> jax.Array:
+    return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+
+
+def _head_low_fwd(x, w, eq):
+    return _head_logits_low(x, w, eq), (x, w)
+
+
+def _head_low_bwd(eq, res, g):
+    x, w = res
+    ws = eq.split(",")[1].split("->")[0]  # w's subscripts: "vd" (tied embedding) or "dv" (lm_head)
+    g = g.astype(x.dtype)
+    return (jnp.einsum(f"nv,{ws}->nd", g, w, preferred_element_type=jnp.float32).astype(x.dtype),
+            jnp.einsum(f"nd,nv->{ws}", x, g, preferred_element_type=jnp.float32).astype(w.dtype))
+
+
+_head_logits_low.defvjp(_head_low_fwd, _head_low_bwd)
+
+
+def head_logits(x: jax.Array, head: tuple[jax.Array, str]) -> jax.Array:
+    """fp32 logits of hidden states x [N, D] against the output projection `head` (model.head()). In a compute dtype
+    below fp32 (bf16) the backward's two GEMMs run in it too, the fp32 cotangent rounded to it and accumulated in
+    fp32, as the forward's: autodiff would promote both to fp32 (TF32 on a GPU: a tenth of an H200's bf16 PPO step
+    for Qwen3-0.6B). In fp32, plain autodiff."""
+    w, eq = head
+    if x.dtype == jnp.float32 and w.dtype == jnp.float32:
+        return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+    return _head_logits_low(x, w, eq)
+
+
 def loss_logprobs(hidden: jax.Array, head: tuple[jax.Array, str], targets: jax.Array, temperature: jax.Array,
                   mask: jax.Array, size: int | None, chunk: int, shards: int = 1,
                   shard: LogicalSharding | None = None) -> tuple[jax.Array, jax.Array]:
@@ -197,7 +229,6 @@ def loss_logprobs(hidden: jax.Array, head: tuple[jax.Array, str], targets: jax.A
     Each chunk's logits are reduced in one log-sum-exp pass (log π = logit − lse, entropy = −Σ p·(logit − lse)),
     and the results scattered back. Same values and gradients as a log-softmax of the full logits."""
     b, t, d = hidden.shape
-    w, eq = head
     n = b * t // shards  # positions per shard
     split = lambda x: x.reshape(shards, n, *x.shape[2:])  # noqa: E731
     slots = n if size is None else size
@@ -214,7 +245,7 @@ def loss_logprobs(hidden: jax.Array, head: tuple[jax.Array, str], targets: jax.A
         x, tgt, temp = constrain(take(hidden), shard, HIDDEN_AXES), take(targets), take(temperature)
 
     def scores(x, tgt, temp):
-        logits = jnp.einsum(eq, x.reshape(-1, d), w, preferred_element_type=jnp.float32).reshape(shards, c, -1)
+        logits = head_logits(x.reshape(-1, d), head).reshape(shards, c, -1)
         z = constrain(logits, shard, ("batch", "length", "vocab")) / temp[..., None]
         lse = jax.nn.logsumexp(z, axis=-1)
         logp = jnp.take_along_axis(z, tgt[..., None], axis=-1)[..., 0] - lse
