@@ -122,16 +122,18 @@ def test_kernel_checks_fail_a_wrong_mask_a_wrong_gradient_and_an_off_by_one_leng
 
 @pytest.mark.slow
 def test_profile_smoke_writes_its_files_and_profile_table_reads_its_trace(tmp_path):
-    """accelerator.py --smoke --profile writes the five files a lent GPU sends back (each under the 16 MiB a file
+    """accelerator.py --smoke --profile writes the six files a lent GPU sends back (each under the 16 MiB a file
     may be): the numbers, the decode and train programs' optimised HLO, the trace of a warm decode call and train
-    step, its kernel table and the environment; the ragged decode copies no pool-sized buffer; and
+    step, its kernel table, the environment and the summary (profile.md); long-tail rates per slot count and
+    request count, the train step per attention kernel with its loss; the ragged decode copies no pool-sized buffer; and
     profile_table.py prints that trace's kernels per region."""
     before = results_digest()
     out = tmp_path / "out"
     stdout, wall = run_script("accelerator.py", ["--smoke", "--profile", f"--out={out}"], tmp_path, 300)
     print(f"accelerator.py --smoke --profile: {wall:.1f} s")
     files = {p.name: p.stat().st_size for p in out.iterdir()}
-    assert sorted(files) == ["environment.txt", "hlo.tar.gz", "kernels.md", "profile.json", "trace.tar.gz"], files
+    assert sorted(files) == ["environment.txt", "hlo.tar.gz", "kernels.md", "profile.json", "profile.md",
+                             "trace.tar.gz"], files
     assert all(0 < n <= 16 * 2**20 for n in files.values()), files
     res = json.loads((out / "profile.json").read_text())
     assert res["errors"] == {} and res["model"] == "tiny" and res["platform"] == "cpu"
@@ -141,6 +143,10 @@ def test_profile_smoke_writes_its_files_and_profile_table_reads_its_trace(tmp_pa
     assert res["decode"]["seconds_per_step"] > 0 and res["train"]["seconds"] > 0
     assert res["pool_elements"] == 1 * 32 * 16 * 32  # kv heads × 16 slots' 2 pages × page size × head dim
     assert res["pool_sized_copies"] == []  # the ragged decode writes its pages in place
+    assert [(r["slots"], r["requests"]) for r in res["long_tail"]] == [(4, 4), (4, 8)]
+    assert all(r["tokens_per_s"] > 0 and r["useful_tokens"] > 0 for r in res["long_tail"])
+    assert set(res["train_attention"]["pallas_mha:auto"]) >= {"seconds", "loss", "grad_norm", "remat"}
+    assert (out / "profile.md").read_text().startswith("# Profile: tiny on cpu")
     with tarfile.open(out / "hlo.tar.gz") as tar:
         names = set(tar.getnames())
         assert all(tar.extractfile(n).read(9) == b"HloModule" for n in names)
