@@ -804,6 +804,23 @@ def environment() -> str:
     return "\n".join(lines) + "\n"
 
 
+COMPILES = {"n": 0, "seconds": 0.0, "listening": False}
+
+
+def count_compiles() -> None:
+    """From now on, COMPILES counts XLA compilations and their seconds (jax.monitoring's backend compile events)."""
+    import jax
+
+    def listen(event: str, duration: float, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            COMPILES["n"] += 1
+            COMPILES["seconds"] += duration
+
+    if not COMPILES["listening"]:
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        COMPILES["listening"] = True
+
+
 def paged_sweep(rows: int, context: int, shape: dict, sweep: dict, repeats: int) -> list[dict]:
     """The Pallas paged decode kernel alone, one layer of `shape`'s heads in bf16, `rows` rows of `context` tokens on
     pages scattered over the pool: seconds per call and the share of peak HBM its K and V reads reach, for each page
@@ -932,16 +949,20 @@ def profile(size: dict, args, out: Path) -> dict:
         from arealjax.generation.engine import Engine
         from benchmarks.generator import median_run, run_arealjax, workload
 
+        count_compiles()
         lt, rows = p["long_tail"], []
         for slots in lt["slots"]:
             engine = Engine(held["model"], slots=slots, max_len=max_len, page_size=page)
             for n in lt["requests"]:
                 prompts, lens = workload(n, 0, *size["long_tail"], vocab=cfg.vocab_size)
+                before = COMPILES["n"]
                 run_arealjax(engine, held["model"].params, prompts, lens, False, k)  # compiles what it meets
+                warm = COMPILES["n"] - before
                 t, _, _ = median_run([run_arealjax(engine, held["model"].params, prompts, lens, False, k)
                                       for _ in range(size["runs"])])
                 rows.append({"slots": slots, "requests": n, "useful_tokens": sum(lens), "seconds": t,
-                             "tokens_per_s": sum(lens) / t, "attention": engine.attention})
+                             "tokens_per_s": sum(lens) / t, "attention": engine.attention,
+                             "compiles_warmup": warm, "compiles_timed": COMPILES["n"] - before - warm})
                 print("long_tail", json.dumps(rows[-1]), flush=True)
             del engine
         res["long_tail"] = rows
@@ -1064,7 +1085,8 @@ def profile_summary(res: dict) -> str:
                      f"{f['bytes_per_s'] / 1e9:,.0f} GB/s, {fmt(f['hbm_fraction'], '.1%')} of peak HBM")
     for row in res.get("long_tail", []):
         lines.append(f"  long-tail generation, {row['requests']} requests in {row['slots']} slots: "
-                     f"{row['tokens_per_s']:,.0f} useful tokens/s")
+                     f"{row['tokens_per_s']:,.0f} useful tokens/s (compiles: {row.get('compiles_warmup')} warming up, "
+                     f"{row.get('compiles_timed')} in the timed runs)")
     for row in res.get("paged_sweep", []):
         lines.append(f"  paged kernel, pages of {row['page_size']}, {row['per_block']} per block, {row['k_splits']} "
                      f"splits: " + (row.get("error") or f"{row['seconds'] * 1e6:.1f} µs, "

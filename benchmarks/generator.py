@@ -84,13 +84,15 @@ def run_arealjax(engine, params, prompts, lens, static: bool, decode_steps: int,
         threading.Thread(target=swapper, daemon=True).start()
     sp = [SamplingParams(temperature=0, max_new_tokens=n) for n in lens]
     outs = []
-    if static:
-        for i in range(0, len(prompts), engine.slots):
-            futs = [gen.submit(p, s) for p, s in zip(prompts[i: i + engine.slots], sp[i: i + engine.slots])]
-            outs += [f.result()[0] for f in futs]
-    else:
-        futs = [gen.submit(p, s) for p, s in zip(prompts, sp)]
-        outs = [f.result()[0] for f in futs]
+    # Each batch is queued whole while the loop waits, so every run admits on the same schedule (submitted one by
+    # one into a running loop, the first admission is however many arrived before the loop woke: new shapes to
+    # compile in a timed run).
+    step = engine.slots if static else max(len(prompts), 1)
+    for i in range(0, len(prompts), step):
+        gen.pause()
+        futs = [gen.submit(p, s) for p, s in zip(prompts[i: i + step], sp[i: i + step])]
+        gen.resume()
+        outs += [f.result()[0] for f in futs]
     wall = time.perf_counter() - t0
     stop.set()
     gen.close()

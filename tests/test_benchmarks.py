@@ -270,7 +270,7 @@ def test_results_files_record_commands_anyone_can_rerun():
         assert not re.search(r"(^|[\s=])/(tmp|work|root|home)\b", cmd), f"{name}: {cmd}"
 
 
-def test_a_checkout_whose_only_changes_are_results_is_clean(tmp_path):
+def test_a_checkout_whose_only_changes_are_results_is_clean(tmp_path, monkeypatch):
     """A grid adds to benchmarks/results as it goes: its next cells still name the clean commit (learning.py tagged
     its second job's cells '+dirty' after its first job wrote learning.md)."""
     import subprocess
@@ -286,6 +286,47 @@ def test_a_checkout_whose_only_changes_are_results_is_clean(tmp_path):
     assert not cells.commit(tmp_path).endswith("+dirty")
     (tmp_path / "main.py").write_text("print(1)\n")
     assert cells.commit(tmp_path).endswith("+dirty")
+    monkeypatch.setenv("AREALJAX_COMMIT", "abc1234")  # a copy whose git directory is not its tree's names it
+    assert cells.commit(tmp_path) == "abc1234"
+
+
+def test_generator_benchmark_admits_on_one_schedule_however_requests_arrive(monkeypatch):
+    """run_arealjax queues a run's requests whole before the loop admits any: requests arriving slowly (here 2 ms
+    apart) into a running loop were admitted as they came, a schedule (and compiled shapes) of their own per run."""
+    import time
+
+    import jax.numpy as jnp
+
+    from arealjax.generation.engine import Engine
+    from arealjax.generation.generator import Generator
+    from arealjax.models import ModelConfig, from_config
+    from benchmarks.generator import run_arealjax, workload
+
+    cfg = ModelConfig.make(family="qwen3", vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=1,
+                           num_heads=2, num_kv_heads=1, head_dim=16, tie_word_embeddings=True,
+                           max_position_embeddings=128)
+    model = from_config(cfg, dtype=jnp.float32)
+    submit, take, admitted = Generator.submit, Generator._take_admissions, []
+
+    def slow_submit(self, *a, **kw):
+        out = submit(self, *a, **kw)
+        time.sleep(0.002)
+        return out
+
+    def recorded(self, free):
+        out = take(self, free)
+        if out:
+            admitted.append(len(out))
+        return out
+
+    monkeypatch.setattr(Generator, "submit", slow_submit)
+    monkeypatch.setattr(Generator, "_take_admissions", recorded)
+    prompts, lens = workload(24, 0, (4, 16), 6, 1.0, 24, vocab=cfg.vocab_size)
+    engine = Engine(model, slots=8, max_len=64, page_size=8)
+    for static in (False, True):
+        admitted.clear()
+        run_arealjax(engine, model.params, prompts, lens, static, 4)
+        assert admitted[0] == 8 and sum(admitted) == 24, (static, admitted)
 
 
 def test_no_benchmark_runs_under_the_suites_settings():

@@ -602,6 +602,8 @@ def test_prompts_packed_into_rows_prefill_as_each_alone():
     packed = pack(seqs, 8, 8, 8, MAX_LEN)
     assert packed.tokens.size < len(seqs) * 32  # one row of (a bucket of) the longest each: 7 × 32
     assert len(packed.lengths) == 8 and list(packed.lengths[:7]) == [len(s) for s in seqs]
+    # the prompt count is always the call's most (8): a prefill's shapes vary with its rows and length alone
+    assert [len(pack(seqs[:n], 8, 8, 8, MAX_LEN).lengths) for n in (1, 3, 5)] == [8, 8, 8]
     spans = {}
     for i, s in enumerate(seqs):
         r, c = int(packed.row[i]), int(packed.start[i])

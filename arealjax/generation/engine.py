@@ -374,7 +374,7 @@ def pack(seqs: Sequence[Sequence[int]], page_size: int, max_rows: int, min_len: 
             break
         t = length_bucket(t + 1, min_len, most)
     rows, t, row, start = best
-    prompts = length_bucket(len(seqs), 1, max_rows)
+    prompts = max_rows  # one prompt count per call size: its shapes vary with the rows and length alone
     tokens, positions, segments = (np.zeros((rows, t), np.int32) for _ in range(3))
     lengths = np.ones(prompts, np.int32)
     for i, s in enumerate(seqs):
