@@ -44,7 +44,7 @@ resolves elsewhere, or a part failed.
 
 Profile (--profile; alone it runs no part, with --parts after them): the size's first model (Qwen3-0.6B, bf16
 random weights; --smoke: the tiny one on CPU) under the microscope, into --out (default: a temporary directory),
-five files, each written as its stage ends (docs/accelerator.md reads them):
+six files, each written as its stage ends (docs/accelerator.md reads them; --stages runs some stages only):
   profile.json     the numbers: seconds per decode step of 16 active rows of 512 tokens in 16 and in 256 slots and
                    their ratio ('free_slots': near 1 when a decode step touches only the rows' pages, far above when
                    it copies the whole KV pool); seconds per step of the traced decode program (64 rows in 256
@@ -59,11 +59,14 @@ five files, each written as its stage ends (docs/accelerator.md reads them):
                    fits in 15 MiB, *.xplane.pb) of one warm decode call and one warm train step, under the host
                    annotations 'decode' and 'train'
                    Then, untraced: 'decode_full', the decode step of 256 rows of 512 tokens in 256 slots and its
-                   share of peak HBM (the issue's target); 'paged_sweep', the paged kernel alone at those rows over
+                   share of peak HBM (the issue's target); 'long_tail', useful tokens/s through the Generator per
+                   slot count and request count, with the compiles of its warm-up and timed runs; 'paged_sweep', the
+                   paged kernel alone at those rows over
                    page sizes × pages per compute block × partitions (its knobs); 'train_attention', the train step
                    with each training attention kernel (ours, `pallas`, and JAX's `pallas_mha`)
   kernels.md       benchmarks/profile_table.py's per-kernel table of that trace, per region
   environment.txt  jax.print_environment_info(), the packages' versions and nvidia-smi
+  profile.md       the summary printed last and kernels.md: what goes into benchmarks/results/
 A stage that fails is recorded in profile.json's 'errors' and the others still run (exit status 1).
 """
 
