@@ -807,11 +807,13 @@ def environment() -> str:
     return "\n".join(lines) + "\n"
 
 
-COMPILES = {"n": 0, "seconds": 0.0, "listening": False}
+COMPILES = {"n": 0, "seconds": 0.0}
 
 
+@functools.cache
 def count_compiles() -> None:
-    """From now on, COMPILES counts XLA compilations and their seconds (jax.monitoring's backend compile events)."""
+    """From the first call on, COMPILES counts XLA compilations and their seconds (jax.monitoring's backend compile
+    events)."""
     import jax
 
     def listen(event: str, duration: float, **_):
@@ -819,9 +821,7 @@ def count_compiles() -> None:
             COMPILES["n"] += 1
             COMPILES["seconds"] += duration
 
-    if not COMPILES["listening"]:
-        jax.monitoring.register_event_duration_secs_listener(listen)
-        COMPILES["listening"] = True
+    jax.monitoring.register_event_duration_secs_listener(listen)
 
 
 def paged_sweep(rows: int, context: int, shape: dict, sweep: dict, repeats: int) -> list[dict]:
@@ -894,6 +894,7 @@ def profile(size: dict, args, out: Path) -> dict:
            "decode_steps": k, "context": context, "seconds": {}, "errors": {}}
     hlo: dict[str, str] = {}
     programs: dict[str, dict] = {}
+    variants = [tuple(v.split(":")) for v in args.train_variants.split(",")] if args.train_variants else []
     held: dict = {"model": from_config(cfg, dtype=jnp.bfloat16)}
 
     def decode_bench(rows: int, slots: int) -> tuple[DecodeBench, str]:
@@ -976,8 +977,8 @@ def profile(size: dict, args, out: Path) -> dict:
     def train():
         tr = size["trainer"]
         trajs = long_tail(tr["trajectories"], tr["max_tokens"])
-        if args.train_variants:  # the first pair's attention and remat
-            tr = {**tr, **dict(zip(("attention", "remat"), args.train_variants.split(",")[0].split(":")))}
+        if variants:  # the first pair's attention and remat
+            tr = {**tr, "attention": variants[0][0], "remat": variants[0][1]}
         t = ppo_trainer(from_config(ModelConfig.make(**shape)), tr)
         with recording(t, trainer_module) as calls:
             metrics = t.train_step(trajs)  # compiles
@@ -1014,9 +1015,7 @@ def profile(size: dict, args, out: Path) -> dict:
         trajs = long_tail(tr["trajectories"], tr["max_tokens"])
         res["train_attention"] = {"memory_stats": {k: v for k, v in (device.memory_stats() or {}).items()
                                                    if k in ("bytes_limit", "bytes_in_use", "largest_free_block_bytes")}}
-        variants = ([tuple(v.split(":")) for v in args.train_variants.split(",")] if args.train_variants
-                    else [(kind, "auto") for kind in p["attentions"]])
-        for kind, remat in variants:  # the default ('auto': ours on GPU) is the train stage's
+        for kind, remat in variants or [(kind, "auto") for kind in p["attentions"]]:
             t = ppo_trainer(from_config(ModelConfig.make(**shape)), {**tr, "attention": kind, "remat": remat})
             kind = f"{kind}:{remat}"
             try:
@@ -1249,6 +1248,8 @@ def main() -> None:
     args = ap.parse_args()
     if unknown := sorted(set(filter(None, args.stages.split(","))) - set(STAGES)):
         ap.error(f"unknown --stages {unknown}; expected some of {STAGES}")
+    if bad := [v for v in filter(None, args.train_variants.split(",")) if v.count(":") != 1]:
+        ap.error(f"--train-variants {bad}: each is attention:remat, e.g. pallas:save_dots")
     parts = [p for p in (args.parts or ("" if args.profile else ",".join(PARTS))).split(",") if p]
     if unknown := sorted(set(parts) - set(PARTS)):
         ap.error(f"unknown parts {unknown}; expected some of {PARTS}")
