@@ -167,3 +167,31 @@ def test_the_workflow_trains_what_agents_return_and_rejects_what_fails(served):
         wf = OpenAIAgent(f"test_agent:{name}", **kw)
         assert asyncio.run(wf.run(episode(served))) is None
         assert wf.metrics()[f"agent_rejected_{reason}"] == 1
+
+
+
+@pytest.mark.parametrize("example", ["calculator_agents_sdk", "calculator_langgraph"])
+def test_agents_written_with_real_frameworks_train_unchanged(served, example):
+    """The examples/agents calculator agent written with the OpenAI Agents SDK (Agent, function_tool, Runner over
+    OpenAIChatCompletionsModel) and with LangGraph (create_react_agent over langchain-openai's ChatOpenAI), each
+    given the episode's client, run as episodes: every call each made is in its trajectories, token-faithful,
+    scored by the run's reward function."""
+    wf = OpenAIAgent(f"examples.agents.{example}:solve", timeout=120)
+    ep = episode(served, "What is 12 * 7?")
+    trajs = asyncio.run(wf.run(ep))
+    assert trajs, wf.metrics()
+    assert wf.metrics()["agent_calls"] == len(ep.fed) >= 1
+    produced = [list(c.output_tokens) for _, c in ep.fed]
+    for traj in trajs:  # the model's tokens are exactly what some call produced
+        tokens, mask = np.asarray(traj.tokens), np.asarray(traj.loss_mask)
+        assert mask.any() and traj.reward == trajs[0].reward
+        assert any(list(tokens[mask][:len(p)]) == p for p in produced if p)
+
+
+def test_the_example_calculator_computes_arithmetic_and_refuses_the_rest():
+    from examples.agents.calculator import calculate, evaluate
+
+    assert evaluate("(12 + 3) * 7 / 5") == 21.0 and evaluate("-2 * 3") == -6
+    with pytest.raises(ValueError, match="not arithmetic"):
+        evaluate("__import__('os').getcwd()")
+    assert calculate("1 / 0").startswith("error:") and calculate("2 ** 8").startswith("error:")
