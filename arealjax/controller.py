@@ -183,9 +183,11 @@ class RolloutController:
 
     def _on_scored(self, group: Group, results: list[Trajectory | list[Trajectory] | None]) -> None:
         """An episode gives one trajectory, several (an agent's chains: workflows/agent.py) or None (rejected)."""
-        group.trajectories = [t for r in results if r is not None for t in (r if isinstance(r, list) else [r])]
-        for t in group.trajectories:
-            t.group = group.prompt.id
+        group.trajectories = []
+        for j, r in enumerate(results):
+            for t in [] if r is None else r if isinstance(r, list) else [r]:
+                t.group, t.info["episode"] = group.prompt.id, j  # one sample of the group (rl/advantages.py)
+                group.trajectories.append(t)
         rewards = [t.reward for t in group.trajectories]
         kept, _ = dynamic_filter([group.trajectories], self.advantage) if group.trajectories else ([], None)
         with self._cv:

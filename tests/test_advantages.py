@@ -145,3 +145,28 @@ def test_bad_inputs_are_named():
         assign_advantages([[]], AdvantageConfig())
     with pytest.raises(ValueError, match="overlong_buffer"):
         AdvantageConfig(overlong_buffer=8, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "dr_grpo"])
+def test_an_episode_of_several_trajectories_is_one_sample_of_its_group(estimator):
+    """An agent episode that yields three trajectories (its history broke its prefix) counts once in its group's
+    baseline, like the single-trajectory episodes beside it, and its trajectories share its advantage; lengths
+    for the overlong penalty are the episode's model tokens over all its trajectories. Untagged trajectories are
+    episodes of their own, as before."""
+    cfg = AdvantageConfig(estimator=estimator, overlong_buffer=4, max_new_tokens=10, overlong_penalty=1.0)
+    (group,) = trajectories([[1.0, 1.0, 1.0, 0.0, 0.5]], [[3, 3, 3, 2, 9]])
+    for t, episode in zip(group, [0, 0, 0, 1, 2]):
+        t.info["episode"] = episode
+    assign_advantages([group], cfg)
+    (alone,) = trajectories([[1.0, 0.0, 0.5]], [[9, 2, 9]])  # the same three episodes, one trajectory each
+    assign_advantages([alone], cfg)
+    expected = [alone[0].advantage] * 3 + [alone[1].advantage, alone[2].advantage]
+    np.testing.assert_allclose([t.advantage for t in group], expected, rtol=1e-12)
+    (untagged,) = trajectories([[1.0, 1.0, 1.0, 0.0, 0.5]], [[3, 3, 3, 2, 9]])
+    assign_advantages([untagged], cfg)
+    assert not np.allclose([t.advantage for t in untagged], expected)  # five samples: another baseline
+    (one,) = trajectories([[1.0, 1.0]])
+    for t in one:
+        t.info["episode"] = 0
+    kept, dropped = dynamic_filter([one], AdvantageConfig(estimator=estimator, filter_uniform=True))
+    assert dropped == [one] and not kept  # one episode: nothing to compare it with

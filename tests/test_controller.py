@@ -22,7 +22,7 @@ from arealjax.generation.engine import Engine
 from arealjax.generation.generator import Generator
 from arealjax.metrics import Meter
 from arealjax.rewards.service import RewardService
-from arealjax.rl.advantages import AdvantageConfig
+from arealjax.rl.advantages import AdvantageConfig, assign_advantages
 from arealjax.rl.trainer import Trainer
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes, tree_shardings
@@ -341,3 +341,20 @@ def test_prompts_draw_independent_samples_and_a_reissued_prompt_the_same_ones():
     np.testing.assert_array_equal(a, a_again)
     for other in (b, a_next_epoch):
         assert (a != other).mean() > 0.8 and abs(np.corrcoef(a, other)[0, 1]) < 0.6
+
+
+def test_an_episode_that_yields_several_trajectories_is_one_sample_of_its_group():
+    """An agent episode returning two trajectories and a plain one beside it: the group holds all three, each
+    tagged with its episode, so advantages count two samples (rl/advantages.py), not three."""
+    c = small_config(1)
+    prompts = train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
+    controller = RolloutController(None, None, None, prompts, StalenessManager(2, 1, 4), SamplingParams(n=2),
+                                   AdvantageConfig(filter_uniform=False))
+    traj = lambda r: Trajectory.from_completion([1, 2], [3], [-1.0], [0], reward=r)  # noqa: E731
+    for _ in range(2):  # a batch of two groups
+        controller._on_scored(controller._admit(), [[traj(1.0), traj(1.0)], traj(0.0)])
+    batch, _ = controller.get_batch(0, timeout=5)
+    assert [t.info["episode"] for t in batch.trajectories] == [0, 0, 1]
+    assign_advantages([batch.trajectories], AdvantageConfig())
+    a, b, other = (t.advantage for t in batch.trajectories)
+    assert a == b == -other and a > 0  # two samples, 1 and 0: ± the same

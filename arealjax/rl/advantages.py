@@ -120,32 +120,53 @@ def batch_normalize(values: np.ndarray, tokens: np.ndarray, cfg: AdvantageConfig
     return (x - mean) / (std + cfg.eps)
 
 
+def episodes(group: Sequence[Trajectory]) -> np.ndarray:
+    """Each trajectory's episode in its group, numbered 0, 1, ... in order of first appearance (`info['episode']`,
+    set by the controller). An episode that yields several trajectories (an agent whose history broke its prefix:
+    workflows/agent.py) is one sample of its group: one reward, one advantage for all of them. A trajectory without
+    `info['episode']` is an episode of its own."""
+    seen: dict = {}
+    return np.array([seen.setdefault(("episode", t.info["episode"]) if "episode" in t.info else ("own", i), len(seen))
+                     for i, t in enumerate(group)], np.int64)
+
+
+def _episode_rewards(group: Sequence[Trajectory], cfg: AdvantageConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(episode of each trajectory, raw reward per episode, shaped reward per episode: lengths are the episode's
+    model tokens over all its trajectories)."""
+    ids = episodes(group)
+    first = np.unique(ids, return_index=True)[1]
+    raw = np.array([group[i].reward for i in first], np.float64)
+    tokens = np.bincount(ids, weights=[t.n_model_tokens for t in group], minlength=len(first))
+    return ids, raw, shape_rewards(raw, tokens, cfg)
+
+
 def dynamic_filter(groups: Sequence[Sequence[Trajectory]], cfg: AdvantageConfig
                    ) -> tuple[list[Sequence[Trajectory]], list[Sequence[Trajectory]]]:
     """(kept, dropped): with `filter_uniform`, groups whose shaped rewards are all equal are dropped (a lone
     sample too under a group baseline, where its advantage is 0)."""
     kept, dropped = [], []
     for g in groups:
-        r = shape_rewards([t.reward for t in g], [t.n_model_tokens for t in g], cfg)
-        uniform = bool(np.all(r == r[0])) and (len(g) > 1 or cfg.estimator in GROUP_BASELINES)
+        r = _episode_rewards(g, cfg)[2]
+        uniform = bool(np.all(r == r[0])) and (len(r) > 1 or cfg.estimator in GROUP_BASELINES)
         (dropped if cfg.filter_uniform and uniform else kept).append(g)
     return kept, dropped
 
 
 def assign_advantages(groups: Sequence[Sequence[Trajectory]], cfg: AdvantageConfig,
                       reduce: Reduce | None = None) -> dict[str, float]:
-    """Sets `advantage` on every trajectory of the groups (of any sizes ≥ 1); returns reward/advantage stats.
-    `reduce`: see `batch_normalize` (multi-host: this process's groups are its share of the batch)."""
+    """Sets `advantage` on every trajectory of the groups (of any sizes ≥ 1); returns reward/advantage stats. The
+    samples of a group are its episodes (`episodes`): each counts once in the baseline and the statistics, and its
+    trajectories share its advantage. `reduce`: see `batch_normalize` (multi-host: this process's groups are its
+    share of the batch)."""
     if not groups or not all(groups):
         raise ValueError("assign_advantages: needs at least one group and no empty group")
-    raw = [np.array([t.reward for t in g], np.float64) for g in groups]
-    tokens = [np.array([t.n_model_tokens for t in g], np.float64) for g in groups]
-    shaped = [shape_rewards(r, n, cfg) for r, n in zip(raw, tokens)]
+    per_episode = [_episode_rewards(g, cfg) for g in groups]
+    raw, shaped = [r for _, r, _ in per_episode], [s for _, _, s in per_episode]
     if cfg.estimator in GROUP_BASELINES:
-        adv = np.concatenate([group_advantages(r, cfg) for r in shaped])
+        adv = np.concatenate([group_advantages(s, cfg)[ids] for ids, _, s in per_episode])
     else:
-        adv = np.concatenate(shaped)
-    flat_tokens = np.concatenate(tokens)
+        adv = np.concatenate([s[ids] for ids, _, s in per_episode])
+    flat_tokens = np.array([t.n_model_tokens for g in groups for t in g], np.float64)
     if cfg.estimator == "reinforce_pp":
         adv = batch_normalize(adv, flat_tokens, cfg, reduce)
     if cfg.normalize_batch:
