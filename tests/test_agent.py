@@ -107,8 +107,50 @@ def test_an_edited_history_starts_a_trajectory_of_its_own(served):
     assert list(trajs[1].tokens[:len(ep.fed[1][0])]) == ep.fed[1][0]
 
 
+def test_a_streamed_completion_is_the_same_reply_in_chunks(served):
+    """`stream: true` (the openai SDK's and LangChain's astream): server-sent chunks whose content deltas join into
+    the reply the session recorded, the usage last when asked; LangChain's ChatOpenAI streams through the same
+    client. Tool calls stream as deltas the SDK's chunk type reads back."""
+    from langchain_openai import ChatOpenAI
+    from openai.types.chat import ChatCompletionChunk
+
+    from arealjax.workflows.chat import stream_events
+
+    ep = episode(served)
+    session = ChatSession(ep)
+
+    async def agent():
+        async with client_for(session) as client:
+            stream = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=10, stream=True,
+                stream_options={"include_usage": True})
+            chunks = [c async for c in stream]
+            llm = ChatOpenAI(model="m", api_key="x", async_client=client.chat.completions, root_async_client=client,
+                             max_tokens=6)
+            pieces = [m.content async for m in llm.astream("hello")]
+            return chunks, pieces
+
+    chunks, pieces = asyncio.run(agent())
+    (_, first), (_, second) = ep.fed
+    tok = served[2]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tok.decode(
+        first.output_tokens, skip_special_tokens=True)
+    assert chunks[-1].usage.completion_tokens == len(first.output_tokens) and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert "".join(pieces) == tok.decode(second.output_tokens, skip_special_tokens=True)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    response = {"id": "x", "created": 0, "model": "m", "usage": {}, "choices": [{
+        "index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+        "finish_reason": "tool_calls", "logprobs": None}]}
+    events = stream_events(response, False).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    parsed = [ChatCompletionChunk.model_validate(json.loads(e.removeprefix("data: "))) for e in events[:-2]]
+    (delta,) = [c.choices[0].delta.tool_calls for c in parsed if c.choices[0].delta.tool_calls]
+    assert delta[0].model_dump(exclude_none=True) == {"index": 0, **call}
+
+
 @pytest.mark.parametrize("field,value,match", [
-    ("stream", True, "'stream' = True is not supported"),
+    ("stream_options", {"chunk_size": 3}, r"'stream_options' = .*only \{'include_usage': bool\}"),
     ("frobnicate", 1, "unsupported field 'frobnicate'"),
     ("stop", "a long stop string", "only single-token stop"),
     ("temperature", 5, "'temperature' = 5"),

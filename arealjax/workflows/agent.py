@@ -27,7 +27,7 @@ import httpx
 from arealjax.rewards.service import resolve
 from arealjax.rl.trajectory import Trajectory
 from arealjax.workflows.base import Episode
-from arealjax.workflows.chat import APIError, ChatSession
+from arealjax.workflows.chat import APIError, ChatSession, stream_events
 
 log = logging.getLogger(__name__)
 MAX_BODY = 4 << 20  # bytes of one request body
@@ -53,7 +53,12 @@ class EpisodeTransport(httpx.AsyncBaseTransport):
                     data = json.loads(body or b"null")
                 except ValueError as e:
                     raise APIError(f"the request body is not JSON: {e}") from None
-                return _json(200, await self.session.chat_completions(data))
+                response = await self.session.chat_completions(data)
+                if data.get("stream"):
+                    include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+                    return httpx.Response(200, content=stream_events(response, include_usage),
+                                          headers={"content-type": "text/event-stream"})
+                return _json(200, response)
             raise APIError(f"{request.method} {path}: not served here (POST /v1/chat/completions, GET /v1/models)",
                            None, 404, "not_found_error")
         except APIError as e:

@@ -43,7 +43,7 @@ TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "max_completion_tokens",
           "stop", "n", "logprobs", "top_logprobs", "seed", "stream", "parallel_tool_calls", "user", "metadata",
           "store", "frequency_penalty", "presence_penalty", "stream_options", "response_format"}
-DEFAULTS = {"stream": (False, None), "frequency_penalty": (0, None), "presence_penalty": (0, None),
+DEFAULTS = {"frequency_penalty": (0, None), "presence_penalty": (0, None),
             "top_logprobs": (0, None), "tool_choice": ("auto", None), "store": (False, None),
             "response_format": ({"type": "text"}, None)}
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -104,6 +104,12 @@ class ChatSession:
         for key, allowed in DEFAULTS.items():
             if key in body and body[key] not in allowed:
                 raise APIError(f"'{key}' = {body[key]!r} is not supported (only {allowed[0]!r})", key)
+        if not isinstance(body.get("stream", False), (bool, type(None))):
+            raise APIError(f"'stream' = {body['stream']!r}: expected true or false", "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise APIError(f"'stream_options' = {options!r}: only {{'include_usage': bool}} is served",
+                           "stream_options")
         if self.counts.calls >= self.max_calls:
             raise APIError(f"this episode made {self.max_calls} calls, its limit (workflow.kwargs.max_calls)")
         messages = body.get("messages")
@@ -332,3 +338,24 @@ def _hf_call(call: dict) -> dict:
     except ValueError:
         pass
     return {"type": "function", "id": call.get("id"), "function": {"name": f.get("name"), "arguments": args}}
+
+
+def stream_events(response: dict, include_usage: bool) -> bytes:
+    """A chat.completion response as the server-sent events of `stream: true`: per choice, the role with the
+    content (and its logprobs), then its tool calls, then its finish reason; the usage last when asked
+    (`stream_options.include_usage`); `data: [DONE]`. The whole reply is generated before the first event (the
+    tokens are the trajectory's either way), so a streaming agent gets it in a few chunks."""
+    head = {k: response[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    chunks = []
+    for c in response["choices"]:
+        m = c["message"]
+        chunks.append({"index": c["index"], "delta": {"role": "assistant", "content": m["content"] or ""},
+                       "logprobs": c["logprobs"], "finish_reason": None})
+        if m.get("tool_calls"):
+            chunks.append({"index": c["index"], "delta": {"tool_calls": [
+                {"index": k, **call} for k, call in enumerate(m["tool_calls"])]}, "finish_reason": None})
+        chunks.append({"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]})
+    events = [{**head, "choices": [choice]} for choice in chunks]
+    if include_usage:
+        events.append({**head, "choices": [], "usage": response["usage"]})
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
