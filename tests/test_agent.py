@@ -47,10 +47,11 @@ def served(tiny_recipes):
         yield gen, rewards, tok
 
 
-def episode(served, text="What is 2 + 3?", index=0, **reward_kwargs):
+def episode(served, text="What is 2 + 3?", index=0, stops=(), **reward_kwargs):
     gen, rewards, tok = served
     prompt = Prompt("p", tok.encode(tok.apply_chat_template([{"role": "user", "content": text}])), reward_kwargs)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=tuple(tok.eos_ids), seed=7)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=tuple(tok.eos_ids) + tuple(stops),
+                              seed=7)
     return Recording(prompt, index, f"p#0/{index}", gen, rewards, tok, sampling, 1024)
 
 
@@ -212,13 +213,13 @@ def test_the_workflow_trains_what_agents_return_and_rejects_what_fails(served):
 
 
 
-@pytest.mark.parametrize("example", ["calculator_agents_sdk", "calculator_langgraph"])
+@pytest.mark.parametrize("example", ["calculator_agents_sdk:solve_chat", "calculator_langgraph:solve"])
 def test_agents_written_with_real_frameworks_train_unchanged(served, example):
     """The examples/agents calculator agent written with the OpenAI Agents SDK (Agent, function_tool, Runner over
-    OpenAIChatCompletionsModel) and with LangGraph (create_react_agent over langchain-openai's ChatOpenAI), each
-    given the episode's client, run as episodes: every call each made is in its trajectories, token-faithful,
-    scored by the run's reward function."""
-    wf = OpenAIAgent(f"examples.agents.{example}:solve", timeout=120)
+    OpenAIChatCompletionsModel) and with LangGraph (create_react_agent over
+    langchain-openai's ChatOpenAI), each given the episode's client, run as episodes: every call each made is in
+    its trajectories, token-faithful, scored by the run's reward function."""
+    wf = OpenAIAgent(f"examples.agents.{example}", timeout=120)
     ep = episode(served, "What is 12 * 7?")
     trajs = asyncio.run(wf.run(ep))
     assert trajs, wf.metrics()
@@ -237,3 +238,82 @@ def test_the_example_calculator_computes_arithmetic_and_refuses_the_rest():
     with pytest.raises(ValueError, match="not arithmetic"):
         evaluate("__import__('os').getcwd()")
     assert calculate("1 / 0").startswith("error:") and calculate("2 ** 8").startswith("error:")
+
+
+def test_the_responses_api_continues_one_trajectory_and_refuses_what_it_does_not_serve(served):
+    """/v1/responses through the SDK: a reply's output items sent back with a new user turn continue the same
+    token-faithful trajectory; usage and status as the API gives them; streaming, stored responses, built-in
+    tools and unknown items are refused naming the field."""
+    ep = episode(served)
+    session = ChatSession(ep)
+    tools = [{"type": "function", "name": "add", "description": "adds", "strict": True,
+              "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}]
+
+    async def agent():
+        async with client_for(session) as client:
+            r1 = await client.responses.create(model="m", instructions="Be brief.", input="What is 2 + 3?",
+                                               tools=tools, max_output_tokens=8, include=[])
+            history = [{"role": "user", "content": "What is 2 + 3?"},
+                       *[o.model_dump(exclude_none=True) for o in r1.output],
+                       {"role": "user", "content": [{"type": "input_text", "text": "Again."}]}]
+            r2 = await client.responses.create(model="m", instructions="Be brief.", input=history, tools=tools,
+                                               max_output_tokens=8)
+            refused = []
+            for kw in ({"stream": True}, {"previous_response_id": "resp_1"}, {"tools": [{"type": "web_search"}]},
+                       {"input": [{"type": "image_generation_call", "id": "x"}]}):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await client.responses.create(**{"model": "m", "input": "hi", **kw})
+                refused.append(e.value.body["param"])
+            return r1, r2, refused
+
+    r1, r2, refused = asyncio.run(agent())
+    assert refused == ["stream", "previous_response_id", "tools", "input[0]"]
+    assert session.counts.calls == 2 and session.counts.prefix_breaks == 0 and len(session.chains) == 1
+    (p1, c1), (p2, c2) = ep.fed
+    assert p2[:len(p1) + len(c1.output_tokens)] == p1 + list(c1.output_tokens)  # one trajectory, extended
+    for r, c in ((r1, c1), (r2, c2)):
+        assert r.usage.output_tokens == len(c.output_tokens) and r.status in ("completed", "incomplete")
+        assert (r.status == "incomplete") == (c.stop_reason == "length")
+        text = served[2].decode(c.output_tokens, skip_special_tokens=True)
+        assert r.output_text == text.strip()  # with tools, the text around calls is stripped (as on the chat route)
+
+
+def test_responses_input_items_become_the_chat_turns_they_came_as():
+    """A reply's message and function calls, sent back as items, are one assistant turn (so the session recognises
+    its own reply); function_call_output items are tool messages; calls without a message open a turn."""
+    from arealjax.workflows.responses import _messages
+
+    call = lambda i: {"type": "function_call", "id": f"fc_{i}", "call_id": f"call_{i}", "name": "add",  # noqa: E731
+                      "arguments": '{"a": 1}', "status": "completed"}
+    said = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": "Adding.", "annotations": [], "logprobs": []}]}
+    out = _messages({"instructions": "sys", "input": [
+        {"role": "user", "content": "q"}, said, call(1), call(2),
+        {"type": "function_call_output", "call_id": "call_1", "output": "1"},
+        {"type": "function_call_output", "call_id": "call_2", "output": "2"}, call(3),
+        {"type": "function_call_output", "call_id": "call_3", "output": "3"}]})
+    tc = lambda i: {"id": f"call_{i}", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}  # noqa: E731
+    assert out == [{"role": "system", "content": "sys"}, {"role": "user", "content": "q"},
+                   {"role": "assistant", "content": "Adding.", "tool_calls": [tc(1), tc(2)]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+                   {"role": "tool", "tool_call_id": "call_2", "content": "2"},
+                   {"role": "assistant", "content": "", "tool_calls": [tc(3)]},
+                   {"role": "tool", "tool_call_id": "call_3", "content": "3"}]
+
+
+
+def test_an_agents_sdk_agent_on_its_default_responses_model_trains_and_a_cut_reply_rejects_its_episode(served):
+    """The Agents SDK's default model speaks the Responses API. A reply cut by the generation cap is `incomplete`
+    (reason max_output_tokens) as OpenAI reports it, and the SDK raises on it: the episode is rejected and counted.
+    The same episode (its draws are keyed by seed, prompt and position) ending at a stop token instead completes:
+    its calls are its trajectories, scored by the run's reward function."""
+    wf = OpenAIAgent("examples.agents.calculator_agents_sdk:solve", timeout=120)
+    cut = episode(served, "What is 12 * 7?")
+    assert asyncio.run(wf.run(cut)) is None
+    assert wf.metrics()["agent_rejected_error"] == 1 and cut.fed[0][1].stop_reason == "length"
+    first = cut.fed[0][1].output_tokens[0]
+    ep = episode(served, "What is 12 * 7?", stops=(first,))  # the same reply, ending at its first token
+    trajs = asyncio.run(wf.run(ep))
+    assert trajs and list(ep.fed[0][1].output_tokens) == [first] and wf.metrics()["agent_calls"] == 2
+    (traj,) = trajs
+    assert list(np.asarray(traj.tokens)[np.asarray(traj.loss_mask)]) == [first]

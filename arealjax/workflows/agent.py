@@ -28,6 +28,7 @@ from arealjax.rewards.service import resolve
 from arealjax.rl.trajectory import Trajectory
 from arealjax.workflows.base import Episode
 from arealjax.workflows.chat import APIError, ChatSession, stream_events
+from arealjax.workflows.responses import responses
 
 log = logging.getLogger(__name__)
 MAX_BODY = 4 << 20  # bytes of one request body
@@ -35,7 +36,8 @@ MAX_BODY = 4 << 20  # bytes of one request body
 
 class EpisodeTransport(httpx.AsyncBaseTransport):
     """An httpx transport that answers the OpenAI API's routes from one `ChatSession` in process:
-    POST /v1/chat/completions, GET /v1/models; anything else is a 404 in OpenAI's error shape."""
+    POST /v1/chat/completions, POST /v1/responses (workflows/responses.py), GET /v1/models; anything else is a 404
+    in OpenAI's error shape."""
 
     def __init__(self, session: ChatSession):
         self.session = session
@@ -48,18 +50,21 @@ class EpisodeTransport(httpx.AsyncBaseTransport):
                 raise APIError(f"request body of {len(body)} bytes exceeds {MAX_BODY}", None, 413)
             if request.method == "GET" and path.endswith("/models"):
                 return _json(200, self.session.models())
-            if request.method == "POST" and path.endswith("/chat/completions"):
+            if request.method == "POST" and path.endswith(("/chat/completions", "/responses")):
                 try:
                     data = json.loads(body or b"null")
                 except ValueError as e:
                     raise APIError(f"the request body is not JSON: {e}") from None
+                if path.endswith("/responses"):
+                    return _json(200, await responses(self.session, data))
                 response = await self.session.chat_completions(data)
                 if data.get("stream"):
                     include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
                     return httpx.Response(200, content=stream_events(response, include_usage),
                                           headers={"content-type": "text/event-stream"})
                 return _json(200, response)
-            raise APIError(f"{request.method} {path}: not served here (POST /v1/chat/completions, GET /v1/models)",
+            raise APIError(f"{request.method} {path}: not served here (POST /v1/chat/completions, POST /v1/responses, "
+                           "GET /v1/models)",
                            None, 404, "not_found_error")
         except APIError as e:
             return _json(e.status, e.body())

@@ -5,12 +5,12 @@ anyone would write it, trained by arealjax unchanged:
   workflow.kwargs = {"agent": "examples.agents.calculator_agents_sdk:solve"}
 
 `client` is the episode's `openai.AsyncOpenAI` (its transport answers in process from the generator); the Agents SDK
-speaks to it through Chat Completions. `solve` returns None: the run's reward function scores the agent's last
-message (the math task's `\\boxed{}` answer)."""
+speaks to it through the Responses API, its default (`solve`), or Chat Completions (`solve_chat`). Both return
+None: the run's reward function scores the agent's last message (the math task's `\\boxed{}` answer)."""
 
 from __future__ import annotations
 
-from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
 from examples.agents import calculator
 
@@ -19,9 +19,20 @@ set_tracing_disabled(True)  # no tracing export: nothing leaves the machine
 calculate = function_tool(calculator.calculate)
 
 
+def agent(model) -> Agent:
+    return Agent(name="calculator", model=model, tools=[calculate],
+                 instructions="Solve the problem. Use the calculate tool for arithmetic. Put the final answer in "
+                              "\\boxed{}.")
+
+
 async def solve(client, data: dict) -> float | None:
-    agent = Agent(name="calculator", model=OpenAIChatCompletionsModel(model="arealjax", openai_client=client),
-                  instructions="Solve the problem. Use the calculate tool for arithmetic. Put the final answer "
-                               "in \\boxed{}.", tools=[calculate])
-    await Runner.run(agent, data["prompt"], max_turns=4)
+    """The SDK's default model: the Responses API."""
+    await Runner.run(agent(OpenAIResponsesModel(model="arealjax", openai_client=client)), data["prompt"], max_turns=4)
+    return None
+
+
+async def solve_chat(client, data: dict) -> float | None:
+    """The same agent over Chat Completions (`OpenAIChatCompletionsModel`)."""
+    await Runner.run(agent(OpenAIChatCompletionsModel(model="arealjax", openai_client=client)), data["prompt"],
+                     max_turns=4)
     return None
