@@ -317,3 +317,103 @@ def test_an_agents_sdk_agent_on_its_default_responses_model_trains_and_a_cut_rep
     assert trajs and list(ep.fed[0][1].output_tokens) == [first] and wf.metrics()["agent_calls"] == 2
     (traj,) = trajs
     assert list(np.asarray(traj.tokens)[np.asarray(traj.loss_mask)]) == [first]
+
+
+COMMAND_AGENTS = {  # name -> script: each an agent as a program, run with the episode's endpoint and key
+    "posts": """
+import os, httpx, openai
+c = openai.OpenAI(max_retries=0)
+c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+h = {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]}
+httpx.post(os.environ["OPENAI_BASE_URL"] + "/rl/reward", json={"reward": 0.25}, headers=h).raise_for_status()
+""",
+    "prints": """
+import openai
+openai.OpenAI(max_retries=0).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4)
+print("thinking...")
+print(0.5)
+""",
+    "hostile": """
+import os, httpx
+base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+auth = lambda k: {"Authorization": "Bearer " + k}
+codes = [httpx.post(base + "/chat/completions", json=body).status_code,
+         httpx.post(base + "/chat/completions", json=body, headers=auth(key[:-1] + "x")).status_code,
+         httpx.post(base + "/chat/completions", json=body, headers=auth(os.environ["OLD_KEY"])).status_code,
+         httpx.post(base + "/rl/reward", json={"reward": 9}, headers=auth("wrong")).status_code,
+         httpx.post(base + "/chat/completions", content=b"x" * (5 << 20), headers=auth(key)).status_code,
+         httpx.post(base + "/rl/reward", json={"reward": "high"}, headers=auth(key)).status_code]
+open(os.environ["OUT"], "w").write(" ".join(map(str, codes)) + " " + key)
+print(1.0)
+""",
+    "crashes": "import sys; sys.exit('the agent broke')",
+    "hangs": "import time; time.sleep(60)",
+    "silent": """
+import openai
+openai.OpenAI(max_retries=0).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4)
+print("done")
+""",
+}
+
+
+def test_agents_run_as_commands_through_the_episode_endpoint(served, tmp_path, monkeypatch):
+    """`command`: each episode runs the program with OPENAI_BASE_URL (127.0.0.1), its own OPENAI_API_KEY and
+    AREALJAX_DATA. Its calls are the episode's trajectories; its reward is what it posted or printed last. No key,
+    a wrong key or an expired one gets 401 and touches nothing; a body over the bound 413; a bad reward 400. A
+    program that exits non-zero, hangs past the timeout (killed) or reports no reward is a rejected episode."""
+    import sys
+
+    scripts = {}
+    for name, code in COMMAND_AGENTS.items():
+        scripts[name] = tmp_path / f"{name}.py"
+        scripts[name].write_text(code)
+    monkeypatch.setenv("OUT", str(tmp_path / "hostile.txt"))
+    run = lambda name, **kw: OpenAIAgent(command=f"{sys.executable} {scripts[name]}", **kw)  # noqa: E731
+
+    async def episodes():
+        out = {}
+        for name, kw in (("posts", {}), ("prints", {}), ("hostile", {}), ("crashes", {}), ("hangs", {"timeout": 2}),
+                         ("silent", {})):
+            wf = run(name, **kw)
+            async with wf.endpoint.episode(ChatSession(episode(served))) as old:  # an episode that has ended
+                pass
+            monkeypatch.setenv("OLD_KEY", old.key)
+            ep = episode(served, "What is 2 + 3?")
+            out[name] = (await wf.run(ep), wf.metrics(), ep, wf.endpoint.base_url)
+            await wf.close()
+        return out
+
+    out = asyncio.run(episodes())
+    for name, reward in (("posts", 0.25), ("prints", 0.5)):
+        trajs, m, ep, base = out[name]
+        assert base.startswith("http://127.0.0.1:") and m["agent_calls"] == len(ep.fed) == 1
+        (traj,) = trajs
+        assert traj.reward == reward and list(traj.tokens[:len(ep.fed[0][0])]) == ep.fed[0][0]
+    *codes, key = (tmp_path / "hostile.txt").read_text().split()
+    assert codes == ["401", "401", "401", "401", "413", "400"] and len(key) >= 43  # no key, wrong, expired, ...
+    trajs, m, ep, _ = out["hostile"]
+    assert trajs is None and not ep.fed and m["agent_rejected_no_call"] == 1  # nothing reached the episode
+    for name, reason in (("crashes", "exit"), ("hangs", "timeout"), ("silent", "no_reward")):
+        trajs, m, _, _ = out[name]
+        assert trajs is None and m[f"agent_rejected_{reason}"] == 1, (name, m)
+
+
+def test_the_example_command_agent_trains_through_the_endpoint(served):
+    """examples/agents/calculator_command.py, plain `openai` calls in a program of its own: its calls are the
+    episode's trajectory and its reward (the row's answer checked against its \\boxed{}, posted) the episode's."""
+    import sys
+
+    wf = OpenAIAgent(command=f"{sys.executable} examples/agents/calculator_command.py", timeout=120)
+
+    async def one():
+        try:
+            return await wf.run(ep)
+        finally:
+            await wf.close()
+
+    ep = episode(served, "What is 12 * 7?", answer="84")
+    trajs = asyncio.run(one())
+    assert trajs and {t.reward for t in trajs} == {0.0} and wf.metrics()["agent_calls"] == len(ep.fed) >= 1

@@ -9,17 +9,27 @@ the SDK's own class whose HTTP transport (`EpisodeTransport`) routes its request
 the dataset row: the prompt text under "prompt", every other field as the reward kwargs get them. The return value
 is the reward; None scores the last assistant message with the run's reward function (`rewards.fn`).
 
-An agent that raises, runs past `timeout` seconds, or makes no call ends as a rejected episode: one log line with
-its reason, counted per reason (`metrics()`); the run goes on. Every chat call's tokens, behaviour logprobs and
-versions go into the episode's trajectories (one per token-faithful chain, all with the episode's reward).
-"""
+    workflow.kwargs = {"command": "python my_agent.py"}
+
+runs that shell command once per episode, with `OPENAI_BASE_URL` (the workflow's HTTP endpoint on 127.0.0.1:
+workflows/endpoint.py), `OPENAI_API_KEY` (a key valid for this episode only) and `AREALJAX_DATA` (the row as JSON)
+in its environment; it reports its reward with `POST $OPENAI_BASE_URL/rl/reward {"reward": r}` or as the number on
+the last line of its stdout.
+
+An agent that raises, runs past `timeout` seconds, makes no call, exits non-zero or (a command) reports no reward
+ends as a rejected episode: one log line with its reason, counted per reason (`metrics()`); the run goes on.
+Every chat call's tokens, behaviour logprobs and versions go into the episode's trajectories (one per
+token-faithful chain, all with the episode's reward)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
+import os
+import signal
 from typing import Any
 
 import httpx
@@ -27,53 +37,31 @@ import httpx
 from arealjax.rewards.service import resolve
 from arealjax.rl.trajectory import Trajectory
 from arealjax.workflows.base import Episode
-from arealjax.workflows.chat import APIError, ChatSession, stream_events
-from arealjax.workflows.responses import responses
+from arealjax.workflows.chat import ChatSession
+from arealjax.workflows.endpoint import AgentEndpoint
+from arealjax.workflows.routes import answer
 
 log = logging.getLogger(__name__)
-MAX_BODY = 4 << 20  # bytes of one request body
 
 
 class EpisodeTransport(httpx.AsyncBaseTransport):
-    """An httpx transport that answers the OpenAI API's routes from one `ChatSession` in process:
-    POST /v1/chat/completions, POST /v1/responses (workflows/responses.py), GET /v1/models; anything else is a 404
-    in OpenAI's error shape."""
+    """An httpx transport that answers the OpenAI API's routes (`answer`) from one `ChatSession` in process."""
 
     def __init__(self, session: ChatSession):
         self.session = session
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path.rstrip("/")
-        try:
-            body = await request.aread()
-            if len(body) > MAX_BODY:
-                raise APIError(f"request body of {len(body)} bytes exceeds {MAX_BODY}", None, 413)
-            if request.method == "GET" and path.endswith("/models"):
-                return _json(200, self.session.models())
-            if request.method == "POST" and path.endswith(("/chat/completions", "/responses")):
-                try:
-                    data = json.loads(body or b"null")
-                except ValueError as e:
-                    raise APIError(f"the request body is not JSON: {e}") from None
-                if path.endswith("/responses"):
-                    return _json(200, await responses(self.session, data))
-                response = await self.session.chat_completions(data)
-                if data.get("stream"):
-                    include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
-                    return httpx.Response(200, content=stream_events(response, include_usage),
-                                          headers={"content-type": "text/event-stream"})
-                return _json(200, response)
-            raise APIError(f"{request.method} {path}: not served here (POST /v1/chat/completions, POST /v1/responses, "
-                           "GET /v1/models)",
-                           None, 404, "not_found_error")
-        except APIError as e:
-            return _json(e.status, e.body())
+        status, headers, content = await answer(self.session, request.method, request.url.path,
+                                                await request.aread())
+        return httpx.Response(status, headers=headers, content=content)
 
 
-def _json(status: int, body: dict) -> httpx.Response:
-    """A JSON response; a refusal tells the SDK not to retry it (it would retry a 429 or 5xx by default)."""
-    return httpx.Response(status, json=body, headers={"content-type": "application/json",
-                                                      **({"x-should-retry": "false"} if status >= 400 else {})})
+class Rejected(Exception):
+    """An episode the agent's process ends without a trajectory: `reason` is its counter's name."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
 
 
 def client_for(session: ChatSession):
@@ -85,27 +73,41 @@ def client_for(session: ChatSession):
 
 
 class OpenAIAgent:
-    """The workflow (module docstring). `agent`: 'package.module:function'; `timeout`: seconds per episode;
-    `max_calls`: chat calls per episode."""
+    """The workflow (module docstring). `agent`: 'package.module:function', or `command`: a shell command run once
+    per episode; `timeout`: seconds per episode; `max_calls`: chat calls per episode; `host`: where the commands'
+    endpoint listens (loopback unless set)."""
 
-    def __init__(self, agent: str, timeout: float = 600.0, max_calls: int = 64, model_name: str = "arealjax"):
-        self.agent = resolve(agent, what="agent")
-        if not asyncio.iscoroutinefunction(self.agent):
-            raise ValueError(f"agent '{agent}': expected 'async def function(client, data) -> float | None'")
-        self.name, self.timeout, self.max_calls, self.model_name = agent, timeout, max_calls, model_name
+    def __init__(self, agent: str | None = None, command: str | None = None, timeout: float = 600.0,
+                 max_calls: int = 64, model_name: str = "arealjax", host: str = "127.0.0.1"):
+        if (agent is None) == (command is None):
+            raise ValueError("workflow.kwargs: give exactly one of 'agent' ('module:function') or 'command' (a shell "
+                             f"command); got agent={agent!r}, command={command!r}")
+        if agent is not None:
+            self.agent = resolve(agent, what="agent")
+            if not asyncio.iscoroutinefunction(self.agent):
+                raise ValueError(f"agent '{agent}': expected 'async def function(client, data) -> float | None'")
+        elif not isinstance(command, str) or not command.strip():
+            raise ValueError(f"workflow.kwargs.command = {command!r}: expected a shell command")
+        self.name, self.command = agent or command, command
+        self.timeout, self.max_calls, self.model_name = timeout, max_calls, model_name
+        self.endpoint = AgentEndpoint(host) if command else None
         self.rejected: collections.Counter[str] = collections.Counter()
         self.calls = self.prefix_breaks = self.unparsed_tool_calls = 0
 
     async def run(self, ep: Episode) -> list[Trajectory] | None:
         session = ChatSession(ep, self.model_name, self.max_calls)
-        client = client_for(session)
         data = {"prompt": ep.tokenizer.decode(ep.prompt.tokens, skip_special_tokens=False),
                 **ep.prompt.reward_kwargs}
         try:
-            async with client:
-                reward = await asyncio.wait_for(self.agent(client, data), self.timeout)
+            if self.command is None:
+                async with client_for(session) as client:
+                    reward = await asyncio.wait_for(self.agent(client, data), self.timeout)
+            else:
+                reward = await self._run_command(session, data)
         except TimeoutError:
             return self._reject(ep, "timeout", f"ran past workflow timeout {self.timeout} s")
+        except Rejected as e:
+            return self._reject(ep, e.reason, str(e))
         except Exception as e:  # noqa: BLE001 - an agent's error rejects its episode, not the run
             return self._reject(ep, "error", f"{type(e).__name__}: {e}")
         finally:
@@ -120,6 +122,40 @@ class OpenAIAgent:
             return self._reject(ep, "bad_reward", f"returned {reward!r}, expected a number or None")
         return session.trajectories(float(reward), agent_calls=session.counts.calls,
                                     prefix_breaks=session.counts.prefix_breaks) or None
+
+    async def _run_command(self, session: ChatSession, data: dict) -> float:
+        """Runs the command with the episode's endpoint, key and row in its environment; its reward: what it posted
+        to /v1/rl/reward, else the number on the last line of its stdout. Killed (its process group) at the
+        timeout or if the episode is cancelled."""
+        async with self.endpoint.episode(session) as grant:
+            env = {**os.environ, "OPENAI_BASE_URL": self.endpoint.base_url, "OPENAI_API_KEY": grant.key,
+                   "AREALJAX_DATA": json.dumps(data)}
+            proc = await asyncio.create_subprocess_shell(self.command, stdout=asyncio.subprocess.PIPE,
+                                                         stderr=asyncio.subprocess.PIPE, env=env,
+                                                         start_new_session=True)
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), self.timeout)
+            finally:
+                if proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    await proc.wait()
+            if proc.returncode:
+                last = (err.decode(errors="replace").strip().splitlines() or [""])[-1][:300]
+                raise Rejected("exit", f"exited with status {proc.returncode}: {last}")
+            if grant.reward is not None:
+                return grant.reward
+            lines = out.decode(errors="replace").strip().splitlines()
+            try:
+                return float(lines[-1])
+            except (IndexError, ValueError):
+                raise Rejected("no_reward", "reported no reward (POST /v1/rl/reward {\"reward\": r}, or a number on "
+                                            f"the last line of stdout; it ended with {lines[-1:]!r})") from None
+
+    async def close(self) -> None:
+        """Stops the commands' endpoint, if one was started on this event loop."""
+        if self.endpoint is not None:
+            await self.endpoint.close()
 
     def _reject(self, ep: Episode, reason: str, detail: str) -> None:
         self.rejected[reason] += 1
