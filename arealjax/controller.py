@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import Tokenizer
 from arealjax.validate import Problems, number
 from arealjax.workflows import RLVR, Episode, Prompt, Workflow
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ControllerStats", "Group", "Prompt", "RolloutController", "TaskSolved", "check", "staleness_of",
            "token_staleness"]
@@ -123,6 +126,11 @@ class RolloutController:
             for t in tasks:
                 t.cancel()
             self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            if (close := getattr(self.workflow, "close", None)) is not None:  # e.g. an agents' endpoint
+                try:
+                    self._loop.run_until_complete(close())
+                except Exception as e:  # noqa: BLE001 - the run is over; its outcome stands
+                    log.warning("workflow %s: close failed: %s", type(self.workflow).__name__, error_text(e))
             self._loop.close()
 
     async def _admit_loop(self) -> None:

@@ -358,3 +358,21 @@ def test_an_episode_that_yields_several_trajectories_is_one_sample_of_its_group(
     assign_advantages([batch.trajectories], AdvantageConfig())
     a, b, other = (t.advantage for t in batch.trajectories)
     assert a == b == -other and a > 0  # two samples, 1 and 0: ± the same
+
+
+def test_a_workflow_is_closed_on_the_controllers_loop_when_it_stops():
+    """A workflow's `close()` (OpenAIAgent's endpoint for command agents lives on the controller's loop) runs there
+    when the controller stops."""
+    class Closing:
+        loop = None
+
+        async def run(self, ep):
+            return None
+
+        async def close(self):
+            Closing.loop = asyncio.get_running_loop()
+
+    controller = RolloutController(None, None, None, iter([]), StalenessManager(4, 0, 4), SamplingParams(),
+                                   AdvantageConfig(), workflow=Closing()).start()
+    controller.stop()
+    assert Closing.loop is controller._loop

@@ -48,7 +48,9 @@ class Prompt:
 
 
 class Workflow(Protocol):
-    """Turns an episode into a trajectory, several (each trained, all in the prompt's group) or None (rejected)."""
+    """Turns an episode into a trajectory, several (each trained, all in the prompt's group) or None (rejected).
+    Optional: `metrics()` (counters the run logs each step) and `async close()` (run on the controller's event loop
+    when it stops: what the workflow started there, such as a server)."""
 
     async def run(self, ep: Episode) -> Trajectory | list[Trajectory] | None: ...
 
