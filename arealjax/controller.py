@@ -108,6 +108,7 @@ class RolloutController:
         self._exhausted = False
         self._filtered_reward_sum = 0.0  # over the current run of filtered groups (one reward each: all equal)
         self._filtered_reward_min = float("inf")  # the same run's lowest reward (rejected groups: -inf)
+        self._rejected_in_a_row = 0  # groups of that run whose every episode the workflow rejected
         self._loop = asyncio.new_event_loop()
         self._wake = asyncio.Event()  # capacity may have changed (set on the loop's thread only)
         self._thread = threading.Thread(target=self._run_loop, name="rollout-controller", daemon=True)
@@ -208,14 +209,16 @@ class RolloutController:
                 self.staleness.on_accept(group.seq)
                 self._queue[group.seq] = group
                 self.stats.filtered_in_a_row, self._filtered_reward_sum = 0, 0.0
-                self._filtered_reward_min = float("inf")
+                self._filtered_reward_min, self._rejected_in_a_row = float("inf"), 0
             else:
                 self.staleness.on_reject(group.seq)
                 self.stats.filtered += 1
                 self.stats.filtered_in_a_row += 1
                 self._filtered_reward_sum += rewards[0] if rewards else 0.0
                 self._filtered_reward_min = min(self._filtered_reward_min, rewards[0] if rewards else -float("inf"))
+                self._rejected_in_a_row += not rewards
             self._cv.notify_all()
+            all_rejected = self._rejected_in_a_row == self.stats.filtered_in_a_row
             starved = 0 < self.max_filtered_in_a_row <= self.stats.filtered_in_a_row
             mean = self._filtered_reward_sum / max(self.stats.filtered_in_a_row, 1)
             solved = self._filtered_reward_min >= self.solved_reward
@@ -232,6 +235,11 @@ class RolloutController:
             self._fail(TaskSolved(
                 f"{right} of the last {window} groups had every sample at reward ≥ {self.solved_reward} "
                 f"(rl.solved_share={self.solved_share}, rl.solved_window={window})"))
+        elif starved and all_rejected:
+            self._fail(RuntimeError(
+                f"the workflow rejected every episode of the last {self.stats.filtered_in_a_row} groups "
+                f"({type(self.workflow).__name__}: the log's 'rejected' lines and its *_rejected_* counters say why), "
+                f"so the trainer has nothing to learn from (rl.max_filtered_in_a_row={self.max_filtered_in_a_row})"))
         elif starved:
             self._fail(RuntimeError(
                 f"dynamic filtering dropped {self.stats.filtered_in_a_row} groups in a row (every sample of each got "

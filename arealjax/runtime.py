@@ -110,13 +110,13 @@ class _AboveBars(logging.Handler):
 
 
 def log_above_bars(level: int = logging.INFO) -> None:
-    """The process's log lines (arealjax's at `level`; absl's, orbax's and JAX's backend probes at warnings) go above
-    the progress bars instead of into them."""
+    """The process's log lines (arealjax's at `level`; absl's, orbax's, JAX's backend probes and httpx's request
+    lines, one per agent call, at warnings) go above the progress bars instead of into them."""
     handler = _AboveBars()
     handler.setFormatter(logging.Formatter("%(levelname).1s%(asctime)s %(message)s", "%m%d %H:%M:%S"))
     logging.root.handlers = [handler]
     logging.root.setLevel(level)
-    for name in ("absl", "jax._src.xla_bridge"):  # orbax logs every step of every save at INFO
+    for name in ("absl", "jax._src.xla_bridge", "httpx"):  # orbax logs every step of every save at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
 
 

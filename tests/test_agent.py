@@ -49,7 +49,8 @@ def served(tiny_recipes):
 
 def episode(served, text="What is 2 + 3?", index=0, stops=(), **reward_kwargs):
     gen, rewards, tok = served
-    prompt = Prompt("p", tok.encode(tok.apply_chat_template([{"role": "user", "content": text}])), reward_kwargs)
+    prompt = Prompt("p", tok.encode(tok.apply_chat_template([{"role": "user", "content": text}])), reward_kwargs,
+                    text=text)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=tuple(tok.eos_ids) + tuple(stops),
                               seed=7)
     return Recording(prompt, index, f"p#0/{index}", gen, rewards, tok, sampling, 1024)
@@ -183,6 +184,13 @@ def test_tool_calls_parse_back_and_a_broken_one_stays_text(served):
     assert session.counts.tool_calls == 1 and session.counts.unparsed_tool_calls == 1
 
 
+async def agent_sees_the_row(client, data):
+    """Handed the row: the prompt as written (not the chat-templated tokens) and the reward kwargs."""
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": data["prompt"]}],
+                                         max_tokens=4)
+    return float(data == {"prompt": "What is 2 + 3?", "answer": "5"})
+
+
 async def agent_answers(client, data):
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": data["prompt"]}],
                                          max_tokens=8)
@@ -201,6 +209,8 @@ async def agent_hangs(client, data):
 def test_the_workflow_trains_what_agents_return_and_rejects_what_fails(served):
     """OpenAIAgent: a returned reward and a None (the run's reward function scores the last reply: `length`) give
     trajectories; an agent that raises or hangs past the timeout is a rejected episode with its reason counted."""
+    (seen,) = asyncio.run(OpenAIAgent("test_agent:agent_sees_the_row").run(episode(served, answer="5")))
+    assert seen.reward == 1.0
     wf = OpenAIAgent("test_agent:agent_answers")
     (traj,) = asyncio.run(wf.run(episode(served)))
     assert traj.reward == 1.0 and traj.loss_mask.any() and wf.metrics()["agent_calls"] == 1
@@ -417,3 +427,19 @@ def test_the_example_command_agent_trains_through_the_endpoint(served):
     ep = episode(served, "What is 12 * 7?", answer="84")
     trajs = asyncio.run(one())
     assert trajs and {t.reward for t in trajs} == {0.0} and wf.metrics()["agent_calls"] == len(ep.fed) >= 1
+
+
+def test_agent_http_calls_do_not_log_a_line_each():
+    """httpx logs every request at INFO: with agents, one line per chat call would bury the run's log."""
+    import logging
+
+    from arealjax.runtime import log_above_bars
+
+    root, level = logging.root.handlers[:], logging.root.level
+    try:
+        log_above_bars()
+        assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)
+        assert logging.getLogger("arealjax.workflows.agent").isEnabledFor(logging.INFO)
+    finally:
+        logging.root.handlers, logging.root.level = root, level
+        logging.getLogger("httpx").setLevel(logging.NOTSET)

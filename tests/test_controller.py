@@ -376,3 +376,16 @@ def test_a_workflow_is_closed_on_the_controllers_loop_when_it_stops():
                                    AdvantageConfig(), workflow=Closing()).start()
     controller.stop()
     assert Closing.loop is controller._loop
+
+
+def test_a_workflow_that_rejects_every_episode_stops_the_run_saying_so():
+    """Groups dropped because every episode was rejected (an agent failing on every prompt) stop the run naming the
+    rejections, not as uniformly low rewards."""
+    c = small_config(1)
+    prompts = train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
+    controller = RolloutController(None, None, None, prompts, StalenessManager(2, 1, 8), SamplingParams(n=2),
+                                   AdvantageConfig(), max_filtered_in_a_row=3)
+    for _ in range(3):
+        controller._on_scored(controller._admit(), [None, None])
+    with pytest.raises(RuntimeError, match="the workflow rejected every episode of the last 3 groups"):
+        controller.get_batch(0, timeout=5)

@@ -155,7 +155,7 @@ class PromptStream:
                 continue
             self._skipped_lengths.clear()
             kwargs = {"tests": json.loads(rec["tests"])} if rec["tests"] else {"answer": rec["answer"]}
-            return Prompt(rec["id"], tokens, kwargs, epoch)
+            return Prompt(rec["id"], tokens, kwargs, epoch, rec["prompt"])
 
     def get_state(self) -> dict[str, Any]:
         return {"grain": self._iter.get_state(), "too_long": self.too_long, "position": self.position}

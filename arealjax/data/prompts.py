@@ -57,7 +57,7 @@ class SyntheticPrompts:
         p = self._chunk[1][i % self.CHUNK]
         self.next_index += 1
         tokens = format_prompt(self.tokenizer, p.prompt, self.template, self.instruction)
-        return Prompt(f"train-{i}", tokens, {"answer": p.answer})
+        return Prompt(f"train-{i}", tokens, {"answer": p.answer}, text=p.prompt)
 
     def get_state(self) -> dict[str, int]:
         return {"next_index": self.next_index}
@@ -79,5 +79,6 @@ def eval_prompts(config: Any, tokenizer: Tokenizer) -> list[Prompt]:
                               instruction=d.instruction)
         return list(itertools.islice(stream, n or None))
     t = config.task
-    return [Prompt(f"eval-{i}", format_prompt(tokenizer, p.prompt, d.template, d.instruction), {"answer": p.answer})
+    return [Prompt(f"eval-{i}", format_prompt(tokenizer, p.prompt, d.template, d.instruction), {"answer": p.answer},
+                   text=p.prompt)
             for i, p in enumerate(task_problems(t, n, seed=t.seed + 7))]

@@ -96,7 +96,7 @@ class OpenAIAgent:
 
     async def run(self, ep: Episode) -> list[Trajectory] | None:
         session = ChatSession(ep, self.model_name, self.max_calls)
-        data = {"prompt": ep.tokenizer.decode(ep.prompt.tokens, skip_special_tokens=False),
+        data = {"prompt": ep.prompt.text or ep.tokenizer.decode(ep.prompt.tokens, skip_special_tokens=True),
                 **ep.prompt.reward_kwargs}
         try:
             if self.command is None:

@@ -38,6 +38,7 @@ class Prompt:
     tokens: list[int]
     reward_kwargs: dict  # passed to the reward function with the completion text, e.g. {"answer": "132"}
     epoch: int = 0  # the pass over the dataset that drew it
+    text: str = ""  # the row's prompt as written, before the template (what an agent is handed)
 
     def sampling_seed(self, run_seed: int) -> int:
         """The seed of this prompt's samples, from (run seed, id, epoch): draws are independent across prompts and
