@@ -107,6 +107,7 @@ PEAKS = [("H100 PCIe", 2.0e12, 756e12), ("H100 NVL", 3.9e12, 835e12), ("H100", 3
 # fp32: the Triton kernels' dots may run in TF32 (a 10-bit mantissa); bf16: the kernels cast probabilities,
 # outputs and gradients to bf16 (an 8-bit mantissa). A wrong mask or gradient is off by far more.
 TOLERANCE = {"float32": 5e-3, "bfloat16": 5e-2}
+LOOP = 16  # kernel calls per timed call of the paged sweep
 QWEN3 = {  # the Hugging Face configs' numbers
     "qwen3-0.6b": dict(family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
                        num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
@@ -127,8 +128,9 @@ SIZES = {
                  e2e=dict(steps=30, warmup=3, eval_every=10, eval_problems=256),
                  real_model=dict(requests=512, median=48, cap=256, groups=64, group=8, rl_steps=10, eval_problems=200),
                  profile=dict(slots=256, rows=64, ratio_rows=16, ratio_slots=(16, 256), full_rows=256,
-                              sweep=dict(page_sizes=(16, 32, 64), per_blocks=(4, 8, 16), max_splits=(4, 16)),
-                              attentions=("pallas", "pallas_mha"),
+                              # rows, then our kernel's block_pages, num_warps, num_stages at those rows
+                              sweep=((256, (2, 4, 8), (2, 4, 8), (2, 3, 4)), (16, (2, 4, 8), (4,), (3,))),
+                              attentions=("pallas", "pallas_mha"), decode_attentions=("auto", "pallas_jax"),
                               long_tail=dict(requests=(64, 512), slots=(64, 256)))),
     "smoke": dict(models={"tiny": dict(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
@@ -140,8 +142,9 @@ SIZES = {
                   matmul_sizes=(128, 256), e2e=dict(steps=2, warmup=1, eval_every=2, eval_problems=4),
                   real_model=dict(requests=8, median=6, cap=16, groups=1, group=2, rl_steps=2, eval_problems=4),
                   profile=dict(slots=16, rows=8, ratio_rows=4, ratio_slots=(4, 16), full_rows=16,
-                               sweep=dict(page_sizes=(4,), per_blocks=(2,), max_splits=(4,)),
-                               attentions=("pallas_mha",), long_tail=dict(requests=(4, 8), slots=(4,)))),
+                               sweep=((16, (2,), (4,), (3,)), (4, (2,), (4,), (3,))),
+                               attentions=("pallas_mha",), decode_attentions=("auto",),
+                               long_tail=dict(requests=(4, 8), slots=(4,)))),
 }
 # One colocated device: the trainer's mesh of one, the generator sharing it (cpu_devices only matters on CPU).
 ONE_DEVICE = ["--config.cpu_devices=1", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0"]
@@ -623,8 +626,8 @@ PART_FNS = {"kernels": kernels, "generator": generator, "trainer": trainer, "e2e
 
 # What comes back from a lent machine: files of at most 16 MiB; a packed trace stays under this.
 TRACE_LIMIT = 15 * 2**20
-STAGES = ("environment", "free_slots", "decode", "train", "trace", "decode_full", "long_tail", "train_attention",
-          "sweep")  # --profile's, in their order
+STAGES = ("environment", "sweep", "free_slots", "decode", "train", "trace", "decode_full", "long_tail",
+          "train_attention")  # --profile's, in their order
 PROFILE_FILES = ("hlo.tar.gz", "trace.tar.gz", "kernels.md", "environment.txt")  # --profile's, beside profile.json
 # Instructions that write a whole new buffer of their operand's size; a fusion counts when its root is one of them.
 COPY_OPS = ("copy", "copy-start", "transpose")
@@ -824,45 +827,63 @@ def count_compiles() -> None:
     jax.monitoring.register_event_duration_secs_listener(listen)
 
 
-def paged_sweep(rows: int, context: int, shape: dict, sweep: dict, repeats: int) -> list[dict]:
-    """The Pallas paged decode kernel alone, one layer of `shape`'s heads in bf16, `rows` rows of `context` tokens on
-    pages scattered over the pool: seconds per call and the share of peak HBM its K and V reads reach, for each page
-    size × pages per compute block × most partitions of `sweep` (the kernel's knobs, models/paged.py)."""
+def paged_sweep(sweep: tuple, context: int, page: int, shape: dict, repeats: int) -> list[dict]:
+    """The paged decode kernels alone, one layer of `shape`'s heads in bf16, rows of `context` tokens on pages of
+    `page` scattered over the pool, for each (rows, block_pages, num_warps, num_stages) of `sweep`: JAX's kernel
+    (`pallas_jax`, its best knobs of the H200 sweep) and ours (`pallas`) at every block_pages × num_warps ×
+    num_stages (splits chosen by rows, models/paged_gpu.py). Each row of the result: seconds per kernel call (a
+    jitted loop of `LOOP` calls, each query fed by the last output, so no call's launch shows) and the share of peak
+    HBM its K and V reads reach."""
+    import itertools
+
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from arealjax.models.paged import DecodeIndex, kernel_blocks, pallas_attention
+    from arealjax.models.paged import DecodeIndex, pallas_attention
+    from arealjax.models.paged_gpu import Tuning
     from benchmarks.trainer import best_of
 
     hbm = peaks(jax.devices()[0].device_kind)[0]
     h, hkv, d = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
     rng = np.random.RandomState(0)
-    q = jnp.asarray(rng.normal(size=(rows, h, d)), jnp.bfloat16)
-    positions = jnp.full(rows, context - 1, jnp.int32)
+    per_row = -(-context // page)
     out = []
-    for size in sweep["page_sizes"]:
-        per_row = -(-context // size)
+    for rows, *grid in sweep:
+        q = jnp.asarray(rng.normal(size=(rows, h, d)), jnp.bfloat16)
+        positions = jnp.full(rows, context - 1, jnp.int32)
         table = rng.permutation(rows * per_row).reshape(rows, per_row).astype(np.int32)
-        index = DecodeIndex(jnp.asarray(table), *(jnp.zeros(1, jnp.int32) for _ in range(3)))  # the kernel reads
-        k, v = (jnp.asarray(rng.normal(size=(hkv, rows * per_row, size, d)), jnp.bfloat16) for _ in range(2))
+        index = DecodeIndex(jnp.asarray(table), *(jnp.zeros(1, jnp.int32) for _ in range(3)))  # the kernels read
+        k, v = (jnp.asarray(rng.normal(size=(hkv, rows * per_row, page, d)), jnp.bfloat16) for _ in range(2))
         read = 2 * rows * context * hkv * d * 2  # K and V of every row, bf16
-        for per_block in sweep["per_blocks"]:
-            for max_splits in sweep["max_splits"]:
-                fn = functools.partial(jax.jit(functools.partial(pallas_attention, per_block=per_block,
-                                                                 max_splits=max_splits)), q, k, v, positions, index)
-                row = {"page_size": size, "per_block": kernel_blocks(per_row, per_block, max_splits)[2],
-                       "k_splits": kernel_blocks(per_row, per_block, max_splits)[1], "max_splits": max_splits}
-                try:
-                    fn().block_until_ready()
-                    t = best_of(lambda fn=fn: fn().block_until_ready(), repeats)
-                    row.update(seconds=t, bytes=read, hbm_fraction=read / t / hbm if hbm else None)
-                except Exception as e:  # a shape the kernel cannot lower leaves the others' figures
-                    row["error"] = f"{type(e).__name__}: {e}"[:300]
-                out.append(row)
-                print("paged_sweep", json.dumps(row), flush=True)
-        del k, v
+        variants = [("pallas_jax", None)] + [("pallas", Tuning(*t)) for t in itertools.product(*grid)]
+        for kind, tuning in variants:
+            attend = functools.partial(pallas_attention, positions=positions, index=index, kind=kind, tuning=tuning)
+            loop = functools.partial(jax.jit(lambda q, k, v, attend=attend: jax.lax.fori_loop(
+                0, LOOP, lambda _, x: (x + 1e-3 * attend(x, k, v)).astype(x.dtype), q)), q, k, v)
+            row = {"rows": rows, "context": context, "page_size": page, "kernel": kind,
+                   **(tuning._asdict() if tuning else {})}
+            try:
+                loop().block_until_ready()
+                t = best_of(lambda loop=loop: loop().block_until_ready(), repeats) / LOOP
+                row.update(seconds=t, bytes=read, hbm_fraction=read / t / hbm if hbm else None)
+            except Exception as e:  # a configuration the kernel cannot lower leaves the others' figures
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            out.append(row)
+            print("paged_sweep", json.dumps(row), flush=True)
+        del k, v, loop
     return out
+
+
+def best_tuning(sweep_rows: list[dict], rows: int):
+    """Our kernel's fastest knobs at `rows` rows in a sweep (`paged_sweep`), or None if none ran."""
+    from arealjax.models.paged_gpu import Tuning
+
+    ours = [r for r in sweep_rows if r["kernel"] == "pallas" and r["rows"] == rows and "seconds" in r]
+    if not ours:
+        return None
+    best = min(ours, key=lambda r: r["seconds"])
+    return Tuning(**{f: best[f] for f in Tuning._fields})
 
 
 def profile(size: dict, args, out: Path) -> dict:
@@ -899,7 +920,8 @@ def profile(size: dict, args, out: Path) -> dict:
 
     def decode_bench(rows: int, slots: int) -> tuple[DecodeBench, str]:
         """A DecodeBench of `rows` of `slots`, its program compiled and its optimised HLO kept: (bench, key)."""
-        bench = DecodeBench(held["model"], slots, [context] * rows, max_len, page, k)
+        bench = DecodeBench(held["model"], slots, [context] * rows, max_len, page, k,
+                            attention=held.get("attention", "auto"), tuning=held.get("tuning"))
         with recording(engine_module, bench.engine) as calls:
             bench.call()
         if not calls:
@@ -936,16 +958,27 @@ def profile(size: dict, args, out: Path) -> dict:
         for key in ("bench", "train", "trajectories"):  # traced already: their memory to the full-row engine
             held.pop(key, None)
         rows = p["full_rows"]
-        bench = DecodeBench(held["model"], rows, [context] * rows, max_len, page, k)
-        t = bench.seconds_per_step(size["step_repeats"])
         model = held["model"]
+        times = {}
+        for attention in dict.fromkeys([held.get("attention", "auto"), *p["decode_attentions"]]):  # ours first
+            bench = DecodeBench(model, rows, [context] * rows, max_len, page, k, attention=attention,
+                                tuning=held.get("tuning"))
+            try:
+                times[bench.engine.attention] = bench.seconds_per_step(size["step_repeats"])
+            except Exception as e:  # the baseline kernel failing leaves ours
+                res["errors"][f"decode_full {attention}"] = f"{type(e).__name__}: {e}"[:300]
+            del bench
+        attention, t = next(iter(times.items()))
         param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
         if not cfg.tie_word_embeddings:  # the embedding table is gathered (one row per token), not read
             param_bytes -= cfg.vocab_size * cfg.hidden_size * 2
         read = param_bytes + rows * (context + (k + 1) / 2) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
         hbm = peaks(device.device_kind)[0]
-        res["decode_full"] = {"rows": rows, "slots": rows, "context": context, "seconds_per_step": t, "bytes": read,
-                              "bytes_per_s": read / t, "hbm_fraction": read / t / hbm if hbm else None}
+        res["decode_full"] = {"rows": rows, "slots": rows, "context": context, "attention": attention,
+                              "seconds_per_step": t, "bytes": read, "bytes_per_s": read / t,
+                              "hbm_fraction": read / t / hbm if hbm else None, "tuning": res.get("tuning"),
+                              "by_attention": {a: {"seconds_per_step": x, "hbm_fraction": read / x / hbm if hbm
+                                                   else None} for a, x in times.items()}}
 
     def long_tail_rates():
         """Useful tokens/s of the long-tail workload through the Generator at each slot count, per request count:
@@ -955,8 +988,11 @@ def profile(size: dict, args, out: Path) -> dict:
 
         count_compiles()
         lt, rows = p["long_tail"], []
+        if args.long_tail_requests:
+            lt = {**lt, "requests": [int(n) for n in args.long_tail_requests.split(",")]}
         for slots in lt["slots"]:
-            engine = Engine(held["model"], slots=slots, max_len=max_len, page_size=page)
+            engine = Engine(held["model"], slots=slots, max_len=max_len, page_size=page,
+                            attention=held.get("attention", "auto"), tuning=held.get("tuning"))
             for n in lt["requests"]:
                 prompts, lens = workload(n, 0, *size["long_tail"], vocab=cfg.vocab_size)
                 before = COMPILES["n"]
@@ -972,7 +1008,12 @@ def profile(size: dict, args, out: Path) -> dict:
         res["long_tail"] = rows
 
     def sweep():
-        res["paged_sweep"] = paged_sweep(p["full_rows"], context, shape, p["sweep"], size["step_repeats"])
+        res["paged_sweep"] = paged_sweep(p["sweep"], context, page, shape, size["step_repeats"])
+        if tuning := best_tuning(res["paged_sweep"], p["full_rows"]):  # the decode stages' knobs
+            held["tuning"] = tuning
+            res["tuning"] = tuning._asdict()
+        elif device.platform == "gpu":  # ours failed to lower: the decode stages measure the rest with JAX's
+            held["attention"] = "pallas_jax"
 
     def train():
         tr = size["trainer"]
@@ -1034,9 +1075,9 @@ def profile(size: dict, args, out: Path) -> dict:
             del t
 
     for stage, fn in (("environment", lambda: (out / "environment.txt").write_text(environment())),
-                      ("free_slots", free_slots), ("decode", decode), ("train", train), ("trace", trace),
-                      ("decode_full", decode_full), ("long_tail", long_tail_rates),
-                      ("train_attention", train_attention), ("sweep", sweep)):
+                      ("sweep", sweep), ("free_slots", free_slots), ("decode", decode), ("train", train),
+                      ("trace", trace), ("decode_full", decode_full), ("long_tail", long_tail_rates),
+                      ("train_attention", train_attention)):
         if args.stages and stage not in args.stages.split(","):
             continue
         print(f"\n[{time.strftime('%H:%M:%S')}] profile: {stage}", flush=True)
@@ -1083,16 +1124,20 @@ def profile_summary(res: dict) -> str:
                      f"{r['seconds']:.3f} s, MFU {fmt(r.get('mfu'), '.1%')}, HFU {fmt(r.get('hfu'), '.1%')}")
     if "decode_full" in res:
         f = res["decode_full"]
-        lines.append(f"  decode step, {f['rows']} rows of {f['context']} tokens: {f['seconds_per_step'] * 1e3:.3f} ms, "
-                     f"{f['bytes_per_s'] / 1e9:,.0f} GB/s, {fmt(f['hbm_fraction'], '.1%')} of peak HBM")
+        lines.append(f"  decode step, {f['rows']} rows of {f['context']} tokens ({f.get('attention')}): "
+                     f"{f['seconds_per_step'] * 1e3:.3f} ms, {f['bytes_per_s'] / 1e9:,.0f} GB/s, "
+                     f"{fmt(f['hbm_fraction'], '.1%')} of peak HBM" + "".join(
+                         f"; {a}: {x['seconds_per_step'] * 1e3:.3f} ms ({fmt(x['hbm_fraction'], '.1%')})"
+                         for a, x in list(f.get("by_attention", {}).items())[1:]))
     for row in res.get("long_tail", []):
         lines.append(f"  long-tail generation, {row['requests']} requests in {row['slots']} slots: "
                      f"{row['tokens_per_s']:,.0f} useful tokens/s (compiles: {row.get('compiles_warmup')} warming up, "
                      f"{row.get('compiles_timed')} in the timed runs)")
     for row in res.get("paged_sweep", []):
-        lines.append(f"  paged kernel, pages of {row['page_size']}, {row['per_block']} per block, {row['k_splits']} "
-                     f"splits: " + (row.get("error") or f"{row['seconds'] * 1e6:.1f} µs, "
-                                    f"{fmt(row['hbm_fraction'], '.1%')} of peak HBM"))
+        knobs = "" if row["kernel"] != "pallas" else (f" {row['block_pages']} pages per block, {row['num_warps']} "
+                                                      f"warps, {row['num_stages']} stages")
+        lines.append(f"  paged kernel {row['kernel']}{knobs}, {row['rows']} rows: " + (row.get("error") or (
+            f"{row['seconds'] * 1e6:.1f} µs, {fmt(row['hbm_fraction'], '.1%')} of peak HBM")))
     for kind, r in res.get("train_attention", {}).items():
         if kind == "memory_stats":
             continue
@@ -1243,6 +1288,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--stages", default="", help="--profile's stages to run, comma-separated, of: "
                                                  + ", ".join(STAGES) + " (default: all)")
+    ap.add_argument("--long-tail-requests", default="", help="the long_tail stage's request counts, comma-separated "
+                                                             "(default: the size's, 64,512)")
     ap.add_argument("--train-variants", default="", help="train_attention's attention:remat pairs, comma-separated "
                                                          "(default: each of the size's kernels with remat auto)")
     args = ap.parse_args()

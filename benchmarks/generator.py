@@ -203,7 +203,8 @@ class DecodeBench:
     KV is whatever the pages hold: the cost is the same); `call()` runs one `generate` call of `steps` steps and
     puts every row back at its starting position, so calls can repeat."""
 
-    def __init__(self, model, slots: int, lengths: list[int], max_len: int, page_size: int, steps: int):
+    def __init__(self, model, slots: int, lengths: list[int], max_len: int, page_size: int, steps: int,
+                 attention: str = "auto", tuning=None):
         import jax
 
         from arealjax.api import SamplingParams
@@ -211,7 +212,8 @@ class DecodeBench:
         from arealjax.generation.pages import PagePool, decode_index
 
         self.model, self.steps = model, steps
-        self.engine = engine = Engine(model, slots=slots, max_len=max_len, page_size=page_size)
+        self.engine = engine = Engine(model, slots=slots, max_len=max_len, page_size=page_size, attention=attention,
+                                      tuning=tuning)
         pool = PagePool(engine.num_pages, page_size)
         state = engine.init_decode_state()
         held = [pool.alloc(pool.pages_for(min(n + steps, max_len))) for n in lengths]

@@ -40,7 +40,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from arealjax.api import MAX_STOP_IDS, SamplingParams
 from arealjax.models import DecodeIndex, KVCache, Model, PagedKV, init_pages, prefill_packed
 from arealjax.models import attention as attn
-from arealjax.models.paged import pick_attention, pool_axes, pool_shapes, write_prefill
+from arealjax.models.paged import PER_LAYER, Tuning, pick_attention, pool_axes, pool_shapes, write_prefill
+from arealjax.models.transformer import unstack
 from arealjax.sharding import LogicalSharding
 
 
@@ -205,12 +206,13 @@ def _insert(max_len: int, draw: str, attention: str, prefix: Prefix, state: Deco
     return state, _result(tokens, logprobs, done)
 
 
-def _decode_once(graphdef: nnx.GraphDef, max_len: int, draw: str, attention: str, params: nnx.State,
-                 index: DecodeIndex, carry):
+def _decode_once(graphdef: nnx.GraphDef, max_len: int, draw: str, attention: str, tuning: Tuning | None,
+                 params: nnx.State, per_layer: tuple | None, index: DecodeIndex, carry):
     pages, st = carry
     model = nnx.merge(graphdef, params)
     logits, pages, *routes = model.decode(pages, st.tokens, st.positions, index, attention,
-                                          with_routes=bool(model.cfg.num_experts))
+                                          with_routes=bool(model.cfg.num_experts), per_layer=per_layer,
+                                          tuning=tuning)
     token_pos = st.positions + 1
     tokens, logprobs = sample(logits, st.sampling, token_pos, draw)
     remaining = st.remaining - 1
@@ -219,16 +221,17 @@ def _decode_once(graphdef: nnx.GraphDef, max_len: int, draw: str, attention: str
     return (pages, st), _result(tokens, logprobs, done, *routes)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=6)
-def _generate(graphdef: nnx.GraphDef, max_len: int, draw: str, steps: int, attention: str, params: nnx.State,
-              state: DecodeState, rows, index: DecodeIndex):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=8)
+def _generate(graphdef: nnx.GraphDef, max_len: int, draw: str, steps: int, attention: str, tuning: Tuning | None,
+              params: nnx.State, per_layer: tuple | None, state: DecodeState, rows, index: DecodeIndex):
     """`steps` decode steps for the slots in `rows` [A] (padding rows name slot S: read clipped, written dropped,
-    and decoded from position 0, so an attention that reads by length (the Pallas kernel) reads one page for them)."""
+    and decoded from position 0, so an attention that reads by length (the Pallas kernel) reads one page for them).
+    `per_layer`: the layers' params unstacked (`unstack`), for an attention whose layers are unrolled."""
     take = lambda x: jnp.take(x, rows, axis=0, mode="clip")  # noqa: E731
     positions = jnp.where(rows < state.tokens.shape[0], take(state.positions), 0)
     active = DecodeState(None, take(state.tokens), positions, take(state.remaining),
                          SlotSampling(*map(take, state.sampling)))
-    step = functools.partial(_decode_once, graphdef, max_len, draw, attention, params, index)
+    step = functools.partial(_decode_once, graphdef, max_len, draw, attention, tuning, params, per_layer, index)
     (pages, active), result = jax.lax.scan(lambda c, _: step(c), (state.pages, active), None, length=steps)
     put = lambda dst, src: dst.at[rows].set(src, mode="drop")  # noqa: E731
     state = DecodeState(pages, put(state.tokens, active.tokens), put(state.positions, active.positions),
@@ -250,12 +253,17 @@ class Engine:
     """prefill / insert / generate / refill over S slots and a pool of KV pages, for one model definition.
 
     `num_pages` pages of `page_size` tokens are shared by all slots (default: enough for every slot at max_len);
-    `attention` picks the decode attention ('auto': the Pallas kernel on GPU, ragged pure JAX elsewhere) and
-    `prefill_attention` the prompt attention (models/attention.py; 'auto': Pallas flash on GPU/TPU, XLA on CPU)."""
+    `attention` picks the decode attention ('auto': the Pallas kernel on GPU, ragged pure JAX elsewhere; `tuning`
+    its knobs, models/paged_gpu.py) and `prefill_attention` the prompt attention (models/attention.py; 'auto':
+    Pallas flash on GPU/TPU, XLA on CPU).
+
+    A Pallas decode unrolls the layers over their params unstacked (`unstack`), made the first time `generate`
+    sees a params object and kept until it sees another (once per weight update): one more copy of the layer
+    weights on the generator's devices, instead of every decode step copying each weight out of the stacked ones."""
 
     def __init__(self, model: Model, *, slots: int, max_len: int, page_size: int = 16, num_pages: int | None = None,
                  attention: str = "auto", prefill_attention: str = "auto", cache_dtype=None,
-                 shard: LogicalSharding | None = None):
+                 shard: LogicalSharding | None = None, tuning: Tuning | None = None):
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         self.cfg, self.graphdef = model.cfg, model.graphdef
@@ -269,7 +277,9 @@ class Engine:
         self.prefill_attention = attn.pick(prefill_attention)
         self.cache_dtype = cache_dtype or model.dtype
         self.shard = shard
+        self.tuning = tuning
         self._replicated = None if shard is None else NamedSharding(shard.mesh, PartitionSpec())
+        self._unstacked: tuple[nnx.State, tuple] | None = None  # (params, their layers unstacked)
 
     @property
     def page_bytes(self) -> int:
@@ -315,7 +325,18 @@ class Engine:
         after it is done within the call (its extra tokens are discarded by the caller and their KV writes fall on
         no page or its own), so small `steps` trades a little wasted compute for one dispatch and one device->host
         copy per `steps` tokens. `draw` (`draw_mode` of the slots' sampling) compiles in what their draws need."""
-        return _generate(self.graphdef, self.max_len, _checked(draw), steps, self.attention, params, state, rows, index)
+        return _generate(self.graphdef, self.max_len, _checked(draw), steps, self.attention, self.tuning, params,
+                         self._per_layer(params), state, rows, index)
+
+    def _per_layer(self, params: nnx.State) -> tuple | None:
+        """The layers of `params` unstacked for a decode that unrolls them (None for a scanned one), made once per
+        params object."""
+        if self.attention not in PER_LAYER:
+            return None
+        if self._unstacked is None or self._unstacked[0] is not params:
+            self._unstacked = None  # the old copy goes before the new one is made
+            self._unstacked = (params, unstack(self.graphdef, params))
+        return self._unstacked[1]
 
     def refill(self, params: nnx.State, state: DecodeState, packed: Packed,
                writes: PageWrites) -> tuple[DecodeState, jax.Array | None]:

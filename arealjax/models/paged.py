@@ -9,10 +9,11 @@ Decode attention reads, for each sequence, only its own pages; the pool layout f
            sequences flattened into one list of (row, page, first position) triples, gathered (one contiguous
            block per page), scored page by page and reduced per row with segment max / sum, so the work is
            proportional to the tokens in flight — a free slot or a long neighbour costs nothing.
-  pallas   the Pallas paged-attention kernel on GPU (per-row page tables and lengths), one pool per layer,
-           [kv_heads, pages, page_size, head_dim] as the kernel reads it: the kernel is handed the pool array itself.
-           (A kernel's operand is a buffer of its own, so a layer's slice of one [layers, ...] pool would be copied
-           out every step: the whole pool read and written once per decode step.)
+  pallas   our Pallas GPU kernel (models/paged_gpu.py: per-row page tables and lengths, a row's kv group in one
+           program), one pool per layer, [kv_heads, pages, page_size, head_dim] as the kernel reads it: the kernel
+           is handed the pool array itself. (A kernel's operand is a buffer of its own, so a layer's slice of one
+           [layers, ...] pool would be copied out every step: the whole pool read and written once per decode step.)
+  pallas_jax  JAX's Pallas GPU paged-attention kernel over the same pools: the baseline the GPU benchmark compares.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from arealjax.models.config import ModelConfig
+from arealjax.models.paged_gpu import Tuning, paged_decode
 
 Array = jax.Array
-ATTENTION_KINDS = ("auto", "ragged", "pallas")
+ATTENTION_KINDS = ("auto", "ragged", "pallas", "pallas_jax")
 
 
 class PagedKV(NamedTuple):
@@ -62,10 +64,11 @@ class DecodeIndex(NamedTuple):
 _HEADS_MAJOR = ("kv_heads", "pages", "page", "head_dim")
 LAYOUTS = {
     "pallas": (_HEADS_MAJOR, _HEADS_MAJOR),
+    "pallas_jax": (_HEADS_MAJOR, _HEADS_MAJOR),
     "ragged": (("layers", "pages", "kv_heads", "head_dim", "page"),
                ("layers", "pages", "kv_heads", "page", "head_dim")),
 }
-PER_LAYER = ("pallas",)  # kinds whose pool is a tuple of one array per layer, laid out without the layers axis
+PER_LAYER = ("pallas", "pallas_jax")  # kinds whose pool is one array per layer, laid out without the layers axis
 _BLOCK = ("layers", "pages", "page", "kv_heads", "head_dim")  # how prefill KV blocks come: [L, M, size, Hkv, D]
 
 
@@ -178,24 +181,28 @@ def ragged_attention(q: Array, k_pool: Array, v_pool: Array, layer: Array | int,
 
 
 def pallas_attention(q: Array, k_pages: Array, v_pages: Array, positions: Array, index: DecodeIndex,
-                     per_block: int = 8, max_splits: int = 16) -> Array:
-    """The same attention through the Pallas GPU paged-attention kernel (per-row page tables and lengths) over one
-    layer's pool [Hkv, P, size, D]; off a GPU it runs in Pallas interpret mode (slow: for tests). `per_block`,
-    `max_splits`: see `kernel_blocks` (the accelerator benchmark sweeps them)."""
+                     kind: str = "pallas", tuning: Tuning | None = None, per_block: int = 8,
+                     max_splits: int = 16) -> Array:
+    """The same attention through a Pallas GPU kernel over one layer's pool [Hkv, P, size, D]: ours ('pallas',
+    `tuning`: models/paged_gpu.py) or JAX's ('pallas_jax'; `per_block`, `max_splits`: see `kernel_blocks`). Off a GPU
+    it runs in Pallas interpret mode (slow: for tests)."""
+    interpret = jax.default_backend() != "gpu"
+    table = jnp.where(index.table < k_pages.shape[1], index.table, 0)  # unwritten entries: masked by the lengths
+    if kind == "pallas":
+        return paged_decode(q, k_pages, v_pages, table, positions + 1, tuning or Tuning(), interpret)
     from jax.experimental.pallas.ops.gpu import paged_attention as kernel
 
     padded, k_splits, per_block = kernel_blocks(index.table.shape[1], per_block, max_splits)
-    table = jnp.where(index.table < k_pages.shape[1], index.table, 0)  # unwritten entries: masked by the lengths
     table = jnp.pad(table, ((0, 0), (0, padded - table.shape[1])))  # so are the padding pages
     scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)  # the kernel does not scale the logits
     out = kernel.paged_attention((q.astype(jnp.float32) * scale).astype(q.dtype), k_pages, v_pages, table,
                                  positions + 1, pages_per_compute_block=per_block, k_splits=k_splits,
-                                 interpret=jax.default_backend() != "gpu")
+                                 interpret=interpret)
     return out.astype(q.dtype)
 
 
 def kernel_blocks(pages: int, per_block: int = 8, max_splits: int = 16) -> tuple[int, int, int]:
-    """(pages per row padded, k_splits, pages per compute block) for the GPU kernel: each row's pages split into
+    """(pages per row padded, k_splits, pages per compute block) for JAX's GPU kernel: each row's pages split into
     k_splits partitions of a power-of-two count of whole compute blocks, each a power of two of pages (Triton lowers
     only power-of-two arrays: a row of 36 pages once gave blocks of 3 and failed on an H200)."""
     per_block = min(per_block, 1 << (pages - 1).bit_length())

@@ -36,6 +36,7 @@ from arealjax.models.paged import (
     PER_LAYER,
     DecodeIndex,
     PagedKV,
+    Tuning,
     pallas_attention,
     pool_axes,
     ragged_attention,
@@ -358,9 +359,12 @@ class Transformer(nnx.Module):
         logits = jnp.einsum(eq, x.reshape(b * t, d), w, preferred_element_type=jnp.float32)
         return constrain(logits.reshape(b, t, -1), self.shard, ("batch", "length", "vocab"))
 
-    def _layers(self, body, carry, xs=None, *, scan: bool = True, remat: str = "none"):
+    def _layers(self, body, carry, xs=None, *, scan: bool = True, remat: str = "none",
+                per_layer: tuple | None = None):
         """Applies body(block, carry, x) -> (carry, y) over the layers: lax.scan over the stacked params (with the
-        remat policy), or a Python loop over their slices when `scan` is False. ys come back stacked."""
+        remat policy), or a Python loop over their slices when `scan` is False — or over `per_layer` (`unstack`:
+        one params state per layer, each its own array, where a slice of the stacked params would be copied out
+        on every call). ys come back stacked."""
         graphdef, params = nnx.split(self.layers)
         xs = jnp.arange(self.cfg.num_layers) if xs is None else xs
 
@@ -369,11 +373,12 @@ class Transformer(nnx.Module):
 
         if remat != "none":
             step = jax.checkpoint(step, policy=remat_policy(remat), prevent_cse=not scan)
-        if scan:
+        if scan and per_layer is None:
             return jax.lax.scan(step, carry, (params, xs))
         ys = []
         for i in range(self.cfg.num_layers):
-            carry, y = step(carry, jax.tree.map(lambda a, i=i: a[i], (params, xs)))
+            layer = per_layer[i] if per_layer is not None else jax.tree.map(lambda a, i=i: a[i], params)
+            carry, y = step(carry, (layer, xs[i]))
             ys.append(y)
         return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
@@ -425,31 +430,32 @@ class Transformer(nnx.Module):
         return self._logits(x), *rest
 
     def decode(self, pages: PagedKV, tokens: Array, positions: Array, index: DecodeIndex,
-               attention: str = "ragged", with_routes: bool = False
-               ) -> tuple[Array, PagedKV] | tuple[Array, PagedKV, Array]:
+               attention: str = "ragged", with_routes: bool = False, per_layer: tuple | None = None,
+               tuning: Tuning | None = None) -> tuple[Array, PagedKV] | tuple[Array, PagedKV, Array]:
         """One token for each of A rows: tokens [A] sit at positions [A] of their sequences, whose KV is in the
         pages `index` names. Writes each row's new KV into its page, then attends over the row's pages only.
         The ragged kind scans the layers with the whole pool in the carry (written in place, read by gather);
-        the Pallas kernel takes a layer's pool array (one per layer, models/paged.py) as its operand, so its
-        layers are unrolled. `with_routes` (MoE): also the experts each row's token went to, [A, L, k]."""
+        a Pallas kernel takes a layer's pool array (one per layer, models/paged.py) as its operand, so its
+        layers are unrolled, over `per_layer` params when given (`unstack`). `tuning`: our kernel's knobs
+        (models/paged_gpu.py). `with_routes` (MoE): also the experts each row's token went to, [A, L, k]."""
         inv_freq = rope_inv_freq(self.cfg)
         k_axes, v_axes = pool_axes(attention)
-        per_layer = attention in PER_LAYER
+        per_layer_pool = attention in PER_LAYER
 
         def layer(block, carry, i):
             x, pk, pv = carry
 
             def attend(q, k, v):  # one token per row: [A, 1, ...]
                 pk_i, pv_i = write_token(pk, pv, i, k[:, 0], v[:, 0], index.table, positions, attention)
-                if per_layer:
-                    o = pallas_attention(q[:, 0], pk_i[i], pv_i[i], positions, index)
+                if per_layer_pool:
+                    o = pallas_attention(q[:, 0], pk_i[i], pv_i[i], positions, index, attention, tuning)
                 else:
                     o = ragged_attention(q[:, 0], pk_i, pv_i, i, positions, index)
                 return o[:, None], (pk_i, pv_i)
 
             x, (pk, pv), routing = block(x, positions[:, None], inv_freq, self.shard, attend)
             routes = routing.experts[:, 0] if with_routes else None
-            if per_layer:
+            if per_layer_pool:
                 pk, pv = (tuple(constrain(a, self.shard, axes) for a in pool) for pool, axes in
                           ((pk, k_axes), (pv, v_axes)))
             else:
@@ -460,8 +466,9 @@ class Transformer(nnx.Module):
             raise ValueError(f"with_routes: this {self.cfg.family} model has no experts")
         x = self._act(jnp.take(self.embed_tokens[...], tokens[:, None], axis=0))
         # unrolled, the layer index is a Python int: it picks the layer's pool array, no slice of a larger one
-        layers = np.arange(self.cfg.num_layers) if per_layer else None
-        (x, pk, pv), routes = self._layers(layer, (x, *pages), layers, scan=not per_layer)
+        layers = np.arange(self.cfg.num_layers) if per_layer_pool else None
+        (x, pk, pv), routes = self._layers(layer, (x, *pages), layers, scan=not per_layer_pool,
+                                           per_layer=per_layer)
         logits = self._logits(self.norm(x))[:, 0]
         return (logits, PagedKV(pk, pv)) if not with_routes else (logits, PagedKV(pk, pv), jnp.moveaxis(routes, 0, 1))
 
@@ -489,6 +496,16 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, positions:
             segment_ids: Array | None = None) -> Array:
     """Forward over packed rows: fp32 logits [B, T, V]."""
     return nnx.merge(graphdef, params).forward(tokens, positions, segment_ids)[0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def unstack(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[nnx.State, ...]:
+    """The layers' params as one state per layer, each its own arrays, for a decode whose layers are unrolled
+    (`Transformer.decode`'s `per_layer`): a matmul's operand sliced from the stacked params is a copy made on every
+    call (on an H200, 196 copies per decode step of Qwen3-0.6B: every weight read three times), so the generator
+    unstacks once per weight update instead."""
+    layers = nnx.split(nnx.merge(graphdef, params).layers)[1]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(len(jax.tree.leaves(layers)[0])))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))

@@ -1,0 +1,136 @@
+"""Paged decode attention on GPU (Pallas Triton), shaped for RL's lengths: one query token per row over its pages.
+
+One program per (row, kv head[, split]) holds that kv head's G query heads (padded to 16, the smallest matrix-unit
+tile; compute is not what decode is short of) and loops over the row's pages `block_pages` at a time, only as far
+as the row's length, with the online softmax of flash attention. The loop's gathered loads are what Triton
+pipelines (`num_stages`): a program keeps several blocks of keys and values in flight, and programs are small
+(`num_warps`) so several share a multiprocessor. With few rows (not enough programs to fill the device) each row's
+blocks are split over `splits` programs whose partial results are combined after; with many rows there is one
+split and the kernel writes the normalised output itself.
+
+q [A, H, D] (unscaled; the scores are scaled in fp32 inside), pools [Hkv, P, page, D] of one layer as
+`models/paged.py` lays them out (the array itself: no slice of a larger pool, which would be copied out every step),
+table [A, W] page ids < P, lengths [A] ≥ 1: row r attends to its first lengths[r] tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+Array = jax.Array
+MASKED = -0.7 * float(np.finfo(np.float32).max)  # finite: an all-masked block gives no NaN (see flash_gpu)
+LOG2E = math.log2(math.e)
+MIN_TILE = 16  # rows of the query tile: the matrix units' smallest
+
+
+class Tuning(NamedTuple):
+    """The kernel's knobs (the accelerator benchmark sweeps them): pages per loop step, warps per program, software
+    pipeline depth, and programs per row (0: enough to fill `target_programs`)."""
+
+    block_pages: int = 4
+    num_warps: int = 4
+    num_stages: int = 3
+    splits: int = 0
+    target_programs: int = 1024
+
+
+def splits_for(rows: int, kv_heads: int, blocks: int, tuning: Tuning) -> int:
+    """Programs per row: 1 when rows × kv heads fill `target_programs`, else the power of two that does (at most one
+    per block of pages)."""
+    if tuning.splits:
+        return max(1, min(tuning.splits, blocks))
+    s = 1
+    while rows * kv_heads * s < tuning.target_programs and s < blocks:
+        s *= 2
+    return min(s, blocks)
+
+
+def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block_pages, blocks_per_split, scale_log2):
+    length = len_ref[0]
+    q = q_ref[...]  # [Gp, D]
+    page_size, d = k_ref.shape[-2:]
+    block = block_pages * page_size
+    lo = pl.program_id(2) * blocks_per_split
+    hi = jnp.minimum(lo + blocks_per_split, pl.cdiv(length, block))
+
+    def body(b, carry):  # online softmax over the b-th block of this row's pages
+        o, m, den = carry
+        pages = table_ref[pl.ds(b * block_pages, block_pages)]
+        k = k_ref[pages].reshape(block, d)
+        v = v_ref[pages].reshape(block, d)
+        s = plgpu.dot(q, k.T) * scale_log2  # [Gp, block] fp32, log2 units
+        s = jnp.where((b * block + jnp.arange(block) < length)[None, :], s, MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        corr = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        return corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v), m_new, corr * den + jnp.sum(p, axis=1)
+
+    gp = q.shape[0]
+    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    o, m, den = jax.lax.fori_loop(lo, hi, body, init)
+    if len(out_refs) == 1:  # one split: the row's first block is its own, so den > 0
+        out_refs[0][...] = (o / den[:, None]).astype(out_refs[0].dtype)
+    else:  # partial: an empty split leaves o = 0, m = -inf, den = 0, which the combine weighs 0
+        o_ref, m_ref, den_ref = out_refs
+        o_ref[...] = o
+        m_ref[...] = m
+        den_ref[...] = den
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
+def paged_decode(q: Array, k_pages: Array, v_pages: Array, table: Array, lengths: Array,
+                 tuning: Tuning = Tuning(), interpret: bool = False) -> Array:
+    """Attention of one query per row over that row's first `lengths` tokens in its pages (module docstring):
+    [A, H, D] in q's dtype."""
+    a, h, d = q.shape
+    hkv, num_pages, page_size, dk = k_pages.shape
+    if page_size & (page_size - 1) or dk != d or h % hkv or (d & (d - 1) and not interpret):
+        raise ValueError(f"paged_decode needs a power-of-two page size and head dim (Triton's arrays; any head dim "
+                         f"in interpret mode), q's head dim the pool's and H a multiple of Hkv; got q {q.shape}, "
+                         f"pages {k_pages.shape}")
+    g = h // hkv
+    gp = max(MIN_TILE, pl.next_power_of_2(g))
+    bp = min(tuning.block_pages, pl.next_power_of_2(table.shape[1]))
+    blocks = -(-table.shape[1] // bp)
+    splits = splits_for(a, hkv, blocks, tuning)
+    per_split = -(-blocks // splits)
+    table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, splits * per_split * bp - table.shape[1])))
+    qg = jnp.pad(q.reshape(a, hkv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    kernel = functools.partial(_kernel, block_pages=bp, blocks_per_split=per_split,
+                               scale_log2=LOG2E / math.sqrt(d))
+    pool = pl.BlockSpec((None, num_pages, page_size, d), lambda r, j, s: (j, 0, 0, 0))  # the kv head's pages
+    in_specs = [pl.BlockSpec((1,), lambda r, j, s: (r,)),
+                pl.BlockSpec((None, table.shape[1]), lambda r, j, s: (r, 0)),
+                pl.BlockSpec((None, None, gp, d), lambda r, j, s: (r, j, 0, 0)), pool, pool]
+    if splits == 1:
+        out_specs = pl.BlockSpec((None, None, gp, d), lambda r, j, s: (r, j, 0, 0))
+        out_shape = jax.ShapeDtypeStruct(qg.shape, q.dtype)
+    else:
+        stat = pl.BlockSpec((None, None, None, gp), lambda r, j, s: (s, r, j, 0))
+        out_specs = [pl.BlockSpec((None, None, None, gp, d), lambda r, j, s: (s, r, j, 0, 0)), stat, stat]
+        out_shape = [jax.ShapeDtypeStruct((splits, *qg.shape), jnp.float32),
+                     *[jax.ShapeDtypeStruct((splits, a, hkv, gp), jnp.float32)] * 2]
+    out = pl.pallas_call(
+        kernel,
+        grid=(a, hkv, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
+        interpret=interpret,
+        name=f"paged_decode_bp{bp}_s{splits}",
+    )(lengths.astype(jnp.int32), table, qg, k_pages, v_pages)
+    if splits > 1:  # flash-decoding's combine of the splits' partial sums
+        o, m, den = out
+        top = jnp.max(m, axis=0)
+        w = jnp.exp2(m - top[None])  # an empty split: exp2(-inf) = 0
+        out = (jnp.sum(w[..., None] * o, axis=0) / jnp.sum(w * den, axis=0)[..., None]).astype(q.dtype)
+    return out[:, :, :g].reshape(a, h, d)
