@@ -128,8 +128,8 @@ SIZES = {
                  e2e=dict(steps=30, warmup=3, eval_every=10, eval_problems=256),
                  real_model=dict(requests=512, median=48, cap=256, groups=64, group=8, rl_steps=10, eval_problems=200),
                  profile=dict(slots=256, rows=64, ratio_rows=16, ratio_slots=(16, 256), full_rows=256,
-                              # rows, then our kernel's block_pages, num_warps, num_stages at those rows
-                              sweep=((256, (2, 4, 8), (2, 4, 8), (2, 3, 4)), (16, (2, 4, 8), (4,), (3,))),
+                              # rows, then our kernel's block_pages, num_warps, num_stages, splits at those rows
+                              sweep=((256, (2, 4, 8), (2, 4, 8), (2, 3, 4), (0,)), (16, (2, 4, 8), (4,), (3,), (0,))),
                               attentions=("pallas", "pallas_mha"), decode_attentions=("auto", "pallas_jax"),
                               long_tail=dict(requests=(64, 512), slots=(64, 256)))),
     "smoke": dict(models={"tiny": dict(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -142,7 +142,7 @@ SIZES = {
                   matmul_sizes=(128, 256), e2e=dict(steps=2, warmup=1, eval_every=2, eval_problems=4),
                   real_model=dict(requests=8, median=6, cap=16, groups=1, group=2, rl_steps=2, eval_problems=4),
                   profile=dict(slots=16, rows=8, ratio_rows=4, ratio_slots=(4, 16), full_rows=16,
-                               sweep=((16, (2,), (4,), (3,)), (4, (2,), (4,), (3,))),
+                               sweep=((16, (2,), (4,), (3,), (0, 2)), (4, (2,), (4,), (3,), (0,))),
                                attentions=("pallas_mha",), decode_attentions=("auto",),
                                long_tail=dict(requests=(4, 8), slots=(4,)))),
 }
@@ -829,9 +829,9 @@ def count_compiles() -> None:
 
 def paged_sweep(sweep: tuple, context: int, page: int, shape: dict, repeats: int) -> list[dict]:
     """The paged decode kernels alone, one layer of `shape`'s heads in bf16, rows of `context` tokens on pages of
-    `page` scattered over the pool, for each (rows, block_pages, num_warps, num_stages) of `sweep`: JAX's kernel
-    (`pallas_jax`, its best knobs of the H200 sweep) and ours (`pallas`) at every block_pages × num_warps ×
-    num_stages (splits chosen by rows, models/paged_gpu.py). Each row of the result: seconds per kernel call (a
+    `page` scattered over the pool, for each (rows, block_pages, num_warps, num_stages, splits) of `sweep`: JAX's
+    kernel (`pallas_jax`, its best knobs of the H200 sweep) and ours (`pallas`) at every block_pages × num_warps ×
+    num_stages × splits (0: chosen by rows; models/paged_gpu.py). Each row of the result: seconds per kernel call (a
     jitted loop of `LOOP` calls, each query fed by the last output, so no call's launch shows) and the share of peak
     HBM its K and V reads reach."""
     import itertools
@@ -1008,7 +1008,10 @@ def profile(size: dict, args, out: Path) -> dict:
         res["long_tail"] = rows
 
     def sweep():
-        res["paged_sweep"] = paged_sweep(p["sweep"], context, page, shape, size["step_repeats"])
+        grids = p["sweep"] if not args.sweep else [
+            (int(rows), *(tuple(int(x) for x in knob.split(",")) for knob in knobs))
+            for rows, *knobs in (grid.split(":") for grid in args.sweep.split(";"))]
+        res["paged_sweep"] = paged_sweep(grids, context, page, shape, size["step_repeats"])
         if tuning := best_tuning(res["paged_sweep"], p["full_rows"]):  # the decode stages' knobs
             held["tuning"] = tuning
             res["tuning"] = tuning._asdict()
@@ -1135,7 +1138,8 @@ def profile_summary(res: dict) -> str:
                      f"{row.get('compiles_timed')} in the timed runs)")
     for row in res.get("paged_sweep", []):
         knobs = "" if row["kernel"] != "pallas" else (f" {row['block_pages']} pages per block, {row['num_warps']} "
-                                                      f"warps, {row['num_stages']} stages")
+                                                      f"warps, {row['num_stages']} stages, splits "
+                                                      f"{row['splits'] or 'auto'}")
         lines.append(f"  paged kernel {row['kernel']}{knobs}, {row['rows']} rows: " + (row.get("error") or (
             f"{row['seconds'] * 1e6:.1f} µs, {fmt(row['hbm_fraction'], '.1%')} of peak HBM")))
     for kind, r in res.get("train_attention", {}).items():
@@ -1288,6 +1292,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--stages", default="", help="--profile's stages to run, comma-separated, of: "
                                                  + ", ".join(STAGES) + " (default: all)")
+    ap.add_argument("--sweep", default="", help="the sweep stage's grids, ';'-separated, each rows:block_pages:"
+                                                "num_warps:num_stages:splits with ','-separated values, e.g. "
+                                                "256:1,2:1,2:2:0,2 (default: the size's)")
     ap.add_argument("--long-tail-requests", default="", help="the long_tail stage's request counts, comma-separated "
                                                              "(default: the size's, 64,512)")
     ap.add_argument("--train-variants", default="", help="train_attention's attention:remat pairs, comma-separated "
