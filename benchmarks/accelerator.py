@@ -856,6 +856,7 @@ def paged_sweep(sweep: tuple, context: int, page: int, shape: dict, repeats: int
         index = DecodeIndex(jnp.asarray(table), *(jnp.zeros(1, jnp.int32) for _ in range(3)))  # the kernels read
         k, v = (jnp.asarray(rng.normal(size=(hkv, rows * per_row, page, d)), jnp.bfloat16) for _ in range(2))
         read = 2 * rows * context * hkv * d * 2  # K and V of every row, bf16
+        want = paged_reference(q, k, v, jnp.asarray(table), positions + 1)
         variants = [("pallas_jax", None)] + [("pallas", Tuning(*t)) for t in itertools.product(*grid)]
         for kind, tuning in variants:
             attend = functools.partial(pallas_attention, positions=positions, index=index, kind=kind, tuning=tuning)
@@ -864,9 +865,11 @@ def paged_sweep(sweep: tuple, context: int, page: int, shape: dict, repeats: int
             row = {"rows": rows, "context": context, "page_size": page, "kernel": kind,
                    **(tuning._asdict() if tuning else {})}
             try:
+                err = float(jnp.max(jnp.abs(attend(q, k, v).astype(jnp.float32) - want)))
                 loop().block_until_ready()
                 t = best_of(lambda loop=loop: loop().block_until_ready(), repeats) / LOOP
-                row.update(seconds=t, bytes=read, hbm_fraction=read / t / hbm if hbm else None)
+                row.update(seconds=t, bytes=read, hbm_fraction=read / t / hbm if hbm else None,
+                           max_abs_error=err, passed=err <= TOLERANCE["bfloat16"])
             except Exception as e:  # a configuration the kernel cannot lower leaves the others' figures
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             out.append(row)
@@ -875,11 +878,26 @@ def paged_sweep(sweep: tuple, context: int, page: int, shape: dict, repeats: int
     return out
 
 
+def paged_reference(q, k, v, table, lengths):
+    """Decode attention in float32 XLA over pages gathered into rows: q [A, H, D], pools [Hkv, P, size, D], table
+    [A, W], lengths [A] -> [A, H, D] float32 (what the sweep checks each kernel against)."""
+    import jax
+    import jax.numpy as jnp
+
+    a, h, d = q.shape
+    hkv = k.shape[0]
+    rows = lambda x: jnp.moveaxis(x[:, table].reshape(hkv, a, -1, d), 0, 1).astype(jnp.float32)  # noqa: E731
+    keys, vals = rows(k), rows(v)  # [A, Hkv, T, D]
+    s = jnp.einsum("ahgd,ahtd->ahgt", q.reshape(a, hkv, h // hkv, d).astype(jnp.float32), keys) / math.sqrt(d)
+    s = jnp.where(jnp.arange(keys.shape[2])[None, None, None] < lengths[:, None, None, None], s, -jnp.inf)
+    return jnp.einsum("ahgt,ahtd->ahgd", jax.nn.softmax(s, axis=-1), vals).reshape(a, h, d)
+
+
 def best_tuning(sweep_rows: list[dict], rows: int):
     """Our kernel's fastest knobs at `rows` rows in a sweep (`paged_sweep`), or None if none ran."""
     from arealjax.models.paged_gpu import Tuning
 
-    ours = [r for r in sweep_rows if r["kernel"] == "pallas" and r["rows"] == rows and "seconds" in r]
+    ours = [r for r in sweep_rows if r["kernel"] == "pallas" and r["rows"] == rows and r.get("passed")]
     if not ours:
         return None
     best = min(ours, key=lambda r: r["seconds"])
@@ -1141,7 +1159,9 @@ def profile_summary(res: dict) -> str:
                                                       f"warps, {row['num_stages']} stages, splits "
                                                       f"{row['splits'] or 'auto'}")
         lines.append(f"  paged kernel {row['kernel']}{knobs}, {row['rows']} rows: " + (row.get("error") or (
-            f"{row['seconds'] * 1e6:.1f} µs, {fmt(row['hbm_fraction'], '.1%')} of peak HBM")))
+            f"{row['seconds'] * 1e6:.1f} µs, {fmt(row['hbm_fraction'], '.1%')} of peak HBM"
+            + ("" if "max_abs_error" not in row else f", max error {row['max_abs_error']:.2g}"
+               + ("" if row["passed"] else " OUT OF TOLERANCE")))))
     for kind, r in res.get("train_attention", {}).items():
         if kind == "memory_stats":
             continue

@@ -143,6 +143,13 @@ def test_profile_smoke_writes_its_files_and_profile_table_reads_its_trace(tmp_pa
     assert res["decode"]["seconds_per_step"] > 0 and res["train"]["seconds"] > 0
     assert res["pool_elements"] == 1 * 32 * 16 * 32  # kv heads × 16 slots' 2 pages × page size × head dim
     assert res["pool_sized_copies"] == []  # the ragged decode writes its pages in place
+    sweep = res["paged_sweep"]  # both paged kernels alone, checked against float32 attention, at each row count
+    assert [(r["rows"], r["kernel"]) for r in sweep] == [(16, "pallas_jax"), (16, "pallas"), (16, "pallas"),
+                                                         (4, "pallas_jax"), (4, "pallas")]
+    assert all(r["passed"] and r["seconds"] > 0 for r in sweep), sweep
+    fastest = min((r for r in sweep if r["kernel"] == "pallas" and r["rows"] == 16), key=lambda r: r["seconds"])
+    assert res["tuning"]["splits"] == fastest["splits"]  # the decode stages run the fastest knobs
+    assert set(res["decode_full"]["by_attention"]) == {"ragged"} and res["decode_full"]["seconds_per_step"] > 0
     assert [(r["slots"], r["requests"]) for r in res["long_tail"]] == [(4, 4), (4, 8)]
     assert all(r["tokens_per_s"] > 0 and r["useful_tokens"] > 0 for r in res["long_tail"])
     assert set(res["train_attention"]["pallas_mha:auto"]) >= {"seconds", "loss", "grad_norm", "remat"}
