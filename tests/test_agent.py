@@ -358,6 +358,15 @@ codes = [httpx.post(base + "/chat/completions", json=body).status_code,
 open(os.environ["OUT"], "w").write(" ".join(map(str, codes)) + " " + key)
 print(1.0)
 """,
+    "chatty": """
+import sys, openai
+openai.OpenAI(max_retries=0).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4)
+for _ in range(800):
+    sys.stdout.write("x" * (1 << 16) + "\\n")
+    sys.stderr.write("y" * (1 << 16) + "\\n")
+print(0.75)
+""",
     "crashes": "import sys; sys.exit('the agent broke')",
     "hangs": "import time; time.sleep(60)",
     "silent": """
@@ -373,8 +382,10 @@ def test_agents_run_as_commands_through_the_episode_endpoint(served, tmp_path, m
     """`command`: each episode runs the program with OPENAI_BASE_URL (127.0.0.1), its own OPENAI_API_KEY and
     AREALJAX_DATA. Its calls are the episode's trajectories; its reward is what it posted or printed last. No key,
     a wrong key or an expired one gets 401 and touches nothing; a body over the bound 413; a bad reward 400. A
-    program that exits non-zero, hangs past the timeout (killed) or reports no reward is a rejected episode."""
+    program that exits non-zero, hangs past the timeout (killed) or reports no reward is a rejected episode; one
+    that prints 50 MiB to each stream is read to its last line in bounded memory (`TAIL_BYTES` of each kept)."""
     import sys
+    import tracemalloc
 
     scripts = {}
     for name, code in COMMAND_AGENTS.items():
@@ -385,29 +396,32 @@ def test_agents_run_as_commands_through_the_episode_endpoint(served, tmp_path, m
 
     async def episodes():
         out = {}
-        for name, kw in (("posts", {}), ("prints", {}), ("hostile", {}), ("crashes", {}), ("hangs", {"timeout": 2}),
-                         ("silent", {})):
+        for name, kw in (("posts", {}), ("prints", {}), ("chatty", {}), ("hostile", {}), ("crashes", {}),
+                         ("hangs", {"timeout": 2}), ("silent", {})):
             wf = run(name, **kw)
             async with wf.endpoint.episode(ChatSession(episode(served))) as old:  # an episode that has ended
                 pass
             monkeypatch.setenv("OLD_KEY", old.key)
             ep = episode(served, "What is 2 + 3?")
-            out[name] = (await wf.run(ep), wf.metrics(), ep, wf.endpoint.base_url)
+            tracemalloc.start()
+            out[name] = (await wf.run(ep), wf.metrics(), ep, wf.endpoint.base_url, tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
             await wf.close()
         return out
 
     out = asyncio.run(episodes())
-    for name, reward in (("posts", 0.25), ("prints", 0.5)):
-        trajs, m, ep, base = out[name]
+    for name, reward in (("posts", 0.25), ("prints", 0.5), ("chatty", 0.75)):
+        trajs, m, ep, base, _ = out[name]
         assert base.startswith("http://127.0.0.1:") and m["agent_calls"] == len(ep.fed) == 1
         (traj,) = trajs
         assert traj.reward == reward and list(traj.tokens[:len(ep.fed[0][0])]) == ep.fed[0][0]
     *codes, key = (tmp_path / "hostile.txt").read_text().split()
     assert codes == ["401", "401", "401", "401", "413", "400"] and len(key) >= 43  # no key, wrong, expired, ...
-    trajs, m, ep, _ = out["hostile"]
+    assert out["chatty"][4] < 16 << 20, out["chatty"][4]  # 100 MiB printed; what was kept of it: little
+    trajs, m, ep, _, _ = out["hostile"]
     assert trajs is None and not ep.fed and m["agent_rejected_no_call"] == 1  # nothing reached the episode
     for name, reason in (("crashes", "exit"), ("hangs", "timeout"), ("silent", "no_reward")):
-        trajs, m, _, _ = out[name]
+        trajs, m, _, _, _ = out[name]
         assert trajs is None and m[f"agent_rejected_{reason}"] == 1, (name, m)
 
 
@@ -443,3 +457,57 @@ def test_agent_http_calls_do_not_log_a_line_each():
     finally:
         logging.root.handlers, logging.root.level = root, level
         logging.getLogger("httpx").setLevel(logging.NOTSET)
+
+
+def test_a_command_agent_dies_with_its_trainer_killed_by_sigkill(tmp_path):
+    """A command agent runs in a session of its own (a timeout kills its whole process group), so a trainer killed
+    with SIGKILL (an out-of-memory kill, say) left it running forever; its guard (workflows/guard.py) now kills it,
+    what it started included, within seconds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pids = tmp_path / "pids"
+    agent = tmp_path / "agent.py"
+    agent.write_text("import os, subprocess, sys, time\n"
+                     "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                     "open(os.environ['PIDS'], 'w').write(f'{os.getpid()} {child.pid}')\n"
+                     "time.sleep(600)\n")
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text("import asyncio, os, sys\n"
+                       "from arealjax.workflows.agent import start_command\n"
+                       "async def main():\n"
+                       f"    await start_command(f'{{sys.executable}} {agent}', dict(os.environ))\n"
+                       "    await asyncio.sleep(600)\n"
+                       "asyncio.run(main())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, str(trainer)], cwd=root,
+                            env={**os.environ, "PIDS": str(pids), "PYTHONPATH": root})
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and len(pids.read_text().split()) == 2):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        started = [int(p) for p in pids.read_text().split()]
+        proc.kill()  # the trainer only
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        survivors = [p for p in started if _alive(p)]
+        for p in survivors:
+            os.kill(p, signal.SIGKILL)
+        assert not survivors
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie left for its parent to reap."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

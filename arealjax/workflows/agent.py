@@ -14,7 +14,8 @@ is the reward; None scores the last assistant message with the run's reward func
 runs that shell command once per episode, with `OPENAI_BASE_URL` (the workflow's HTTP endpoint on 127.0.0.1:
 workflows/endpoint.py), `OPENAI_API_KEY` (a key valid for this episode only) and `AREALJAX_DATA` (the row as JSON)
 in its environment; it reports its reward with `POST $OPENAI_BASE_URL/rl/reward {"reward": r}` or as the number on
-the last line of its stdout.
+the last line of its stdout. The command runs under `guard.py`, which kills it if the trainer dies (kill -9
+included), and only the end of its output is kept.
 
 An agent that raises, runs past `timeout` seconds, makes no call, exits non-zero or (a command) reports no reward
 ends as a rejected episode: one log line with its reason, counted per reason (`metrics()`); the run goes on.
@@ -30,6 +31,8 @@ import json
 import logging
 import os
 import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -70,6 +73,31 @@ def client_for(session: ChatSession):
 
     return openai.AsyncOpenAI(api_key="arealjax-episode", base_url="http://episode.arealjax/v1", max_retries=0,
                               http_client=httpx.AsyncClient(transport=EpisodeTransport(session)))
+
+
+GUARD = str(Path(__file__).with_name("guard.py"))  # runs each command, and kills it if the trainer dies
+
+
+async def start_command(command: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+    """`command` through the shell under `guard.py`, in a session of its own (its process group: the guard, the
+    shell and what they start), stdout and stderr piped: killed with its group at a timeout, and by the guard if
+    this process dies."""
+    return await asyncio.create_subprocess_exec(sys.executable, "-I", GUARD, str(os.getpid()), command, env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                start_new_session=True)
+
+
+TAIL_BYTES = 1 << 16  # of a command agent's stdout and of its stderr, the end kept (its reward, its error)
+
+
+async def _tail(stream: asyncio.StreamReader, limit: int = TAIL_BYTES) -> bytes:
+    """Reads a stream to its end, keeping its last `limit` bytes: a program that prints without end costs the run
+    no memory."""
+    kept = bytearray()
+    while chunk := await stream.read(1 << 16):
+        kept += chunk
+        del kept[:-limit]
+    return bytes(kept)
 
 
 class OpenAIAgent:
@@ -130,11 +158,10 @@ class OpenAIAgent:
         async with self.endpoint.episode(session) as grant:
             env = {**os.environ, "OPENAI_BASE_URL": self.endpoint.base_url, "OPENAI_API_KEY": grant.key,
                    "AREALJAX_DATA": json.dumps(data)}
-            proc = await asyncio.create_subprocess_shell(self.command, stdout=asyncio.subprocess.PIPE,
-                                                         stderr=asyncio.subprocess.PIPE, env=env,
-                                                         start_new_session=True)
+            proc = await start_command(self.command, env)
             try:
-                out, err = await asyncio.wait_for(proc.communicate(), self.timeout)
+                out, err, _ = await asyncio.wait_for(asyncio.gather(_tail(proc.stdout), _tail(proc.stderr),
+                                                                    proc.wait()), self.timeout)
             finally:
                 if proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
