@@ -137,7 +137,8 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
         batch = pack(trajectories, t, rows, packed=tcfg.packing, unit=unit)
         passes = 0
         if tcfg.loss == "ppo":
-            passes = int(tcfg.ppo.needs_prox and (i > 0 or tcfg.ppo.objective == "m2po")) + int(bool(tcfg.ppo.kl_coef))
+            spec = tcfg.ppo.spec
+            passes = int(spec.needs_prox and (i > 0 or spec.minibatch is not None)) + int(bool(tcfg.ppo.kl_coef))
         for j in range(batch.n_micro):
             mb = batch.micro(j)
             r = len(mb["tokens"])

@@ -147,7 +147,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # sequence_token_mask | prob_gap.
     config.trainer.ppo = dict(objective="standard", eps_clip=0.2, eps_clip_higher=placeholder(float),
                               c_clip=placeholder(float), behaviour_weight="mask", behaviour_cap=5.0,
-                              behaviour_lower=0.0, sequence_cap=2.0, sequence_lower=0.5, prob_gap=0.2,
+                              behaviour_lower=0.0, cispo_cap=5.0, cispo_lower=0.0, sequence_cap=2.0,
+                              sequence_lower=0.5, prob_gap=0.2,
                               sequence_eps_clip=3e-4, sequence_eps_clip_higher=4e-4, m2_threshold=0.04, kl_coef=0.0,
                               kl_estimator="k3", drift_warning=0.05)
     config.trainer.optim = dict(lr=5e-4, warmup_steps=5, grad_clip=1.0)

@@ -264,7 +264,7 @@ def test_named_correction_matches_its_paper(name):
     want_grad = numeric_grad(lambda lp: ref_fn(lp, *f64[1:], mask, seq_ids, n)[0], f64[0])
     cut = m2_cut(jnp.asarray(prox - behav), jnp.asarray(mask), cfg.m2_threshold) if name == "m2po" else jnp.inf
     (loss, m), grad = jax.value_and_grad(
-        lambda lp: ppo_loss(lp, prox, behav, adv, mask, cfg, n, seq_ids=seq_ids, m2_cut=cut), has_aux=True)(
+        lambda lp: ppo_loss(lp, prox, behav, adv, mask, cfg, n, seq_ids=seq_ids, minibatch_stat=cut), has_aux=True)(
         jnp.asarray(logp))
     np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-3, atol=1e-6)
@@ -301,9 +301,9 @@ def test_m2_cut_is_the_greedy_removal_over_micro_batches():
     np.testing.assert_array_equal(mask & ((prox - behav) ** 2 < float(cut)), keep)
     assert 0 < keep.sum() < mask.sum()
     cfg, n = PPOConfig(objective="m2po"), float(mask.sum())
-    full = ppo_loss(logp, prox, behav, adv, mask, cfg, n, m2_cut=cut)[0]
+    full = ppo_loss(logp, prox, behav, adv, mask, cfg, n, minibatch_stat=cut)[0]
     halves = sum(ppo_loss(logp[i:i + 2], prox[i:i + 2], behav[i:i + 2], adv[i:i + 2], mask[i:i + 2], cfg, n,
-                          m2_cut=cut)[0] for i in (0, 2))
+                          minibatch_stat=cut)[0] for i in (0, 2))
     np.testing.assert_allclose(float(halves), float(full), rtol=1e-6)
     assert float(m2_cut(jnp.zeros((2, 3)), jnp.ones((2, 3), bool), 0.04)) == np.inf  # nothing to remove
 

@@ -91,6 +91,29 @@ def test_on_policy_gradient_is_the_policy_gradient(model, objective):
     assert loss == pytest.approx(-float(np.sum(np.where(mask, value, 0.0))) / n, abs=1e-5)
 
 
+def test_a_new_objective_is_one_function_and_one_row(model, monkeypatch):
+    """docs/objectives.md, "Adding one": REINFORCE (loss_t = −A·log π_θ, no ratio, no clip) registered in
+    OBJECTIVES alone is accepted by the config, and the trainer trains it without knowing its name: on stale data
+    (μ far from π_θ) its gradient is −Σ A·∇log π / N exactly, and a train step applies it."""
+    from arealjax.rl import losses
+
+    def reinforce(t: losses.Tokens, cfg: PPOConfig):
+        return -t.adv * t.logp, jnp.zeros_like(t.valid), jnp.zeros_like(t.valid)
+
+    monkeypatch.setitem(losses.OBJECTIVES, "reinforce", losses.Objective(reinforce))
+    trajs = trajectories(stale=1.0)
+    trainer = Trainer(model, TrainerConfig(max_tokens=T, micro_rows=2, ppo=PPOConfig(objective="reinforce")))
+    grads, _, sums = trainer.gradients(trainer.pack(trajs)[0])
+    mask, adv = masks(trajs)
+    pg = jax.grad(lambda p: -jnp.sum(jnp.where(mask, adv * unpacked_logprobs(model, p, trajs), 0.0)) / mask.sum())
+    assert_trees_close(grads, pg(model.params), 1e-5)
+    assert sums["valid_tokens"] == mask.sum()
+    metrics = trainer.train_step(trajs)
+    assert metrics["version"] == 1 and np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    with pytest.raises(ValueError, match="expected one of"):
+        PPOConfig(objective="reinforce_typo")
+
+
 @pytest.mark.parametrize("ppo", [PPOConfig(), PPOConfig(objective="m2po"),
                                  PPOConfig(objective="gspo", sequence_eps_clip=0.2, sequence_eps_clip_higher=0.2)],
                          ids=["decoupled", "m2po", "gspo"])

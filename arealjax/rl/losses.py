@@ -10,7 +10,7 @@ at the start of the step, no gradient) and current π_θ:
   standard   π_prox := μ, w := 1 (PPO against the behaviour policy)
   gspo       GSPO (Zheng et al. 2025): one ratio per sequence, s = exp(mean_t log(π_θ / μ)), clipped to
              [1 − sequence_eps_clip, 1 + sequence_eps_clip_higher]; in its token form (gradient s·∇log π_θ per token)
-  cispo      CISPO (MiniMax-M1): loss_t = −sg(clip(π_θ / μ, behaviour_lower, behaviour_cap)) · A · log π_θ — the
+  cispo      CISPO (MiniMax-M1): loss_t = −sg(clip(π_θ / μ, cispo_lower, cispo_cap)) · A · log π_θ — the
              importance weight is clipped, no token's gradient is dropped
   m2po       M2PO (Zheng et al. 2025, "Prosperity before collapse"): loss_t = −M · (π_θ / μ) · A, no clip; M masks
              the tokens with the largest (log π_prox/μ)² until the mean of the rest is ≤ m2_threshold (`m2_cut`)
@@ -27,13 +27,14 @@ gradient; GSPO's per-sequence ratio is aggregated the same way (each token carri
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 BEHAVIOUR_MODES = ("none", "truncate", "mask", "sequence_mask", "sequence_token_mask", "prob_gap")
-OBJECTIVES = ("decoupled", "standard", "gspo", "cispo", "m2po")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LAGS = 9  # staleness lags reported one by one: 0 … 7, and 8 or more together
 # The histogram of log w: bins 0.002 wide at 0, growing 14% each way out to ±4 (below and above counted too): LLM
@@ -48,8 +49,10 @@ class PPOConfig:
     eps_clip_higher: float | None = None  # DAPO clip-higher: upper bound 1 + this (default: eps_clip)
     c_clip: float | None = None  # dual clip for negative advantages (e.g. 3.0); None = off
     behaviour_weight: str = "mask"  # AReaL's default: drop tokens whose w is outside [lower, cap]
-    behaviour_cap: float = 5.0  # also CISPO's upper clip of its importance weight
+    behaviour_cap: float = 5.0
     behaviour_lower: float = 0.0
+    cispo_cap: float = 5.0  # CISPO's clip of its importance weight
+    cispo_lower: float = 0.0
     sequence_cap: float = 2.0  # sequence_token_mask: band of a sequence's geometric-mean w
     sequence_lower: float = 0.5
     prob_gap: float = 0.2  # prob_gap: the largest |π_prox − μ| kept
@@ -61,14 +64,15 @@ class PPOConfig:
     kl_estimator: str = "k3"
 
     def __post_init__(self):
-        for value, allowed, name in ((self.objective, OBJECTIVES, "objective"),
+        for value, allowed, name in ((self.objective, tuple(OBJECTIVES), "objective"),
                                      (self.behaviour_weight, BEHAVIOUR_MODES, "behaviour_weight"),
                                      (self.kl_estimator, KL_ESTIMATORS, "kl_estimator")):
             if value not in allowed:
                 raise ValueError(f"PPOConfig.{name} = '{value}'; expected one of {allowed}")
         if self.c_clip is not None and self.c_clip <= 1:
             raise ValueError(f"PPOConfig.c_clip must be > 1 (got {self.c_clip})")
-        for lower, upper in (("behaviour_lower", "behaviour_cap"), ("sequence_lower", "sequence_cap")):
+        for lower, upper in (("behaviour_lower", "behaviour_cap"), ("sequence_lower", "sequence_cap"),
+                             ("cispo_lower", "cispo_cap")):
             if not 0 <= getattr(self, lower) < getattr(self, upper):
                 raise ValueError(f"PPOConfig: expected 0 ≤ {lower} < {upper} (got {getattr(self, lower)}, "
                                  f"{getattr(self, upper)})")
@@ -79,9 +83,9 @@ class PPOConfig:
             raise ValueError(f"PPOConfig.drift_warning must be ≥ 0 (got {self.drift_warning}; 0: never warn)")
 
     @property
-    def needs_prox(self) -> bool:
-        """Whether every minibatch needs π_prox from a separate pass (the first takes its own logprobs)."""
-        return self.objective in ("decoupled", "m2po")
+    def spec(self) -> Objective:
+        """The objective's entry in OBJECTIVES: its loss and what the trainer needs to know about it."""
+        return OBJECTIVES[self.objective]
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
@@ -118,28 +122,101 @@ def m2_cut(log_w: jax.Array, mask: jax.Array, threshold: float | jax.Array) -> j
     return jnp.where(first == 0, jnp.inf, desc[jnp.maximum(first - 1, 0)])
 
 
-def ppo_loss(logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array, advantages: jax.Array,
-             mask: jax.Array, cfg: PPOConfig, n_tokens: jax.Array | float, *, seq_ids: jax.Array | None = None,
-             ref_logp: jax.Array | None = None, m2_cut: jax.Array | float = jnp.inf,
-             lag: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The objective summed over valid tokens / `n_tokens`, and diagnostics (sums over valid tokens, so they too
-    add across micro-batches; divide by the token count to report means).
+class Tokens(NamedTuple):
+    """What an objective's per-token term reads, [B, T] each (fp32; off the valid tokens: 0)."""
 
-    `seq_ids` [B, T] (one id per sequence, any ints) is needed by the sequence-level modes and GSPO; `m2_cut` (M2PO)
-    comes from `m2_cut()` over the whole minibatch. `lag` [B, T] (the trainer's version minus the version that
-    sampled each token) adds the drift diagnostics by staleness (`lag_metrics` reads them). Ratios are computed in
-    fp32 from log differences; tokens with a non-finite ratio or weight are masked.
+    logp: jax.Array  # log π_θ
+    log_ratio: jax.Array  # log π_θ − the objective's anchor (log π_prox or log μ)
+    adv: jax.Array
+    valid: jax.Array  # bool: the tokens the loss keeps (masks and the behaviour correction applied)
+    w: jax.Array  # the behaviour weight (no gradient): decoupled's corrected π_prox/μ, 1 for the others
+    seq_ids: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """One objective: its per-token loss and what the loss and the trainer need to know about it.
+
+    loss              (Tokens, PPOConfig) -> (per-token loss, clipped, dual-clipped): bool masks of the tokens its
+                      clips acted on (the diagnostics count them)
+    anchor            the ratio's denominator: "prox" (π_prox) or "behaviour" (μ)
+    behaviour_weight  whether PPOConfig.behaviour_weight's correction of w = π_prox/μ applies (else w = 1)
+    needs_prox        whether every minibatch needs π_prox from a separate pass (the first takes its own logprobs)
+    minibatch         a statistic of a whole minibatch, (log π_prox/μ, loss mask, PPOConfig) -> scalar, computed
+                      before its gradients, and `keep(log π_prox/μ, statistic)` -> the tokens it keeps (M2PO's
+                      second-moment mask); None: none
     """
-    f32 = jnp.float32
-    logp, prox_logp, behav_logp = logp.astype(f32), prox_logp.astype(f32), behav_logp.astype(f32)
-    adv = advantages.astype(f32)
-    mask = mask.astype(bool)
-    prox_logp = jax.lax.stop_gradient(prox_logp)
-    drift = prox_logp - behav_logp  # log(π_prox / μ): how far the data's policy is from the step's
-    anchor = prox_logp if cfg.objective == "decoupled" else behav_logp  # the ratio's denominator
-    w = jnp.exp(drift)
-    valid = mask & jnp.isfinite(w) & jnp.isfinite(logp - anchor)
-    mode = cfg.behaviour_weight if cfg.objective == "decoupled" else "none"
+
+    loss: Callable[[Tokens, PPOConfig], tuple[jax.Array, jax.Array, jax.Array]]
+    anchor: str = "behaviour"
+    behaviour_weight: bool = False
+    needs_prox: bool = False
+    minibatch: Callable[[jax.Array, jax.Array, PPOConfig], jax.Array] | None = None
+    keep: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+
+
+def clipped_ratio_loss(t: Tokens, ratio: jax.Array, lo: float, hi: float, c_clip: float | None
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """PPO's pessimistic clipped term max(−r·A, −clip(r, 1 − lo, 1 + hi)·A), with the dual clip (at most −c·A for
+    A < 0) when `c_clip` is set; and the masks of the tokens each clip acted on."""
+    clipped_ratio = jnp.clip(ratio, 1 - lo, 1 + hi)
+    pg = jnp.maximum(-ratio * t.adv, -clipped_ratio * t.adv)
+    clipped = (-clipped_ratio * t.adv > -ratio * t.adv) & t.valid
+    dual_clipped = jnp.zeros_like(t.valid)
+    if c_clip is not None:
+        dual_clipped = (t.adv < 0) & (pg > -c_clip * t.adv) & t.valid
+        pg = jnp.where(t.adv < 0, jnp.minimum(pg, -c_clip * t.adv), pg)
+    return pg, clipped, dual_clipped
+
+
+def _upper(cfg: PPOConfig) -> float:
+    return cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
+
+
+def decoupled(t: Tokens, cfg: PPOConfig):
+    """AReaL's: π_θ/π_prox clipped, weighted by the behaviour weight."""
+    pg, clipped, dual = clipped_ratio_loss(t, jnp.exp(t.log_ratio), cfg.eps_clip, _upper(cfg), cfg.c_clip)
+    return t.w * pg, clipped, dual
+
+
+def standard(t: Tokens, cfg: PPOConfig):
+    """PPO against the behaviour policy: π_θ/μ clipped."""
+    return clipped_ratio_loss(t, jnp.exp(t.log_ratio), cfg.eps_clip, _upper(cfg), cfg.c_clip)
+
+
+def gspo(t: Tokens, cfg: PPOConfig):
+    """The sequence's ratio (geometric mean of π_θ/μ), each token's log π_θ carrying the gradient."""
+    seq_log_ratio = jax.lax.stop_gradient(_sequence_mean(t.log_ratio, t.valid, t.seq_ids, "objective='gspo'"))
+    ratio = jnp.exp(seq_log_ratio + t.logp - jax.lax.stop_gradient(t.logp))
+    return clipped_ratio_loss(t, ratio, cfg.sequence_eps_clip, cfg.sequence_eps_clip_higher, cfg.c_clip)
+
+
+def cispo(t: Tokens, cfg: PPOConfig):
+    """The importance weight clipped (no gradient) × A × log π_θ: no token's gradient is dropped."""
+    ratio = jnp.exp(jax.lax.stop_gradient(t.log_ratio))
+    weight = jnp.clip(ratio, cfg.cispo_lower, cfg.cispo_cap)
+    return -weight * t.adv * t.logp, (weight != ratio) & t.valid, jnp.zeros_like(t.valid)
+
+
+def m2po(t: Tokens, cfg: PPOConfig):
+    """The importance-weighted policy gradient, no trust region beyond the minibatch's second-moment mask."""
+    return -jnp.exp(t.log_ratio) * t.adv, jnp.zeros_like(t.valid), jnp.zeros_like(t.valid)
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "decoupled": Objective(decoupled, anchor="prox", behaviour_weight=True, needs_prox=True),
+    "standard": Objective(standard),
+    "gspo": Objective(gspo),
+    "cispo": Objective(cispo),
+    "m2po": Objective(m2po, needs_prox=True, minibatch=lambda log_w, mask, cfg: m2_cut(log_w, mask, cfg.m2_threshold),
+                      keep=lambda log_w, cut: jnp.square(log_w) < cut),
+}
+
+
+def behaviour_weight(w: jax.Array, drift: jax.Array, valid: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array,
+                     mode: str, cfg: PPOConfig, seq_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """The behaviour weight w = π_prox/μ (drift = its log) corrected by `mode` (BEHAVIOUR_MODES, module docstring),
+    and the valid tokens with those it masks removed."""
     if mode in ("sequence_mask", "sequence_token_mask"):  # the geometric mean over all of a sequence's tokens
         seq_w = jnp.exp(_sequence_mean(drift, valid, seq_ids, f"behaviour_weight='{mode}'"))
         lower, cap = ((cfg.behaviour_lower, cfg.behaviour_cap) if mode == "sequence_mask"
@@ -154,35 +231,41 @@ def ppo_loss(logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array, advan
         valid &= jnp.abs(jnp.exp(prox_logp) - jnp.exp(behav_logp)) <= cfg.prob_gap
     elif mode == "none":
         w = jnp.ones_like(w)
-    if cfg.objective == "m2po":
-        valid &= jnp.square(drift) < m2_cut
+    return w, valid
+
+
+def ppo_loss(logp: jax.Array, prox_logp: jax.Array, behav_logp: jax.Array, advantages: jax.Array,
+             mask: jax.Array, cfg: PPOConfig, n_tokens: jax.Array | float, *, seq_ids: jax.Array | None = None,
+             ref_logp: jax.Array | None = None, minibatch_stat: jax.Array | float = jnp.inf,
+             lag: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The objective (`OBJECTIVES[cfg.objective]`) summed over valid tokens / `n_tokens`, and diagnostics (sums over
+    valid tokens, so they too add across micro-batches; divide by the token count to report means).
+
+    `seq_ids` [B, T] (one id per sequence, any ints) is needed by the sequence-level modes and GSPO;
+    `minibatch_stat` is the objective's statistic of the whole minibatch (`Objective.minibatch`: M2PO's cut).
+    `lag` [B, T] (the trainer's version minus the version that sampled each token) adds the drift diagnostics by
+    staleness (`lag_metrics` reads them). Ratios are computed in fp32 from log differences; tokens with a non-finite
+    ratio or weight are masked.
+    """
+    objective = cfg.spec
+    f32 = jnp.float32
+    logp, prox_logp, behav_logp = logp.astype(f32), prox_logp.astype(f32), behav_logp.astype(f32)
+    adv = advantages.astype(f32)
+    mask = mask.astype(bool)
+    prox_logp = jax.lax.stop_gradient(prox_logp)
+    drift = prox_logp - behav_logp  # log(π_prox / μ): how far the data's policy is from the step's
+    anchor = prox_logp if objective.anchor == "prox" else behav_logp  # the ratio's denominator
+    w = jnp.exp(drift)
+    valid = mask & jnp.isfinite(w) & jnp.isfinite(logp - anchor)
+    w, valid = behaviour_weight(w, drift, valid, prox_logp, behav_logp,
+                                cfg.behaviour_weight if objective.behaviour_weight else "none", cfg, seq_ids)
+    if objective.keep is not None:
+        valid &= objective.keep(drift, minibatch_stat)
     w = jax.lax.stop_gradient(jnp.where(valid, w, 0.0))
 
     logp_v = jnp.where(valid, logp, 0.0)  # masked tokens may hold inf/nan: keep them out of every gradient
     log_ratio = jnp.where(valid, logp - anchor, 0.0)
-    clipped = dual_clipped = jnp.zeros_like(valid)
-    if cfg.objective == "cispo":  # clipped importance weight (no gradient) × A × log π_θ
-        ratio = jnp.exp(jax.lax.stop_gradient(log_ratio))
-        weight = jnp.clip(ratio, cfg.behaviour_lower, cfg.behaviour_cap)
-        clipped = (weight != ratio) & valid
-        per_token = -weight * adv * logp_v
-    elif cfg.objective == "m2po":  # IS-weighted policy gradient, no trust region beyond the mask
-        per_token = -jnp.exp(log_ratio) * adv
-    else:
-        if cfg.objective == "gspo":  # the sequence's ratio, with each token's log π_θ carrying the gradient
-            seq_log_ratio = jax.lax.stop_gradient(_sequence_mean(log_ratio, valid, seq_ids, "objective='gspo'"))
-            ratio = jnp.exp(seq_log_ratio + logp_v - jax.lax.stop_gradient(logp_v))
-            lo, hi = cfg.sequence_eps_clip, cfg.sequence_eps_clip_higher
-        else:
-            ratio = jnp.exp(log_ratio)
-            lo, hi = cfg.eps_clip, cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
-        clipped_ratio = jnp.clip(ratio, 1 - lo, 1 + hi)
-        pg = jnp.maximum(-ratio * adv, -clipped_ratio * adv)
-        clipped = (-clipped_ratio * adv > -ratio * adv) & valid
-        if cfg.c_clip is not None:
-            dual_clipped = (adv < 0) & (pg > -cfg.c_clip * adv) & valid
-            pg = jnp.where(adv < 0, jnp.minimum(pg, -cfg.c_clip * adv), pg)
-        per_token = (w if cfg.objective == "decoupled" else 1.0) * pg
+    per_token, clipped, dual_clipped = objective.loss(Tokens(logp_v, log_ratio, adv, valid, w, seq_ids), cfg)
     if cfg.kl_coef:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp")

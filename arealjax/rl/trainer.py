@@ -47,7 +47,7 @@ from arealjax.distributed import Processes, put_rows
 from arealjax.models import Model, lora
 from arealjax.models import attention as attn
 from arealjax.models.transformer import HIDDEN_AXES, REMAT, load_balancing_loss, remat_policy
-from arealjax.rl.losses import PPOConfig, lag_metrics, m2_cut, ppo_loss
+from arealjax.rl.losses import PPOConfig, lag_metrics, ppo_loss
 from arealjax.rl.packing import FIELDS, FLOATS, PackedBatch, micro_sizes, pack, split_minibatches
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, constrain, tree_shardings
@@ -277,11 +277,12 @@ def disagreement(logits: jax.Array, routes: jax.Array, k: int) -> dict[str, jax.
             "routed_experts": jnp.sum(jnp.broadcast_to(recorded, routes.shape).astype(jnp.float32))}
 
 
-def scalar_args(n_tokens: float, m2_cut: Any = np.inf, version: int = 0) -> dict[str, Any]:
-    """The gradient program's scalars: the minibatch's loss-token count (the loss's divisor), M2PO's cut, and the
-    trainer's version (each token's staleness lag = version − the version that sampled it)."""
-    return {"n_tokens": np.float32(n_tokens), "m2_cut": np.float32(m2_cut) if isinstance(m2_cut, float) else m2_cut,
-            "version": np.int32(version)}
+def scalar_args(n_tokens: float, minibatch_stat: Any = np.inf, version: int = 0) -> dict[str, Any]:
+    """The gradient program's scalars: the minibatch's loss-token count (the loss's divisor), the objective's
+    statistic of the minibatch (`Objective.minibatch`: M2PO's cut), and the trainer's version (each token's
+    staleness lag = version − the version that sampled it)."""
+    stat = np.float32(minibatch_stat) if isinstance(minibatch_stat, float) else minibatch_stat
+    return {"n_tokens": np.float32(n_tokens), "minibatch_stat": stat, "version": np.int32(version)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,7 +297,9 @@ class Steps:
     # `loss_positions`: how many positions per batch shard the head scores.
     logprobs: Any  # (params, frozen, micro-batch[, size]) -> per-token logprobs [R, T] (0 off the loss mask)
     grad: Any  # (params, frozen, acc, micro-batch, prox, ref, scalar_args(...)[, size]) -> (acc + grad, metrics)
-    m2_cut: Any  # (prox, behaviour logprobs, loss masks) of a minibatch's micro-batches -> M2PO's cut
+    # (prox, behaviour logprobs, loss masks) of a minibatch's micro-batches -> the objective's statistic of the
+    # minibatch (Objective.minibatch: M2PO's cut); None when the objective has none
+    minibatch_stat: Any
     apply: Any  # (params, opt_state, grads, loss) -> (params, opt_state, grad_norm, ok)
     p_sh: Any
     f_sh: Any
@@ -374,7 +377,7 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
             prox = jax.lax.stop_gradient(logp) if prox is None else prox  # one minibatch: π_prox = π_θ now
             value, metrics = ppo_loss(logp, prox, mb["behav_logp"], mb["advantages"], mask, cfg.ppo,
                                       scalars["n_tokens"], seq_ids=mb["segment_ids"], ref_logp=ref,
-                                      m2_cut=scalars["m2_cut"], lag=scalars["version"] - mb["versions"])
+                                      minibatch_stat=scalars["minibatch_stat"], lag=scalars["version"] - mb["versions"])
         metrics["entropy_sum"] = jnp.sum(jnp.where(mask, jax.lax.stop_gradient(entropy), 0.0))
         if "routes" in mb:  # of the positions with recorded routes: the share of experts the router would not pick
             metrics.update(disagreement(jax.lax.stop_gradient(routed[0].logits), mb["routes"],
@@ -395,14 +398,16 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
         return keep(new_params, params), keep(new_state, opt_state), grad_norm, ok
 
+    minibatch = cfg.ppo.spec.minibatch if cfg.loss == "ppo" else None
     return Steps(
         copy=jit(lambda p: jax.tree.map(jnp.copy, p), (p_sh,), p_sh), init=jit(tx.init, (p_sh,), o_sh),
         zeros=jit(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), (p_sh,), p_sh),
         logprobs=jit(logprobs, (p_sh, f_sh, b_sh), b_sh, static_argnums=3),
         grad=jit(grad, (p_sh, f_sh, p_sh, b_sh, b_sh, b_sh, r_sh), (p_sh, r_sh), donate_argnums=2, static_argnums=7),
-        m2_cut=jax.jit(lambda prox, behav, mask: m2_cut(jnp.concatenate([p - b for p, b in zip(prox, behav)]),
-                                                        jnp.concatenate(mask), cfg.ppo.m2_threshold),
-                       **({} if mesh is None else {"out_shardings": r_sh})),
+        minibatch_stat=None if minibatch is None else jax.jit(
+            lambda prox, behav, mask: minibatch(jnp.concatenate([p - b for p, b in zip(prox, behav)]),
+                                                jnp.concatenate(mask), cfg.ppo),
+            **({} if mesh is None else {"out_shardings": r_sh})),
         apply=jit(apply, (p_sh, o_sh, p_sh, r_sh), (p_sh, o_sh, r_sh, r_sh), donate_argnums=(0, 1)),
         p_sh=p_sh, f_sh=f_sh, o_sh=o_sh, b_sh=b_sh, shards=shards)
 
@@ -536,7 +541,7 @@ class Trainer:
         self.opt_state = steps.init(self.params)
         self._b_sh = steps.b_sh
         self._zeros, self._logprobs, self._grad, self._apply = steps.zeros, steps.logprobs, steps.grad, steps.apply
-        self._m2_cut, self._m2po = steps.m2_cut, cfg.loss == "ppo" and cfg.ppo.objective == "m2po"
+        self._minibatch_stat = steps.minibatch_stat
         self._drift_warned = False
         self._schedule = make_schedule(cfg.optim)
         self.optimizer_steps = 0
@@ -596,16 +601,17 @@ class Trainer:
         sums: dict[str, Any] = {}
         micro = [self._put(batch.micro(i)) for i in range(batch.n_micro)]
         ref = self.logprobs(self.ref_params, batch) if self.ref_params is not None else [None] * len(micro)
-        prox = self.logprobs(self.params, batch) if self._m2po else [None] * len(micro)
+        prox = self.logprobs(self.params, batch) if self._minibatch_stat else [None] * len(micro)
         grads, loss_value = self._accumulate(batch.n_loss_tokens, micro, self._loss_sizes(batch), prox, ref, sums)
         return grads, float(loss_value), jax.device_get(sums)
 
     def _accumulate(self, n_loss_tokens: int, micro: list, sizes: list, prox: list, ref: list,
                     sums: dict) -> tuple[Any, Any]:
         """Sum of micro-batch gradients of the minibatch loss (each divided by the minibatch's token count)."""
-        cut = (self._m2_cut(tuple(prox), tuple(m["behav_logp"] for m in micro), tuple(m["loss_mask"] for m in micro))
-               if self._m2po else np.inf)  # M2PO's mask is the whole minibatch's
-        scalars = scalar_args(max(n_loss_tokens, 1), cut, self.version)
+        stat = (self._minibatch_stat(tuple(prox), tuple(m["behav_logp"] for m in micro),
+                                     tuple(m["loss_mask"] for m in micro))
+                if self._minibatch_stat else np.inf)  # a statistic of the whole minibatch (M2PO's mask)
+        scalars = scalar_args(max(n_loss_tokens, 1), stat, self.version)
         acc = self._zeros(self.params)
         loss_value = jnp.float32(0.0)
         for m, k, p, r in zip(micro, sizes, prox, ref):
@@ -621,13 +627,14 @@ class Trainer:
         cfg = self.cfg
         batches, totals, sizes = self._agree(self.pack(trajectories))
         micro = [[self._put(b.micro(i)) for i in range(b.n_micro)] for b in batches]
-        needs_prox = cfg.loss == "ppo" and cfg.ppo.needs_prox
+        needs_prox = cfg.loss == "ppo" and cfg.ppo.spec.needs_prox
         # π_prox: params at the start of the step. The first minibatch is differentiated at exactly those params,
         # so its loss takes a stop-gradient copy of its own logprobs instead of a separate pass (with one
-        # minibatch, every micro-batch does); the later ones need the pass, before the first update. M2PO's mask
-        # needs π_prox of a whole minibatch before its gradients: the pass for every minibatch.
+        # minibatch, every micro-batch does); the later ones need the pass, before the first update. An objective's
+        # minibatch statistic (M2PO's mask) needs π_prox of a whole minibatch before its gradients: the pass for every
+        # minibatch.
         prox = [[self._logprobs(self.params, self.frozen, m, k) for m, k in zip(ms, ks)]
-                if needs_prox and (i or self._m2po) else [None] * len(ms)
+                if needs_prox and (i or self._minibatch_stat) else [None] * len(ms)
                 for i, (ms, ks) in enumerate(zip(micro, sizes))]
         ref = ([[self._logprobs(self.ref_params, self.frozen, m, k) for m, k in zip(ms, ks)]
                 for ms, ks in zip(micro, sizes)] if cfg.loss == "ppo" and cfg.ppo.kl_coef
