@@ -599,11 +599,24 @@ class Trainer:
         """fp32 gradient and value of one packed minibatch's loss at the current params (π_prox = current
         params), and the summed diagnostics: what one optimizer step of `train_step` applies."""
         sums: dict[str, Any] = {}
-        micro = [self._put(batch.micro(i)) for i in range(batch.n_micro)]
-        ref = self.logprobs(self.ref_params, batch) if self.ref_params is not None else [None] * len(micro)
-        prox = self.logprobs(self.params, batch) if self._minibatch_stat else [None] * len(micro)
-        grads, loss_value = self._accumulate(batch.n_loss_tokens, micro, self._loss_sizes(batch), prox, ref, sums)
+        micro, sizes = [self._put(batch.micro(i)) for i in range(batch.n_micro)], self._loss_sizes(batch)
+        prox, ref = self._prox_and_ref(micro, sizes, first=True)
+        grads, loss_value = self._accumulate(batch.n_loss_tokens, micro, sizes, prox, ref, sums)
         return grads, float(loss_value), jax.device_get(sums)
+
+    def _prox_and_ref(self, micro: list, sizes: list, first: bool) -> tuple[list, list]:
+        """π_prox's and the reference policy's logprobs of a minibatch's micro-batches at the current params (None
+        where the loss does not need them). π_prox: params at the start of the step. The step's first minibatch is
+        differentiated at exactly those params, so its loss takes a stop-gradient copy of its own logprobs instead of
+        a separate pass (with one minibatch, every micro-batch does); the later ones need the pass, before the first
+        update. An objective's minibatch statistic (M2PO's mask) needs π_prox of a whole minibatch before its
+        gradients: the pass for every minibatch. The reference's: with a KL penalty."""
+        ppo = self.cfg.loss == "ppo"
+        prox = ppo and self.cfg.ppo.spec.needs_prox and (not first or self._minibatch_stat is not None)
+        ref = ppo and bool(self.cfg.ppo.kl_coef)
+        passes = lambda params, on: [self._logprobs(params, self.frozen, m, k) if on else None  # noqa: E731
+                                     for m, k in zip(micro, sizes)]
+        return passes(self.params, prox), passes(self.ref_params, ref)
 
     def _accumulate(self, n_loss_tokens: int, micro: list, sizes: list, prox: list, ref: list,
                     sums: dict) -> tuple[Any, Any]:
@@ -624,24 +637,12 @@ class Trainer:
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One RL step (or SFT step) on a batch of trajectories; bumps `version`. Returns metrics."""
         t0 = time.perf_counter()
-        cfg = self.cfg
         batches, totals, sizes = self._agree(self.pack(trajectories))
         micro = [[self._put(b.micro(i)) for i in range(b.n_micro)] for b in batches]
-        needs_prox = cfg.loss == "ppo" and cfg.ppo.spec.needs_prox
-        # π_prox: params at the start of the step. The first minibatch is differentiated at exactly those params,
-        # so its loss takes a stop-gradient copy of its own logprobs instead of a separate pass (with one
-        # minibatch, every micro-batch does); the later ones need the pass, before the first update. An objective's
-        # minibatch statistic (M2PO's mask) needs π_prox of a whole minibatch before its gradients: the pass for every
-        # minibatch.
-        prox = [[self._logprobs(self.params, self.frozen, m, k) for m, k in zip(ms, ks)]
-                if needs_prox and (i or self._minibatch_stat) else [None] * len(ms)
-                for i, (ms, ks) in enumerate(zip(micro, sizes))]
-        ref = ([[self._logprobs(self.ref_params, self.frozen, m, k) for m, k in zip(ms, ks)]
-                for ms, ks in zip(micro, sizes)] if cfg.loss == "ppo" and cfg.ppo.kl_coef
-               else [[None] * len(ms) for ms in micro])
+        passes = [self._prox_and_ref(ms, ks, first=i == 0) for i, (ms, ks) in enumerate(zip(micro, sizes))]
         sums: dict[str, Any] = {}
         step_stats = []
-        for n_loss_tokens, ms, ks, ps, rs in zip(totals[:, 1], micro, sizes, prox, ref):
+        for n_loss_tokens, ms, ks, (ps, rs) in zip(totals[:, 1], micro, sizes, passes):
             grads, loss_value = self._accumulate(int(n_loss_tokens), ms, ks, ps, rs, sums)
             lr = self._schedule(self.optimizer_steps + len(step_stats) - self.skipped_steps)
             self.params, self.opt_state, grad_norm, ok = self._apply(self.params, self.opt_state, grads, loss_value)
