@@ -85,7 +85,6 @@ def evaluate(backend: RolloutBackend, rewards, tokenizer, prompts: Sequence, *, 
     request); `answer_fn(completion) -> str | None` extracts final answers for maj@k (None: no maj@k). With
     `progress`, a bar counts the samples scored and shows the running accuracy (mean reward so far) and greedy
     accuracy: the sampled requests go first (in problem order, as the backend serves them), the greedy ones after."""
-    ks = sorted({k for k in ks if k <= n})
     wait = wait or (lambda f: f.result())
     stops = tuple(tokenizer.eos_ids)
     futs = [backend.submit(p.tokens, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
@@ -123,7 +122,9 @@ def evaluate(backend: RolloutBackend, rewards, tokenizer, prompts: Sequence, *, 
 
 
 def summarize(rows: list[dict[str, Any]], n: int, ks: Sequence[int], seconds: float = 0.0) -> dict[str, float]:
-    """The estimators over problems, and output-length percentiles (tokens)."""
+    """The estimators over problems, for each k of `ks` that n samples allow (k ≤ n), and output-length percentiles
+    (tokens)."""
+    ks = sorted({k for k in ks if k <= n})
     out: dict[str, float] = {"problems": len(rows), "samples_per_problem": n,
                              "eval_accuracy": float(np.mean([np.mean(r["rewards"]) for r in rows]))}
     out[f"mean@{n}"] = out["eval_accuracy"]

@@ -113,7 +113,7 @@ def held_out_metrics(backend: RolloutBackend, rewards: RewardService, tokenizer:
         shares[processes.index] = rows
         order = {p.id: i for i, p in enumerate(prompts)}
         rows = sorted((r for share in shares for r in share), key=lambda r: order[r["id"]])
-        summary = evaluation.summarize(rows, kwargs["n"], sorted({k for k in kwargs["ks"] if k <= kwargs["n"]}),
+        summary = evaluation.summarize(rows, kwargs["n"], kwargs["ks"],
                                        seconds=max(processes.allgather("eval_s", summary.get("eval_seconds", 0.0))))
     if processes.primary:
         (workdir / "eval").mkdir(exist_ok=True)
