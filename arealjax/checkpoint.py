@@ -56,6 +56,11 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
                                                  enable_async_checkpointing=async_save))
 
+    @property
+    def directory(self) -> str:
+        """Where the checkpoints are (a path or a URL), as messages name it."""
+        return str(self.manager.directory)
+
     def due(self, step: int) -> bool:
         return bool((self.every_steps and step % self.every_steps == 0) or
                     (self.every_seconds and time.monotonic() - self._last >= self.every_seconds))
@@ -79,10 +84,10 @@ class Checkpointer:
         if step is None:
             return None
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(trainer))
-        saved = ocp.StandardCheckpointer().metadata(epath.Path(self.manager.directory) / str(step) / "state")
+        saved = ocp.StandardCheckpointer().metadata(epath.Path(self.directory) / str(step) / "state")
         mismatch = _mismatch(saved.item_metadata, target)
         if mismatch:
-            raise ValueError(f"checkpoint {self.manager.directory}/{step} does not fit this config's model: "
+            raise ValueError(f"checkpoint {self.directory}/{step} does not fit this config's model: "
                              f"{mismatch}. Resume with the config the run was started with (model, model_path, "
                              f"trainer.ppo.kl_coef), or start a new workdir")
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),

@@ -54,7 +54,7 @@ def restore_trainer(config: Any, workdir: str | Path, base: Base) -> tuple[Train
     finally:
         ckpt.close()
     if restored is None:
-        raise FileNotFoundError(f"no complete checkpoint in {ckpt.manager.directory}")
+        raise FileNotFoundError(f"no complete checkpoint in {ckpt.directory}")
     return trainer, restored[0]
 
 

@@ -181,10 +181,10 @@ class RLLoop:
         stack.callback(self.ckpt.close)
         latest = self.ckpt.latest_step()
         if latest is not None and not config.resume:  # refused before any work (the warm start takes minutes)
-            raise ValueError(f"{self.ckpt.manager.directory} holds checkpoints (latest step {latest}): pass "
+            raise ValueError(f"{self.ckpt.directory} holds checkpoints (latest step {latest}): pass "
                              f"--config.resume=True to continue that run, or use a new workdir")
         if config.resume and latest is None:
-            logging.warning("resume: no checkpoint in %s, starting afresh", self.ckpt.manager.directory)
+            logging.warning("resume: no checkpoint in %s, starting afresh", self.ckpt.directory)
         # Everything that reads user input comes before anything starts: prompts, held-out set, workflow.
         prompts, self.held_out = train_prompts(config, self.tokenizer), eval_prompts(config, self.tokenizer)
         workflow = load_workflow(config.workflow.path, config.workflow.kwargs)
@@ -239,7 +239,7 @@ class RLLoop:
         meta = self.restored[1]
         states = meta.get("controllers") or [meta["controller"]]
         if len(states) != self.processes.count:
-            raise ValueError(f"checkpoint {self.done} in {self.ckpt.manager.directory} was written by {len(states)} "
+            raise ValueError(f"checkpoint {self.done} in {self.ckpt.directory} was written by {len(states)} "
                              f"process(es) and this run has {self.processes.count}: each process's dataset shard "
                              f"and queue of admitted prompts belong to that layout. Resume with {len(states)} "
                              f"process(es), or start a new workdir from its params (--export_to, then "
