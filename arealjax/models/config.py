@@ -268,3 +268,35 @@ def to_hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
                    decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
                    router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False)
     return out
+
+
+# ---- LoRA adapters (models/lora.py adds, merges and saves them) ----
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Adapters of rank `rank` on the `targets` projections of every layer, scaled by alpha / rank."""
+
+    rank: int
+    alpha: float = 16.0
+    targets: tuple[str, ...] = TARGETS
+
+    def __post_init__(self):
+        if self.rank <= 0:
+            raise ValueError(f"lora.rank = {self.rank}; expected > 0 (0 turns LoRA off)")
+        unknown = sorted(set(self.targets) - set(TARGETS))
+        if unknown or not self.targets:
+            raise ValueError(f"lora.targets = {tuple(self.targets)}: {unknown or 'empty'}; expected a non-empty "
+                             f"subset of {TARGETS}")
+        object.__setattr__(self, "targets", tuple(self.targets))
+
+    @classmethod
+    def of(cls, section: Any) -> LoraConfig | None:
+        """The adapters of a config's `lora` section (rank, alpha, targets); None where rank is 0 (LoRA off)."""
+        return cls(section.rank, section.alpha, tuple(section.targets)) if section.rank else None
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank

@@ -13,7 +13,6 @@ separates them from the base by variable type.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from arealjax.models.config import TARGETS, LoraConfig
 from arealjax.models.model import Model, _sharding, abstract_model
 from arealjax.models.transformer import Transformer
 from arealjax.sharding import DEFAULT_RULES, tree_shardings
@@ -31,36 +31,8 @@ from arealjax.validate import Problems, number
 
 SERVING = ("merged", "on_the_fly")  # how the generator applies adapters
 EXPORTS = ("merged", "adapters")  # what a run's exported model is
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-    """Adapters of rank `rank` on the `targets` projections of every layer, scaled by alpha / rank."""
-
-    rank: int
-    alpha: float = 16.0
-    targets: tuple[str, ...] = TARGETS
-
-    def __post_init__(self):
-        if self.rank <= 0:
-            raise ValueError(f"lora.rank = {self.rank}; expected > 0 (0 turns LoRA off)")
-        unknown = sorted(set(self.targets) - set(TARGETS))
-        if unknown or not self.targets:
-            raise ValueError(f"lora.targets = {tuple(self.targets)}: {unknown or 'empty'}; expected a non-empty "
-                             f"subset of {TARGETS}")
-        object.__setattr__(self, "targets", tuple(self.targets))
-
-    @classmethod
-    def of(cls, section: Any) -> LoraConfig | None:
-        """The adapters of a config's `lora` section (rank, alpha, targets); None where rank is 0 (LoRA off)."""
-        return cls(section.rank, section.alpha, tuple(section.targets)) if section.rank else None
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
 
 
 def check(config: Any, problems: Problems) -> None:

@@ -7,18 +7,14 @@ import each other.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arealjax.models.config import ModelConfig
+from arealjax.models.config import LoraConfig, ModelConfig
 from arealjax.models.transformer import Transformer, forward
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, reshard, tree_shardings
-
-if TYPE_CHECKING:  # annotations only: lora.py imports this module
-    from arealjax.models.lora import LoraConfig
 
 
 @dataclasses.dataclass
