@@ -7,6 +7,9 @@
 
 SFT warm start on imperfect demonstrations (cached in the workdir), then PPO with GRPO advantages;
 trainer and generator on disjoint (fake CPU) devices. See arealjax/train.py.
+
+Expected on 2 CPU cores: about 5–6 minutes (the SFT warm start about 3 of them; a rerun on the same workdir reuses
+it); held-out pass@1 0.52 ± 0.07 → 0.97 ± 0.05 over seeds 0–2 (benchmarks/results/learning.md).
 """
 
 import ml_collections

@@ -9,6 +9,9 @@ arealjax/data/remainder.py): quotients are lognormal (median `task.median_steps`
 outputs are mostly short and sometimes ten times longer. The SFT warm start forgets borrows; RL learns them.
 Everything not set here is the default job's (configs/default.py): model, meshes, sharding, rewards service,
 checkpoints.
+
+Expected on 2 CPU cores: about 10 minutes, the SFT warm start included; held-out pass@1 at η = 4 0.82 ± 0.02 over
+seeds 0–2 (η = 0: 0.87; benchmarks/results/learning.md).
 """
 
 import ml_collections

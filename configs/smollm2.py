@@ -18,6 +18,9 @@ ChatML template); the task is GSM8K-format word problems (arealjax/data/word_pro
 exactly as GSM8K is, prompts through the model's chat template, math-verify rewards. PPO and optimizer settings are
 the AReaL paper's, as in configs/math.py; the whole recipe is this file: configs/default.py's job with the
 overrides below. docs/real_model.md has the measurements behind the 2-core settings.
+
+Expected (device=cpu, 2 CPU cores): 17–21 minutes for 20 steps with three evaluations; held-out pass@1 (T = 0.7)
+0.16 ± 0.01 → 0.56 ± 0.05 over seeds 0–2 (benchmarks/results/real_model.md). device=gpu: not measured yet.
 """
 
 import ml_collections
