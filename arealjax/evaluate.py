@@ -17,6 +17,7 @@ training every `rl.eval_every` steps. Estimators, from n ≥ k samples per probl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -76,24 +77,44 @@ def load_fn(path: str) -> Callable | None:
     return resolve(path, "eval.answer_fn") if path else None
 
 
-def evaluate(backend: RolloutBackend, rewards, tokenizer, prompts: Sequence, *, n: int = 1, ks: Sequence[int] = (1,),
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 256,
-             seed: int = 0, greedy: bool = True, answer_fn: Callable | None = None, wait: Callable = None,
-             progress: bool = False, desc: str = "evaluate") -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Samples `n` completions of every prompt (and one greedy one), scores them with the reward service and
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """What an evaluation draws and estimates: `n` samples per problem with `sampling` (its temperature, top-k,
+    top-p, token cap and seed; the stop tokens are the tokenizer's, each problem's seed derived from this one),
+    pass@k / maj@k for each k of `ks` that n allows, and one greedy sample per problem if `greedy`."""
+
+    sampling: SamplingParams = SamplingParams()
+    n: int = 1
+    ks: tuple[int, ...] = (1,)
+    greedy: bool = True
+
+    @classmethod
+    def of(cls, config: Any) -> EvalSpec:
+        """From a config: eval.* where set, else the RL sampling (rl.*)."""
+        e, r = config.eval, config.rl
+        temperature = e.temperature if e.temperature >= 0 else r.temperature
+        return cls(SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p,
+                                  max_new_tokens=r.max_new_tokens, seed=config.seed), e.n, tuple(e.k), e.greedy)
+
+
+def evaluate(backend: RolloutBackend, rewards, tokenizer, prompts: Sequence, spec: EvalSpec = EvalSpec(), *,
+             answer_fn: Callable | None = None, wait: Callable = None, progress: bool = False,
+             desc: str = "evaluate") -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Samples `spec.n` completions of every prompt (and one greedy one), scores them with the reward service and
     returns (summary, per-problem rows). `wait(future)` resolves futures (the training loop's checks for a stop
     request); `answer_fn(completion) -> str | None` extracts final answers for maj@k (None: no maj@k). With
     `progress`, a bar counts the samples scored and shows the running accuracy (mean reward so far) and greedy
     accuracy: the sampled requests go first (in problem order, as the backend serves them), the greedy ones after."""
     wait = wait or (lambda f: f.result())
-    stops = tuple(tokenizer.eos_ids)
-    futs = [backend.submit(p.tokens, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                                                      max_new_tokens=max_new_tokens, stop_token_ids=stops, n=n,
-                                                      seed=p.sampling_seed(seed + 99))) for p in prompts]
-    greedy_futs = [backend.submit(p.tokens, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
-                                                             stop_token_ids=stops)) for p in prompts] if greedy else []
+    stops, n, sampling = tuple(tokenizer.eos_ids), spec.n, spec.sampling
+    futs = [backend.submit(p.tokens, dataclasses.replace(sampling, stop_token_ids=stops, n=n,
+                                                         seed=p.sampling_seed(sampling.seed + 99)))
+            for p in prompts]
+    greedy_futs = [backend.submit(p.tokens, SamplingParams(temperature=0.0, max_new_tokens=sampling.max_new_tokens,
+                                                             stop_token_ids=stops))
+                   for p in prompts] if spec.greedy else []
     rows, t0 = [], time.perf_counter()
-    bar = tqdm(total=len(prompts) * (n + bool(greedy)), desc=desc, unit="sample", disable=not progress,
+    bar = tqdm(total=len(prompts) * (n + bool(spec.greedy)), desc=desc, unit="sample", disable=not progress,
                mininterval=BAR_SECONDS, miniters=1, leave=False)
     reward_sum = greedy_sum = 0.0
     for p, f in zip(prompts, futs):
@@ -118,7 +139,7 @@ def evaluate(backend: RolloutBackend, rewards, tokenizer, prompts: Sequence, *, 
                         refresh=False)
         bar.update()
     bar.close()
-    return summarize(rows, n, ks, seconds=time.perf_counter() - t0), rows
+    return summarize(rows, n, spec.ks, seconds=time.perf_counter() - t0), rows
 
 
 def summarize(rows: list[dict[str, Any]], n: int, ks: Sequence[int], seconds: float = 0.0) -> dict[str, float]:
@@ -208,21 +229,13 @@ def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", pro
     # threads' imports).
     prompts = eval_prompts(config, builders.make_tokenizer(config))
     with _serving(config, workdir, stop) as (backend, rewards, tokenizer, wait):
-        summary, rows = evaluate(backend, rewards, tokenizer, prompts, answer_fn=answer_fn, wait=wait,
-                                 progress=progress, **sampling_kwargs(config))
+        summary, rows = evaluate(backend, rewards, tokenizer, prompts, EvalSpec.of(config), answer_fn=answer_fn,
+                                 wait=wait, progress=progress)
     with open(out / "problems.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def sampling_kwargs(config: Any) -> dict[str, Any]:
-    """evaluate()'s sampling arguments from a config: eval.* where set, else the RL sampling (rl.*)."""
-    e, r = config.eval, config.rl
-    temperature = e.temperature if e.temperature >= 0 else r.temperature
-    return dict(n=e.n, ks=list(e.k), temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-                max_new_tokens=r.max_new_tokens, seed=config.seed, greedy=e.greedy)
 
 
 def main(argv: list[str]) -> None:

@@ -103,17 +103,17 @@ def held_out_metrics(backend: RolloutBackend, rewards: RewardService, tokenizer:
     per-problem rows go to workdir/eval/<step>.jsonl, its progress to a bar of its own (process 0's share). On
     several processes each evaluates its share of the problems on its generator and every process gets the summary
     over all of them; the rows process 0 writes then carry the completions of its own share only."""
-    kwargs = evaluation.sampling_kwargs(config)
-    summary, rows = evaluation.evaluate(backend, rewards, tokenizer, prompts[processes.index::processes.count],
+    spec = evaluation.EvalSpec.of(config)
+    summary, rows = evaluation.evaluate(backend, rewards, tokenizer, prompts[processes.index::processes.count], spec,
                                         wait=stop.wait, answer_fn=evaluation.load_fn(config.eval.answer_fn),
-                                        progress=processes.primary, desc=f"evaluate (step {step})", **kwargs)
+                                        progress=processes.primary, desc=f"evaluate (step {step})")
     if processes.count > 1:
         mine = {"completions", "greedy_completion"}
         shares = processes.allgather("eval", [{k: v for k, v in r.items() if k not in mine} for r in rows])
         shares[processes.index] = rows
         order = {p.id: i for i, p in enumerate(prompts)}
         rows = sorted((r for share in shares for r in share), key=lambda r: order[r["id"]])
-        summary = evaluation.summarize(rows, kwargs["n"], kwargs["ks"],
+        summary = evaluation.summarize(rows, spec.n, spec.ks,
                                        seconds=max(processes.allgather("eval_s", summary.get("eval_seconds", 0.0))))
     if processes.primary:
         (workdir / "eval").mkdir(exist_ok=True)

@@ -104,8 +104,9 @@ def test_backends_and_transports_satisfy_the_protocols_and_serve_through_them(ki
             # evaluation, through the protocol only, its bar redrawn at every sample scored (BAR_SECONDS = 0)
             monkeypatch.setattr(evaluate, "BAR_SECONDS", 0.0)
             capsys.readouterr()
-            summary, rows = evaluate.evaluate(proxy, rewards, tokenizer, eval_prompts(c, tokenizer)[:3], n=2,
-                                              ks=(1, 2), max_new_tokens=6, progress=True, desc="held out")
+            spec = evaluate.EvalSpec(SamplingParams(max_new_tokens=6), n=2, ks=(1, 2))
+            summary, rows = evaluate.evaluate(proxy, rewards, tokenizer, eval_prompts(c, tokenizer)[:3], spec,
+                                              progress=True, desc="held out")
         assert summary["problems"] == 3 and len(rows) == 3
         # the bar counts samples as they are scored (3 problems x 2, then 3 greedy) with the running accuracies,
         # which end at the summary's
