@@ -61,7 +61,12 @@ def run(config: Any, workdir: str, stop: Stop | None = None) -> dict[str, Any]:
         check_config(config, processes.count)  # every size, count and name: seconds, before anything is built
         shared_workdir(workdir, processes)
         with contextlib.ExitStack() as stack:
-            RLLoop(config, workdir, stop, stack, summary, processes).run()
+            start = Start.of(config, workdir, stop, stack, processes)
+            if config.rl.steps == 0:  # an SFT-only run: the warm start's model is the result
+                save_model(start.model, start.tokenizer, workdir / "model", config.model_path)
+                summary.update(status="completed", steps=0, model=str(workdir / "model"))
+            else:
+                RLLoop(config, workdir, stop, stack, summary, processes, start).run()
     except Interrupted as e:
         summary["status"] = f"interrupted ({e})"
         if not processes.stopping:  # a stop the others did not agree to: tell them
@@ -166,37 +171,61 @@ class Measured:
     report: list[dict]
 
 
-class RLLoop:
-    """run()'s body: builds every component (each stopped by `stack` on any exit), then trains step by step in the
-    phases of the module docstring; `summary` is filled in as it goes."""
+@dataclasses.dataclass
+class Start:
+    """What every run builds first, in this order: the tokenizer and model (`builders.base`), the checkpoint
+    directory and its latest step (a run with checkpoints and no `resume` is refused before any work), everything
+    that reads user input (prompts, held-out set, workflow: a mistake refused before anything starts), then the SFT
+    warm start (also after a resume under LoRA: a checkpoint then holds only the adapters, and the base is the SFT
+    result again). An SFT-only run (rl.steps = 0) ends here: its `model` is the result."""
 
-    def __init__(self, config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, summary: dict[str, Any],
-                 processes: Processes):
-        self.config, self.workdir, self.stop, self.summary, self.processes = config, workdir, stop, summary, processes
-        rl, c = config.rl, config.checkpoint
+    base: Any
+    ckpt: Checkpointer
+    latest: int | None
+    prompts: Any
+    held_out: list[Prompt]
+    workflow: Any
+    model: Any
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.base.tokenizer
+
+    @classmethod
+    def of(cls, config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, processes: Processes) -> Start:
+        c = config.checkpoint
         base = builders.base(config)
-        self.tokenizer, model, mesh = base.tokenizer, base.model, base.meshes["trainer"]
-        self.ckpt = Checkpointer(c.dir or workdir / "checkpoints", every_steps=c.every_steps,
-                                 every_seconds=c.every_seconds, max_to_keep=c.max_to_keep)
-        stack.callback(self.ckpt.close)
-        latest = self.ckpt.latest_step()
+        ckpt = Checkpointer(c.dir or workdir / "checkpoints", every_steps=c.every_steps,
+                            every_seconds=c.every_seconds, max_to_keep=c.max_to_keep)
+        stack.callback(ckpt.close)
+        latest = ckpt.latest_step()
         if latest is not None and not config.resume:  # refused before any work (the warm start takes minutes)
-            raise ValueError(f"{self.ckpt.directory} holds checkpoints (latest step {latest}): pass "
+            raise ValueError(f"{ckpt.directory} holds checkpoints (latest step {latest}): pass "
                              f"--config.resume=True to continue that run, or use a new workdir")
         if config.resume and latest is None:
-            logging.warning("resume: no checkpoint in %s, starting afresh", self.ckpt.directory)
-        # Everything that reads user input comes before anything starts: prompts, held-out set, workflow.
-        prompts, self.held_out = train_prompts(config, self.tokenizer), eval_prompts(config, self.tokenizer)
+            logging.warning("resume: no checkpoint in %s, starting afresh", ckpt.directory)
+        prompts, held_out = train_prompts(config, base.tokenizer), eval_prompts(config, base.tokenizer)
         workflow = load_workflow(config.workflow.path, config.workflow.kwargs)
-        # A checkpoint holds the full params, or (LoRA) only the adapters: then the base is the SFT result again.
+        model = base.model
         if config.sft.steps and (latest is None or config.lora.rank):
-            model = warm_start(config, self.tokenizer, model, mesh, base.rules, workdir, stop, processes)
-        self.model, self.trainer = model, None
-        if rl.steps == 0:  # an SFT-only run: its model is the result
-            return
-        self.trainer = builders.make_trainer(config, model, mesh, base.rules, processes)
+            model = warm_start(config, base.tokenizer, model, base.meshes["trainer"], base.rules, workdir, stop,
+                               processes)
+        return cls(base, ckpt, latest, prompts, held_out, workflow, model)
+
+
+class RLLoop:
+    """run()'s body after the `Start`: builds the trainer and the rollout components (each stopped by `stack` on any
+    exit), then trains step by step in the phases of the module docstring; `summary` is filled in as it goes."""
+
+    def __init__(self, config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, summary: dict[str, Any],
+                 processes: Processes, start: Start):
+        self.config, self.workdir, self.stop, self.summary, self.processes = config, workdir, stop, summary, processes
+        rl = config.rl
+        base, latest, prompts, workflow = start.base, start.latest, start.prompts, start.workflow
+        self.tokenizer, self.ckpt, self.held_out = start.tokenizer, start.ckpt, start.held_out
+        self.trainer = builders.make_trainer(config, start.model, base.meshes["trainer"], base.rules, processes)
         # the trainer holds its own copy: no idle second one on the trainer's devices
-        self.model = model = base.model = None
+        start.model = base.model = None
         self.restored = self.ckpt.restore_latest(self.trainer) if latest is not None else None
         self.done = self.start = 0 if self.restored is None else self.restored[0]  # completed RL steps
         if self.done >= rl.steps:
@@ -249,11 +278,7 @@ class RLLoop:
     # ---- the run ----
 
     def run(self) -> None:
-        config, rl, summary = self.config, self.config.rl, self.summary
-        if self.trainer is None:
-            save_model(self.model, self.tokenizer, self.workdir / "model", config.model_path)
-            summary.update(status="completed", steps=0, model=str(self.workdir / "model"))
-            return
+        rl, summary = self.config.rl, self.summary
         if self.restored:
             self.first = self.restored[1]["first_eval"]
         else:

@@ -165,7 +165,9 @@ def test_rl_loop_keeps_one_copy_of_the_weights_on_the_trainer(tmp_path):
     config.sft.steps, config.rl.steps, config.model.hidden_size = 0, 1, 48  # a width no other array has
     stop = Stop()
     with contextlib.ExitStack() as stack:
-        loop = train.RLLoop(config, tmp_path, stop, stack, {}, Processes(stop))
+        processes = Processes(stop)
+        start = train.Start.of(config, tmp_path, stop, stack, processes)
+        loop = train.RLLoop(config, tmp_path, stop, stack, {}, processes, start)
         trainer_devices = set(loop.trainer.params["embed_tokens"].get_value().devices())
         shape = loop.trainer.params["embed_tokens"].get_value().shape
         copies = [x for x in jax.live_arrays() if x.shape == shape and set(x.devices()) <= trainer_devices]
