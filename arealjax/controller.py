@@ -79,22 +79,37 @@ class ControllerStats:
     reward_sum: float = 0.0  # over those episodes: the policy's reward before filtering
 
 
+@dataclasses.dataclass(frozen=True)
+class Stopping:
+    """When the controller ends a run whose groups all get filtered: after `max_filtered_in_a_row` groups dropped by
+    dynamic filtering with none kept, the trainer would starve (0 = never checked): if every sample of those groups
+    got at least `solved_reward`, the task is solved (TaskSolved); otherwise (all wrong: a collapsed policy or a
+    task too hard) the run stops with an error. With `solved_window` > 0 the task is also solved once
+    `solved_share` of the last `solved_window` groups had every sample right (before that, a run near 100% crawls:
+    each kept group costs many samples)."""
+
+    max_filtered_in_a_row: int = 500
+    solved_reward: float = 1.0
+    solved_window: int = 0
+    solved_share: float = 1.0
+
+    @classmethod
+    def of(cls, rl: Any) -> Stopping:
+        """From a config's rl section."""
+        return cls(rl.max_filtered_in_a_row, rl.solved_reward, rl.solved_window, rl.solved_share)
+
+
 class RolloutController:
     def __init__(self, backend: RolloutBackend, rewards: Rewards, tokenizer: Tokenizer, prompts: PromptSource,
                  staleness: StalenessManager, sampling: SamplingParams, advantage: AdvantageConfig, *,
-                 workflow: Workflow | None = None, max_filtered_in_a_row: int = 500, solved_reward: float = 1.0,
-                 solved_window: int = 0, solved_share: float = 1.0):
-        """`sampling.n` episodes per prompt, each generating with `sampling` (n = 1). `max_filtered_in_a_row`:
-        after this many groups dropped by dynamic filtering with none kept, the trainer would starve (0 = never
-        checked): if every sample of those groups got at least `solved_reward`, the task is solved and `get_batch`
-        raises TaskSolved; otherwise (all wrong: a collapsed policy or a task too hard) the run stops with an
-        error. With `solved_window` > 0 the task is also solved once `solved_share` of the last `solved_window`
-        groups had every sample right (before that, a run near 100% crawls: each kept group costs many samples)."""
+                 workflow: Workflow | None = None, stopping: Stopping = Stopping()):
+        """`sampling.n` episodes per prompt, each generating with `sampling` (n = 1); `stopping`: when groups that
+        all get filtered end the run (`get_batch` raises TaskSolved when the task is solved)."""
         if sampling.n < 1:
             raise ValueError("sampling.n must be >= 1")
-        self.max_filtered_in_a_row, self.solved_reward = max_filtered_in_a_row, solved_reward
-        self.solved_share = solved_share
-        self._all_right: collections.deque[bool] = collections.deque(maxlen=solved_window)  # per group
+        self.max_filtered_in_a_row, self.solved_reward = stopping.max_filtered_in_a_row, stopping.solved_reward
+        self.solved_share = stopping.solved_share
+        self._all_right: collections.deque[bool] = collections.deque(maxlen=stopping.solved_window)  # per group
         self.backend, self.rewards, self.tokenizer = backend, rewards, tokenizer
         self.prompts, self.staleness, self.sampling, self.advantage = prompts, staleness, sampling, advantage
         self.workflow = workflow if workflow is not None else RLVR()

@@ -31,7 +31,15 @@ from arealjax import evaluate as evaluation
 from arealjax.api import RolloutBackend, SamplingParams
 from arealjax.checkpoint import Checkpointer
 from arealjax.checks import check_config, output_dir
-from arealjax.controller import Group, Prompt, RolloutController, TaskSolved, staleness_of, token_staleness
+from arealjax.controller import (
+    Group,
+    Prompt,
+    RolloutController,
+    Stopping,
+    TaskSolved,
+    staleness_of,
+    token_staleness,
+)
 from arealjax.data.prompts import eval_prompts, train_prompts
 from arealjax.distributed import Processes
 from arealjax.export import save_model
@@ -254,8 +262,7 @@ class RLLoop:
         self.advantage = AdvantageConfig(**config.advantage.to_dict())
         self.controller = RolloutController(
             self.backend, self.rewards, self.tokenizer, prompts, share, sampling, self.advantage,
-            max_filtered_in_a_row=rl.max_filtered_in_a_row, solved_reward=rl.solved_reward,
-            solved_window=rl.solved_window, solved_share=rl.solved_share, workflow=workflow)
+            stopping=Stopping.of(rl), workflow=workflow)
         stack.callback(lambda: summary.update(prompts=self.controller.stop()))  # the accounting, on every exit
         if self.restored:
             self.controller.restore(controllers[processes.index], self.trainer.version)

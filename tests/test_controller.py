@@ -15,7 +15,7 @@ import pytest
 
 from arealjax import builders, train
 from arealjax.api import SamplingParams
-from arealjax.controller import Prompt, RolloutController
+from arealjax.controller import Prompt, RolloutController, Stopping
 from arealjax.data.pipeline import format_prompt
 from arealjax.data.prompts import train_prompts
 from arealjax.generation.engine import Engine
@@ -384,7 +384,7 @@ def test_a_workflow_that_rejects_every_episode_stops_the_run_saying_so():
     c = small_config(1)
     prompts = train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
     controller = RolloutController(None, None, None, prompts, StalenessManager(2, 1, 8), SamplingParams(n=2),
-                                   AdvantageConfig(), max_filtered_in_a_row=3)
+                                   AdvantageConfig(), stopping=Stopping(max_filtered_in_a_row=3))
     for _ in range(3):
         controller._on_scored(controller._admit(), [None, None])
     with pytest.raises(RuntimeError, match="the workflow rejected every episode of the last 3 groups"):
