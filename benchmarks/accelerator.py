@@ -58,12 +58,13 @@ six files, each written as its stage ends (docs/accelerator.md reads them; --sta
   trace.tar.gz     a `jax.profiler` trace (plugins/profile/<run>/: *.trace.json.gz, perfetto_trace.json.gz and, if it
                    fits in 15 MiB, *.xplane.pb) of one warm decode call and one warm train step, under the host
                    annotations 'decode' and 'train'
-                   Then, untraced: 'decode_full', the decode step of 256 rows of 512 tokens in 256 slots and its
-                   share of peak HBM (the issue's target); 'long_tail', useful tokens/s through the Generator per
-                   slot count and request count, with the compiles of its warm-up and timed runs; 'paged_sweep', the
-                   paged kernel alone at those rows over
-                   page sizes × pages per compute block × partitions (its knobs); 'train_attention', the train step
-                   with each training attention kernel (ours, `pallas`, and JAX's `pallas_mha`)
+                   First, untraced: 'paged_sweep', the paged decode kernels alone (ours over its knobs, JAX's),
+                   each checked against float32 attention; the fastest correct knobs go to the decode stages.
+                   After the trace: 'decode_full', the decode step of 256 rows of 512 tokens in 256 slots and its
+                   share of peak HBM (the issue's target), with our kernel and with JAX's; 'long_tail', useful
+                   tokens/s through the Generator per slot count and request count, with the compiles of its
+                   warm-up and timed runs; 'train_attention', the train step with each training attention kernel
+                   (ours, `pallas`, and JAX's `pallas_mha`)
   kernels.md       benchmarks/profile_table.py's per-kernel table of that trace, per region
   environment.txt  jax.print_environment_info(), the packages' versions and nvidia-smi
   profile.md       the summary printed last and kernels.md: what goes into benchmarks/results/
