@@ -107,8 +107,7 @@ class RolloutController:
         all get filtered end the run (`get_batch` raises TaskSolved when the task is solved)."""
         if sampling.n < 1:
             raise ValueError("sampling.n must be >= 1")
-        self.max_filtered_in_a_row, self.solved_reward = stopping.max_filtered_in_a_row, stopping.solved_reward
-        self.solved_share = stopping.solved_share
+        self.stopping = stopping
         self._all_right: collections.deque[bool] = collections.deque(maxlen=stopping.solved_window)  # per group
         self.backend, self.rewards, self.tokenizer = backend, rewards, tokenizer
         self.prompts, self.staleness, self.sampling, self.advantage = prompts, staleness, sampling, advantage
@@ -233,36 +232,37 @@ class RolloutController:
                 self._filtered_reward_min = min(self._filtered_reward_min, rewards[0] if rewards else -float("inf"))
                 self._rejected_in_a_row += not rewards
             self._cv.notify_all()
+            rules = self.stopping
             all_rejected = self._rejected_in_a_row == self.stats.filtered_in_a_row
-            starved = 0 < self.max_filtered_in_a_row <= self.stats.filtered_in_a_row
+            starved = 0 < rules.max_filtered_in_a_row <= self.stats.filtered_in_a_row
             mean = self._filtered_reward_sum / max(self.stats.filtered_in_a_row, 1)
-            solved = self._filtered_reward_min >= self.solved_reward
-            self._all_right.append(bool(rewards) and min(rewards) >= self.solved_reward)
+            solved = self._filtered_reward_min >= rules.solved_reward
+            self._all_right.append(bool(rewards) and min(rewards) >= rules.solved_reward)
             window = self._all_right.maxlen
             right = sum(self._all_right)
-            mostly_right = 0 < window == len(self._all_right) and right >= self.solved_share * window
+            mostly_right = 0 < window == len(self._all_right) and right >= rules.solved_share * window
         if starved and solved:
             self._fail(TaskSolved(
-                f"every sample of the last {self.stats.filtered_in_a_row} groups got reward ≥ {self.solved_reward} "
+                f"every sample of the last {self.stats.filtered_in_a_row} groups got reward ≥ {rules.solved_reward} "
                 f"(rl.solved_reward), so dynamic filtering left the trainer nothing to learn from "
-                f"(rl.max_filtered_in_a_row={self.max_filtered_in_a_row})"))
+                f"(rl.max_filtered_in_a_row={rules.max_filtered_in_a_row})"))
         elif mostly_right:
             self._fail(TaskSolved(
-                f"{right} of the last {window} groups had every sample at reward ≥ {self.solved_reward} "
-                f"(rl.solved_share={self.solved_share}, rl.solved_window={window})"))
+                f"{right} of the last {window} groups had every sample at reward ≥ {rules.solved_reward} "
+                f"(rl.solved_share={rules.solved_share}, rl.solved_window={window})"))
         elif starved and all_rejected:
             self._fail(RuntimeError(
                 f"the workflow rejected every episode of the last {self.stats.filtered_in_a_row} groups "
                 f"({type(self.workflow).__name__}: the log's 'rejected' lines and its *_rejected_* counters say why), "
-                f"so the trainer has nothing to learn from (rl.max_filtered_in_a_row={self.max_filtered_in_a_row})"))
+                f"so the trainer has nothing to learn from (rl.max_filtered_in_a_row={rules.max_filtered_in_a_row})"))
         elif starved:
             self._fail(RuntimeError(
                 f"dynamic filtering dropped {self.stats.filtered_in_a_row} groups in a row (every sample of each got "
                 f"the same reward; "
-                f"mean of those rewards {mean:.3f}, below rl.solved_reward={self.solved_reward}): no group carries a "
+                f"mean of those rewards {mean:.3f}, below rl.solved_reward={rules.solved_reward}): no group carries a "
                 f"learning signal, so the trainer would wait forever. Uniformly low rewards mean the policy "
                 f"collapsed or the task is too hard. Raise rl.group_size or rl.temperature, change the task, or set "
-                f"advantage.filter_uniform=False (rl.max_filtered_in_a_row={self.max_filtered_in_a_row})"))
+                f"advantage.filter_uniform=False (rl.max_filtered_in_a_row={rules.max_filtered_in_a_row})"))
 
     def _fail(self, e: BaseException) -> None:
         with self._cv:

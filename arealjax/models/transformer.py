@@ -504,8 +504,9 @@ def unstack(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[nnx.State, ...]:
     (`Transformer.decode`'s `per_layer`): a matmul's operand sliced from the stacked params is a copy made on every
     call (on an H200, 196 copies per decode step of Qwen3-0.6B: every weight read three times), so the generator
     unstacks once per weight update instead."""
-    layers = nnx.split(nnx.merge(graphdef, params).layers)[1]
-    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(len(jax.tree.leaves(layers)[0])))
+    model = nnx.merge(graphdef, params)
+    layers = nnx.split(model.layers)[1]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(model.cfg.num_layers))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
