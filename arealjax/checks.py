@@ -58,6 +58,7 @@ def check_eval(config: Any, problems: Problems) -> None:
                                                          for k in e.k), "eval.k",
          f"a tuple of integers in [1, eval.n = {e.n}], e.g. (1, 4) (on the command line: --config.eval.k='(1,4)')")
     need(isinstance(e.greedy, bool), "eval.greedy", "True or False")
+    need(isinstance(e.workflow, bool), "eval.workflow", "True (samples are episodes of the run's workflow) or False")
     need(number(e.temperature) and (e.temperature >= 0 or e.temperature == -1), "eval.temperature",
          "≥ 0 (0 = greedy samples), or -1 for rl.temperature")
     need(isinstance(e.answer_fn, str) and (not e.answer_fn or re.fullmatch(r"[\w.]+:\w+", e.answer_fn)),

@@ -16,11 +16,14 @@ training every `rl.eval_every` steps. Estimators, from n ≥ k samples per probl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
 import json
+import logging
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -33,6 +36,7 @@ from tqdm import tqdm
 from arealjax.api import RolloutBackend, SamplingParams
 from arealjax.runtime import Stop
 
+log = logging.getLogger(__name__)
 MAJ_EXACT = 20_000
 MAJ_DRAWS = 2_000
 BAR_SECONDS = 2.0  # the progress bar's shortest redraw interval
@@ -99,47 +103,140 @@ class EvalSpec:
 
 def evaluate(backend: RolloutBackend, rewards, tokenizer, prompts: Sequence, spec: EvalSpec = EvalSpec(), *,
              answer_fn: Callable | None = None, wait: Callable = None, progress: bool = False,
-             desc: str = "evaluate") -> tuple[dict[str, float], list[dict[str, Any]]]:
+             desc: str = "evaluate", workflow: Any = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Samples `spec.n` completions of every prompt (and one greedy one), scores them with the reward service and
     returns (summary, per-problem rows). `wait(future)` resolves futures (the training loop's checks for a stop
     request); `answer_fn(completion) -> str | None` extracts final answers for maj@k (None: no maj@k). With
     `progress`, a bar counts the samples scored and shows the running accuracy (mean reward so far) and greedy
-    accuracy: the sampled requests go first (in problem order, as the backend serves them), the greedy ones after."""
+    accuracy: the sampled requests go first (in problem order, as the backend serves them), the greedy ones after.
+
+    With `workflow` (an object with `async run(episode)`, workflows/base.py), every sample is an episode of it
+    instead of one completion of the prompt: an agent is evaluated as it is trained. The sample's reward is its
+    trajectories' reward (a rejected episode scores 0 and is counted), its text the model's part of its last
+    trajectory from the first model token on. The workflow is closed when the evaluation ends."""
     wait = wait or (lambda f: f.result())
     stops, n, sampling = tuple(tokenizer.eos_ids), spec.n, spec.sampling
-    futs = [backend.submit(p.tokens, dataclasses.replace(sampling, stop_token_ids=stops, n=n,
-                                                         seed=p.sampling_seed(sampling.seed + 99)))
-            for p in prompts]
-    greedy_futs = [backend.submit(p.tokens, SamplingParams(temperature=0.0, max_new_tokens=sampling.max_new_tokens,
-                                                             stop_token_ids=stops))
-                   for p in prompts] if spec.greedy else []
-    rows, t0 = [], time.perf_counter()
-    bar = tqdm(total=len(prompts) * (n + bool(spec.greedy)), desc=desc, unit="sample", disable=not progress,
-               mininterval=BAR_SECONDS, miniters=1, leave=False)
-    reward_sum = greedy_sum = 0.0
-    for p, f in zip(prompts, futs):
-        samples = wait(f)
-        texts = [tokenizer.decode(s.output_tokens) for s in samples]
-        scores = [rewards.submit(t, **p.reward_kwargs) for t in texts]
-        row = {"id": p.id, "rewards": [float(wait(s)) for s in scores], "completions": texts,
-               "lengths": [len(s.output_tokens) for s in samples],
-               "truncated": sum(s.stop_reason == "length" for s in samples)}
-        row["correct"] = sum(r > 0.5 for r in row["rewards"])
-        if answer_fn is not None:
-            row["answers"] = [answer_fn(t) for t in texts]
-        rows.append(row)
-        reward_sum += sum(row["rewards"])
-        bar.set_postfix(acc=f"{reward_sum / (len(rows) * n):.3f}", refresh=False)
-        bar.update(n)
-    for i, (p, f) in enumerate(zip(prompts, greedy_futs)):
-        text = tokenizer.decode(wait(f)[0].output_tokens)
-        rows[i].update(greedy_completion=text, greedy_reward=float(wait(rewards.submit(text, **p.reward_kwargs))))
-        greedy_sum += rows[i]["greedy_reward"]
-        bar.set_postfix(acc=f"{reward_sum / (len(rows) * n):.3f}", greedy=f"{greedy_sum / (i + 1):.3f}",
-                        refresh=False)
-        bar.update()
-    bar.close()
+    sampled = dataclasses.replace(sampling, stop_token_ids=stops, n=n)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=sampling.max_new_tokens, stop_token_ids=stops)
+    with contextlib.ExitStack() as stack:
+        if workflow is None:
+            submit = _completions(backend, rewards, tokenizer)
+        else:
+            submit = stack.enter_context(_episodes(workflow, backend, rewards, tokenizer))
+        futs = [submit(p, dataclasses.replace(sampled, seed=p.sampling_seed(sampling.seed + 99))) for p in prompts]
+        greedy_futs = [submit(p, greedy) for p in prompts] if spec.greedy else []
+        rows, t0 = [], time.perf_counter()
+        bar = tqdm(total=len(prompts) * (n + bool(spec.greedy)), desc=desc, unit="sample", disable=not progress,
+                   mininterval=BAR_SECONDS, miniters=1, leave=False)
+        reward_sum = greedy_sum = 0.0
+        for p, f in zip(prompts, futs):
+            samples = f(wait)
+            row = {"id": p.id, "rewards": [s.reward for s in samples], "completions": [s.text for s in samples],
+                   "lengths": [s.length for s in samples], "truncated": sum(s.truncated for s in samples)}
+            if workflow is not None:
+                row["rejected"] = sum(s.rejected for s in samples)
+            row["correct"] = sum(r > 0.5 for r in row["rewards"])
+            if answer_fn is not None:
+                row["answers"] = [answer_fn(t) for t in row["completions"]]
+            rows.append(row)
+            reward_sum += sum(row["rewards"])
+            bar.set_postfix(acc=f"{reward_sum / (len(rows) * n):.3f}", refresh=False)
+            bar.update(n)
+        for i, f in enumerate(greedy_futs):
+            (sample,) = f(wait)
+            rows[i].update(greedy_completion=sample.text, greedy_reward=sample.reward)
+            greedy_sum += rows[i]["greedy_reward"]
+            bar.set_postfix(acc=f"{reward_sum / (len(rows) * n):.3f}", greedy=f"{greedy_sum / (i + 1):.3f}",
+                            refresh=False)
+            bar.update()
+        bar.close()
     return summarize(rows, n, spec.ks, seconds=time.perf_counter() - t0), rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One evaluated sample: its text, reward, model tokens, and whether it was cut at the token cap or its episode
+    rejected."""
+
+    text: str
+    reward: float
+    length: int
+    truncated: bool = False
+    rejected: bool = False
+
+
+def _completions(backend: RolloutBackend, rewards, tokenizer) -> Callable:
+    """submit(prompt, sampling) → samples(wait): the prompt's samples, completions of its tokens each scored by the
+    reward service (submitted once `samples` is called)."""
+    def submit(p, sampling: SamplingParams) -> Callable[[Callable], list[Sample]]:
+        fut = backend.submit(p.tokens, sampling)
+
+        def samples(wait: Callable) -> list[Sample]:
+            completions = wait(fut)
+            texts = [tokenizer.decode(c.output_tokens) for c in completions]
+            scores = [rewards.submit(t, **p.reward_kwargs) for t in texts]
+            return [Sample(t, float(wait(s)), len(c.output_tokens), c.stop_reason == "length")
+                    for t, s, c in zip(texts, scores, completions)]
+
+        return samples
+
+    return submit
+
+
+EVAL_IDS = itertools.count()  # request ids of evaluation episodes: unique within the process
+
+
+@contextlib.contextmanager
+def _episodes(workflow: Any, backend: RolloutBackend, rewards, tokenizer):
+    """submit(prompt, sampling) → samples(wait): the prompt's `sampling.n` episodes of `workflow` (episode j samples
+    as sample j of the prompt), run on an event loop of their own that is closed, with the workflow, on exit."""
+    from arealjax.workflows.base import Episode
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="evaluate-episodes", daemon=True)
+    thread.start()
+
+    async def sample(ep: Episode) -> Sample:
+        result = await workflow.run(ep)
+        trajs = [result] if result is not None and not isinstance(result, list) else result or []
+        if not trajs:
+            return Sample("", 0.0, 0, rejected=True)
+        last = trajs[-1]
+        mask = np.asarray(last.loss_mask, bool)
+        text = tokenizer.decode(np.asarray(last.tokens)[int(np.argmax(mask)):].tolist()) if mask.any() else ""
+        return Sample(text, float(last.reward), int(sum(np.asarray(t.loss_mask).sum() for t in trajs)),
+                      any(t.info.get("stop_reason") == "length" for t in trajs))
+
+    async def episodes(p, sampling: SamplingParams) -> list[Sample]:
+        one = dataclasses.replace(sampling, n=1)
+        tag = next(EVAL_IDS)
+        return list(await asyncio.gather(*(sample(Episode(p, j, f"eval{tag}:{p.id}/{j}", backend, rewards, tokenizer,
+                                                          one, backend.max_len)) for j in range(sampling.n))))
+
+    def submit(p, sampling: SamplingParams) -> Callable[[Callable], list[Sample]]:
+        fut = asyncio.run_coroutine_threadsafe(episodes(p, sampling), loop)
+        return lambda wait: wait(fut)
+
+    async def shutdown() -> None:
+        """Cancels the episodes still running (an evaluation stopped early), then closes the workflow."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if (close := getattr(workflow, "close", None)) is not None:
+            try:
+                await close()
+            except Exception as e:  # noqa: BLE001 - the evaluation's outcome stands
+                log.warning("evaluation workflow %s: close failed: %s", type(workflow).__name__, e)
+
+    try:
+        yield submit
+    finally:
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        if not thread.is_alive():
+            loop.close()
 
 
 def summarize(rows: list[dict[str, Any]], n: int, ks: Sequence[int], seconds: float = 0.0) -> dict[str, float]:
@@ -153,6 +250,8 @@ def summarize(rows: list[dict[str, Any]], n: int, ks: Sequence[int], seconds: fl
         out[f"pass@{k}"] = float(np.mean([pass_at_k(n, r["correct"], k) for r in rows]))
         if rows and "answers" in rows[0]:
             out[f"maj@{k}"] = float(np.mean([maj_at_k(r["answers"], r["rewards"], k) for r in rows]))
+    if rows and "rejected" in rows[0]:
+        out["eval_rejected"] = float(sum(r["rejected"] for r in rows) / max(len(rows) * n, 1))
     if rows and "greedy_reward" in rows[0]:
         out["eval_greedy_accuracy"] = float(np.mean([r["greedy_reward"] for r in rows]))
     lengths = [x for r in rows for x in r["lengths"]]
@@ -167,6 +266,14 @@ def summarize(rows: list[dict[str, Any]], n: int, ks: Sequence[int], seconds: fl
 def table(summary: dict[str, float]) -> str:
     keys = [k for k in summary if "@" in k or k in ("eval_accuracy", "eval_greedy_accuracy")]
     return "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {summary[k]:.4f} |\n" for k in keys)
+
+
+def eval_workflow(config: Any) -> Any:
+    """A new instance of the run's workflow if eval.workflow (its counters and servers apart from training's), else
+    None."""
+    from arealjax.workflows import load_workflow
+
+    return load_workflow(config.workflow.path, config.workflow.kwargs) if config.eval.workflow else None
 
 
 def served(config: Any, model_path: str = "", workdir: str = "") -> Any:
@@ -230,7 +337,7 @@ def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", pro
     prompts = eval_prompts(config, builders.make_tokenizer(config))
     with _serving(config, workdir, stop) as (backend, rewards, tokenizer, wait):
         summary, rows = evaluate(backend, rewards, tokenizer, prompts, EvalSpec.of(config), answer_fn=answer_fn,
-                                 wait=wait, progress=progress)
+                                 wait=wait, progress=progress, workflow=eval_workflow(config))
     with open(out / "problems.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")

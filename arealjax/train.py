@@ -119,7 +119,8 @@ def held_out_metrics(backend: RolloutBackend, rewards: RewardService, tokenizer:
     spec = evaluation.EvalSpec.of(config)
     summary, rows = evaluation.evaluate(backend, rewards, tokenizer, prompts[processes.index::processes.count], spec,
                                         wait=stop.wait, answer_fn=evaluation.load_fn(config.eval.answer_fn),
-                                        progress=processes.primary, desc=f"evaluate (step {step})")
+                                        progress=processes.primary, desc=f"evaluate (step {step})",
+                                        workflow=evaluation.eval_workflow(config))
     if processes.count > 1:
         mine = {"completions", "greedy_completion"}
         shares = processes.allgather("eval", [{k: v for k, v in r.items() if k not in mine} for r in rows])

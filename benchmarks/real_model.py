@@ -5,6 +5,7 @@ package), converted, checked against transformers and llama.cpp, served by our g
   python benchmarks/real_model.py --parts=parity,generator,trainer           # the quick parts (~30 minutes)
   python benchmarks/real_model.py --parts=rl --seeds=0,1,2 --etas=0,2        # the RL runs (resumable)
   python benchmarks/real_model.py --parts=rl --etas=2 --objectives=standard,decoupled   # each objective's runs
+  python benchmarks/real_model.py --parts=agent --seeds=0,1,2                # the agent recipe's runs (resumable)
   python benchmarks/real_model.py --smoke                                    # every part at toy sizes (minutes)
 
 Parts (each adds its section to benchmarks/results/real_model.json, with the commit it ran at; real_model.md and
@@ -21,6 +22,10 @@ real_model.png are drawn again from the whole file):
   rl         configs/smollm2.py as the README runs it, for --seeds × --etas × --objectives (default: the recipe's
              own): held-out pass@1 (at the recipe's sampling temperature, and at T = 1) and greedy accuracy, start
              → end, s/step, wall-clock; each seed's gain and their mean
+  agent      configs/smollm2.py:agent=--agent (the calculator agent of examples/agents written with the OpenAI
+             Agents SDK, trained and evaluated through arealjax.workflows.agent:OpenAIAgent) for --seeds at the
+             recipe's η and objective: held-out pass@1 and greedy accuracy of the agent start → end, rejected
+             episodes, chat calls per episode, tool calls that did not parse, s/step, wall-clock
 The model is converted into --work (python -m arealjax.models.gguf) and the word problems generated and converted
 there, as the README's commands do; nothing is read from outside the repository and the installed packages.
 """
@@ -44,7 +49,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("parity", "generator", "trainer", "rl")
+PARTS = ("parity", "generator", "trainer", "rl", "agent")
 # The 2-core recipe's chat prompt (configs/smollm2.py INSTRUCTION); the parity prompts add plain chat.
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -477,6 +482,44 @@ def part_rl(args, model_dir: Path, data: Path) -> dict:
             "command": "python benchmarks/real_model.py " + " ".join(args.argv)}
 
 
+def part_agent(args, model_dir: Path, data: Path) -> dict:
+    """The agent recipe's runs (benchmarks/cells.py: one main.py process each, resumable), at the recipe's η and
+    objective, evaluated through the agent at the start, the middle and the end."""
+    from benchmarks import cells
+    from configs.smollm2 import get_config
+
+    recipe_config = get_config(f"agent={args.agent}")
+    every = args.steps // 2 if args.steps % 2 == 0 and not args.smoke else args.steps
+    config, *paths = recipe(model_dir, data)
+    grid = argparse.Namespace(config=config.removeprefix("--config=") + f",agent={args.agent}",
+                              work=str(Path(args.work) / f"agent_{args.agent}"), steps=args.steps,
+                              warmup=args.warmup, eval_problems=args.agent_eval_problems or
+                              recipe_config.eval.num_problems, eval_every=every,
+                              overrides=[*paths, *args.overrides], warm_up=False)
+    Path(grid.work).mkdir(parents=True, exist_ok=True)
+    runs = []
+    for seed in args.seeds:
+        c = cells.cell("colocated", recipe_config.rl.max_staleness, recipe_config.trainer.ppo.objective,
+                       recipe_config.generator.mode, seed)
+        r = cells.run(c, grid)
+        rows = [json.loads(x) for x in (Path(grid.work) / c["name"] / "metrics.jsonl").read_text().splitlines()]
+        evals, steps = [x for x in rows if "eval_accuracy" in x], [x for x in rows if "agent_calls" in x]
+        summary = json.loads((Path(grid.work) / c["name"] / "summary.json").read_text())
+        episodes = sum(x["sequences"] for x in steps)  # trained trajectories: one per chain of an episode
+        r.update(greedy_start=evals[0].get("eval_greedy_accuracy"), wall_seconds=summary["wall_seconds"],
+                 gain=r["accuracy_end"] - r["accuracy_start"], rejected_start=evals[0].get("eval_rejected"),
+                 rejected_end=evals[-1].get("eval_rejected"), length_start=evals[0].get("eval_length_p50"),
+                 length_end=evals[-1].get("eval_length_p50"), agent_calls=steps[-1]["agent_calls"],
+                 trajectories=episodes, prefix_breaks=steps[-1]["agent_prefix_breaks"],
+                 unparsed_tool_calls=steps[-1]["agent_unparsed_tool_calls"],
+                 rejected_in_training={k.removeprefix("agent_rejected_"): v for k, v in steps[-1].items()
+                                       if k.startswith("agent_rejected_")})
+        runs.append({k: v for k, v in r.items() if k not in ("overrides",)})
+    return {"agent": args.agent, "workflow": recipe_config.workflow.to_dict(), "runs": runs,
+            "eval_problems": grid.eval_problems,
+            "command": "python benchmarks/real_model.py " + " ".join(args.argv)}
+
+
 def rl_run(c: dict, grid: argparse.Namespace, args, model_dir: Path, data: Path) -> dict:
     """One RL cell of the recipe (benchmarks/cells.py), its summary with greedy and pass@4 ends, gain, the held-out
     outputs' median length at both ends, wall-clock and the final model's T = 1 pass@1."""
@@ -605,6 +648,29 @@ def report(res: dict) -> str:
                          f"{by_seed(rs, 'seconds_per_step', 1, 's')} | "
                          f"{by_seed(rs, 'wall_seconds', 60, ' min')} |")
         lines += ["", "![real model](real_model.png)", ""]
+    if a := res.get("agent"):
+        runs = sorted(a["runs"], key=lambda x: x["seed"])
+        lines += [f"## The calculator agent by RL (commit `{', '.join(sorted({x['commit'] for x in runs}))}`)", "",
+                  f"`{a['command']}`", "",
+                  f"`configs/smollm2.py:agent={a['agent']}`: every episode is `{a['workflow']['kwargs']}` run "
+                  f"through `{a['workflow']['path']}`, trained and evaluated as written (held-out problems solved "
+                  f"by the agent: {a['eval_problems']} of them); {runs[0].get('steps')} steps, η = {runs[0]['eta']}, "
+                  f"{runs[0]['objective']} PPO. A rejected "
+                  "episode (the agent raised, ran past its timeout, made no call) scores 0 in evaluation and is "
+                  "not trained.", "",
+                  "| seed | pass@1 start → end | gain | greedy start → end | rejected start → end | chat calls "
+                  "per trained trajectory | unparsed tool calls | s / step | wall-clock |", "|---" * 9 + "|"]
+        for x in runs:
+            lines.append(f"| {x['seed']} | {x['accuracy_start']:.2f} → **{x['accuracy_end']:.2f}** | "
+                         f"{x['gain']:+.2f} | {x['greedy_start']:.2f} → {x['greedy_end']:.2f} | "
+                         f"{x['rejected_start']:.1%} → {x['rejected_end']:.1%} | "
+                         f"{x['agent_calls'] / max(x['trajectories'], 1):.2f} | {x['unparsed_tool_calls']} | "
+                         f"{x['seconds_per_step']:.0f} s | {x['wall_seconds'] / 60:.0f} min |")
+        if len(runs) > 1:
+            lines.append(f"| mean | {stat(x['accuracy_start'] for x in runs)} → "
+                         f"**{stat(x['accuracy_end'] for x in runs)}** | "
+                         f"**{np.mean([x['gain'] for x in runs]):+.2f}** | | | | | | |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -661,6 +727,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=0, help="rl: RL steps (0: the recipe's)")
     p.add_argument("--warmup", type=int, default=2, help="rl: first steps left out of s/step (compilation)")
     p.add_argument("--eval-problems", type=int, default=200, help="rl: held-out problems")
+    p.add_argument("--agent", default="sdk", help="agent: the recipe's agent (configs/smollm2.py AGENTS)")
+    p.add_argument("--agent-eval-problems", type=int, default=0, help="agent: held-out problems (0: the recipe's)")
     args, args.overrides = p.parse_known_args()
     from benchmarks.cells import portable
 
@@ -682,7 +750,7 @@ def main() -> None:
         args.prompts, args.new_tokens, args.strings, args.requests, args.slots = 4, 8, 40, 8, [4]
         args.layers = args.layers or 2
         args.cap, args.median, args.groups, args.group, args.seeds, args.etas = 16, 6, 1, 2, [0], [2]
-        args.steps, args.warmup, args.eval_problems = 2, 1, 4
+        args.steps, args.warmup, args.eval_problems, args.agent_eval_problems = 2, 1, 4, 4
         args.memory_variants = MEMORY_VARIANTS[:1]
         args.overrides = [*SMOKE_RL, *args.overrides]
     work, results = Path(args.work), Path(args.results)
@@ -695,7 +763,8 @@ def main() -> None:
     model_dir, raw, data = prepare(work, args.layers)
     run = {"parity": lambda: part_parity(args, model_dir, raw),
            "generator": lambda: part_generator(args, model_dir, raw),
-           "trainer": lambda: part_trainer(args, model_dir, data), "rl": lambda: part_rl(args, model_dir, data)}
+           "trainer": lambda: part_trainer(args, model_dir, data), "rl": lambda: part_rl(args, model_dir, data),
+           "agent": lambda: part_agent(args, model_dir, data)}
     for part in PARTS:
         if part in args.parts:
             print(f"[{time.strftime('%H:%M:%S')}] {part}", flush=True)

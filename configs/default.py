@@ -233,5 +233,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eval.k = (1,)
     config.eval.temperature = -1.0
     config.eval.greedy = True
+    # True: every sample is an episode of the run's workflow (an agent evaluated as it is trained: its prompt, tools,
+    # turns and reward); False: one completion of the templated prompt.
+    config.eval.workflow = False
     config.eval.answer_fn = "arealjax.data.arithmetic:extract_answer"  # final answers for maj@k ('' = none)
     return config

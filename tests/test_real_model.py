@@ -71,7 +71,8 @@ def test_converted_model_matches_transformers(smollm2):
 def test_benchmark_smoke_measures_every_part_on_two_blocks(tmp_path, smollm2_prepared):
     """benchmarks/real_model.py --smoke (the converted model's first 2 blocks): every part writes its figures —
     parity within fp32 tolerance, the generator beside transformers with identical greedy outputs, both trainer
-    variants and the memory run, an RL run (LoRA, as the recipe trains) and its evaluations — into --work/smoke, never
+    variants and the memory run, an RL run (LoRA, as the recipe trains) and its evaluations, the agent recipe's run
+    (the Agents SDK calculator agent trained and evaluated through the workflow) — into --work/smoke, never
     benchmarks/results."""
     import json
     import math
@@ -84,7 +85,8 @@ def test_benchmark_smoke_measures_every_part_on_two_blocks(tmp_path, smollm2_pre
     print(f"real_model.py --smoke: {wall:.1f} s")
     smoke = tmp_path / "arealjax_real_model" / "smoke"
     res = json.loads((smoke / "real_model.json").read_text())
-    assert list(res) == ["parity", "generator", "trainer", "rl"] and all(p["layers"] == 2 for p in res.values())
+    assert list(res) == ["parity", "generator", "trainer", "rl", "agent"]
+    assert all(p["layers"] == 2 for p in res.values())
     p = res["parity"]
     assert p["prompt_ids_equal"] == p["prompts"] and p["logits_max_abs_diff_fp32"] < 1e-3
     assert p["tokenizer_equal_llama_cpp"] == p["tokenizer_round_trip"] == p["tokenizer_strings"]
@@ -100,5 +102,8 @@ def test_benchmark_smoke_measures_every_part_on_two_blocks(tmp_path, smollm2_pre
     (metrics,) = (smoke / "rl").glob("*/metrics.jsonl")
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "grad_norm" in r]
     assert len(steps) == 2 and all(r["skipped_steps"] == 0 and math.isfinite(r["grad_norm"]) for r in steps), steps
+    (agent,) = res["agent"]["runs"]  # every episode the SDK agent's: its chat calls trained, its evaluations run
+    assert agent["steps"] == 2 and agent["agent_calls"] >= agent["trajectories"] > 0 and agent["rejected_end"] < 1
+    assert "## The calculator agent by RL" in stdout
     assert "## Parity" in stdout and (smoke / "real_model.png").stat().st_size
     assert results_digest() == before, "real_model.py --smoke changed benchmarks/results"

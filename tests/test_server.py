@@ -304,7 +304,7 @@ def test_a_server_the_trainer_started_stops_the_moment_the_trainer_dies_even_bef
     script = tmp_path / "trainer.py"
     script.write_text(
         "import subprocess, time, zmq\n"
-        "from arealjax.generation.remote import spawn_command\n"
+        "from arealjax.generation.fleet import spawn_command\n"
         "sock = zmq.Context().socket(zmq.ROUTER)\n"
         "port = sock.bind_to_random_port('tcp://127.0.0.1')\n"
         f"log = open({str(tmp_path / 'server.log')!r}, 'w')\n"

@@ -22,7 +22,7 @@ import zmq
 
 from arealjax import builders
 from arealjax.api import SamplingParams
-from arealjax.generation import remote, rpc
+from arealjax.generation import routing, rpc
 from arealjax.sharding import normalize_rules, role_meshes
 from configs.default import get_config
 
@@ -331,7 +331,7 @@ def test_no_peer_can_take_another_servers_place(tmp_path, caplog):
             thief.send("done", rid="g0#0/0", completions=honest({"rid": "g0#0/0", "first_sample": 0,
                                                                    "prompt": [5, 6, 7], "sampling": {
                                                                        "temperature": 0.7, "n": 2}}, 0))
-            time.sleep(1.0 + remote.RESEND_SECONDS)  # past the resend of a request its server does not list
+            time.sleep(1.0 + routing.RESEND_SECONDS)  # past the resend of a request its server does not list
             assert "submit" not in thief.got and "submit" not in twin.got and real.got.count("submit") == 2
             assert not any(f.done() for f in futures.values()), "a forged answer was taken"
             assert backend.servers()["server-0"]["state"] == "ready"

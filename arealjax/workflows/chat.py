@@ -67,6 +67,7 @@ class Chain:
 
     turns: Turns
     text: str  # the decoded tokens, special tokens kept: what the next prompt's text must start with
+    stop_reason: str = ""  # of its last model turn: "stop", or "length" where it hit the token cap
 
 
 @dataclasses.dataclass
@@ -135,6 +136,7 @@ class ChatSession:
             self.counts.calls += 1
             chain.turns.model(c)
             chain.text += self.tok.decode(c.output_tokens, skip_special_tokens=False)
+            chain.stop_reason = c.stop_reason
             completion_tokens += len(c.output_tokens)
             choices.append(self._choice(i, c, tools, bool(body.get("logprobs"))))
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -300,8 +302,10 @@ class ChatSession:
     # ---- the trajectories ----
 
     def trajectories(self, reward: float, **info: Any) -> list[Trajectory]:
-        """One trajectory per chain with a model turn, each with the episode's reward."""
-        return [c.turns.build(reward, chains=len(self.chains), **info) for c in self.chains if c.turns.model_turns]
+        """One trajectory per chain with a model turn, each with the episode's reward and its last turn's stop
+        reason."""
+        return [c.turns.build(reward, chains=len(self.chains), stop_reason=c.stop_reason, **info)
+                for c in self.chains if c.turns.model_turns]
 
 
 def _content(content: Any, i: int) -> str:

@@ -6,7 +6,7 @@ anyone would write it, trained by arealjax unchanged:
 
 `client` is the episode's `openai.AsyncOpenAI` (its transport answers in process from the generator); the Agents SDK
 speaks to it through the Responses API, its default (`solve`), or Chat Completions (`solve_chat`). Both return
-None: the run's reward function scores the agent's last message (the math task's `\\boxed{}` answer)."""
+None: the run's reward function scores the agent's last message (its final number)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ calculate = function_tool(calculator.calculate)
 
 def agent(model) -> Agent:
     return Agent(name="calculator", model=model, tools=[calculate],
-                 instructions="Solve the problem. Use the calculate tool for arithmetic. Put the final answer in "
-                              "\\boxed{}.")
+                 instructions="Solve the problem. Use the calculate tool for arithmetic. Reply with only the final "
+                              "number.")
 
 
 async def solve(client, data: dict) -> float | None:

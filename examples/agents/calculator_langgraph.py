@@ -23,6 +23,6 @@ async def solve(client, data: dict) -> float | None:
     llm = ChatOpenAI(model="arealjax", api_key="in-process", async_client=client.chat.completions,
                      root_async_client=client)
     agent = create_react_agent(llm, tools=[calculate], prompt="Solve the problem. Use the calculate tool for "
-                                                              "arithmetic. Put the final answer in \\boxed{}.")
+                                                              "arithmetic. Reply with only the final number.")
     await agent.ainvoke({"messages": [("user", data["prompt"])]}, config={"recursion_limit": 8})
     return None
