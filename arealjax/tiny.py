@@ -174,16 +174,15 @@ def write_tokenizer(path: Path, texts: list[str], template: str, specials: list[
 def write_model(path: Path, family: str, seed: int = 0) -> None:
     """A random checkpoint of `family` at toy size, its vocabulary the tokenizer's in `path`."""
     from arealjax import models
+    from arealjax.models.config import FAMILIES
     from arealjax.tokenizer import load_tokenizer
 
     tok = load_tokenizer(path)
-    cfg = models.ModelConfig.make(family=family, vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=192,
-                                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                                  max_position_embeddings=4096, eos_token_id=tok.eos_ids[0],
-                                  bos_token_id=tok.bos_id if tok.bos_id is not None else tok.eos_ids[0],
-                                  tie_word_embeddings=family != "llama",
-                                  **(dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
-                                          norm_topk_prob=True) if family == "qwen3_moe" else {}))
+    cfg = models.ModelConfig.make(**{**dict(
+        family=family, vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=4096, eos_token_id=tok.eos_ids[0],
+        bos_token_id=tok.bos_id if tok.bos_id is not None else tok.eos_ids[0], tie_word_embeddings=True),
+        **FAMILIES[family].tiny})
     models.save_pretrained(models.from_config(cfg, seed=seed), path)
 
 

@@ -223,6 +223,46 @@ def test_the_workflow_trains_what_agents_return_and_rejects_what_fails(served):
 
 
 
+class Queued(Recording):
+    """An episode whose every model call waits `wait` seconds first, as behind a busy generator."""
+
+    wait = 0.0
+
+    async def generate(self, tokens, **overrides):
+        await asyncio.sleep(self.wait)
+        return await super().generate(tokens, **overrides)
+
+
+async def agent_calls_twice(client, data):
+    for _ in range(2):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    return 1.0
+
+
+async def agent_calls_then_hangs(client, data):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    await asyncio.sleep(60)
+
+
+def test_the_timeout_counts_the_agents_own_time_not_the_wait_for_a_busy_generator(served):
+    """workflow timeout: an agent whose calls wait 1.5 s each for the model (queued behind other episodes) is not
+    rejected by a 1 s timeout; one that hangs on its own after a slow call is, after about its timeout."""
+    import time
+
+    ep = episode(served)
+    ep.__class__ = Queued
+    Queued.wait = 1.5
+    wf = OpenAIAgent("test_agent:agent_calls_twice", timeout=1.0)
+    trajs = asyncio.run(wf.run(ep))  # the same message twice: two chains
+    assert [t.reward for t in trajs] == [1.0, 1.0] and wf.metrics()["agent_calls"] == 2 and len(ep.fed) == 2
+    ep = episode(served)
+    ep.__class__ = Queued
+    wf = OpenAIAgent("test_agent:agent_calls_then_hangs", timeout=1.0)
+    t0 = time.monotonic()
+    assert asyncio.run(wf.run(ep)) is None and wf.metrics()["agent_rejected_timeout"] == 1
+    assert 2.4 < time.monotonic() - t0 < 10
+
+
 async def agent_graded(client, data):
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": data["prompt"]}],
                                          max_tokens=6)

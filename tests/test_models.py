@@ -495,3 +495,37 @@ def test_attention_inside_a_differentiated_layer_scan_keeps_no_scores(kind):
     else:
         used, xla = temp(functools.partial(attn.attend_sparse, block=128)), temp(attn.attend_xla)
         assert used <= xla, (used / 2**20, xla / 2**20)
+
+
+def test_a_new_family_is_one_record(tokens, tmp_path, monkeypatch):
+    """Families are data (models/config.py FAMILIES): Mistral, Llama's layers under its own model_type and
+    architecture (sliding window off), registered as one `Family` record and nothing else, loads a transformers
+    Mistral checkpoint with its logits and exports one transformers loads as Mistral (its window off), logits
+    unchanged; a checkpoint with a sliding window is refused, naming the key."""
+    import torch
+    import transformers
+
+    from arealjax.models import config as model_config
+
+    monkeypatch.setitem(model_config.FAMILIES, "mistral",
+                        model_config.Family("mistral", "MistralForCausalLM", {}, attention_bias_key=False,
+                                            hf_fixed=dict(sliding_window=None)))
+    hf = transformers.MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=None)
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf).float().eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf_model.save_pretrained(tmp_path / "hf")
+    model = load_pretrained(tmp_path / "hf")
+    assert model.cfg.family == "mistral"
+    np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(hf_model, tokens), atol=TOL, rtol=0)
+    save_pretrained(model, tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").float().eval()
+    assert type(again).__name__ == "MistralForCausalLM" and again.config.sliding_window is None
+    np.testing.assert_allclose(hf_logits(again, tokens), np.asarray(model(tokens)), atol=TOL, rtol=0)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "sliding_window": 4096}))
+    with pytest.raises(ValueError, match="sliding_window=4096 is not supported"):
+        load_pretrained(tmp_path / "hf")

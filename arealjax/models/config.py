@@ -2,23 +2,52 @@
 
 One config covers the decoder-only families users bring: Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm,
 explicit head_dim), Llama 3 (optional Llama-3 RoPE scaling) and Qwen3-MoE (Qwen3 attention, mixture-of-experts
-MLPs). Family presets set only the switches that distinguish them; everything else is explicit.
+MLPs). Each is one `Family` record (FAMILIES): the switches that distinguish it and how HF and llama.cpp spell it;
+everything else is explicit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
-FAMILIES = {
-    # family -> (HF architecture name, switches that define the family)
-    "qwen2": ("Qwen2ForCausalLM", dict(qkv_bias=True)),
-    "qwen3": ("Qwen3ForCausalLM", dict(qk_norm=True)),
-    "llama": ("LlamaForCausalLM", dict()),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qk_norm=True)),
-}
-MOE_FAMILIES = ("qwen3_moe",)
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One decoder-only family as data: how a Hugging Face config.json names and spells it, the ModelConfig switches
+    that define it, and how llama.cpp stores it. `from_hf_config` / `to_hf_config`, the GGUF converter and the tiny
+    fixtures read these records and nothing else about a family: a family whose layers are these layers (biases,
+    q/k norm, RoPE scaling, experts) is one more record; a new layer type is code in models/transformer.py."""
+
+    model_type: str  # HF `model_type`
+    architecture: str  # HF `architectures[0]`
+    switches: Mapping[str, bool]  # ModelConfig fields the family fixes (qkv_bias, qk_norm)
+    attention_bias_key: bool = True  # HF's `attention_bias` sets q/k/v and o biases together (False: no key; the
+    # biases are the switches' alone)
+    mlp_bias_key: bool = False  # HF's `mlp_bias` exists
+    hf_fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # HF keys supported at one value only
+    # (full attention: no sliding window): written on export, any other value refused on import
+    moe: bool = False  # mixture-of-experts MLPs (HF's num_experts, num_experts_per_tok, ... keys)
+    gguf: str = ""  # llama.cpp's `general.architecture` ('': not converted from GGUF)
+    gguf_permuted_qk: bool = False  # llama.cpp stores the q/k rows permuted (and, as read here, no attention bias)
+    tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the tiny fixture's fields besides the size
+
+    @property
+    def qk_norm(self) -> bool:
+        return bool(self.switches.get("qk_norm", False))
+
+
+FAMILIES = {f.model_type: f for f in (
+    Family("qwen2", "Qwen2ForCausalLM", dict(qkv_bias=True), attention_bias_key=False,
+           hf_fixed=dict(use_sliding_window=False), gguf="qwen2"),
+    Family("qwen3", "Qwen3ForCausalLM", dict(qk_norm=True), hf_fixed=dict(use_sliding_window=False), gguf="qwen3"),
+    Family("llama", "LlamaForCausalLM", dict(), mlp_bias_key=True, gguf="llama", gguf_permuted_qk=True,
+           tiny=dict(tie_word_embeddings=False)),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", dict(qk_norm=True), hf_fixed=dict(use_sliding_window=False), moe=True,
+           tiny=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True)),
+)}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -78,12 +107,12 @@ class ModelConfig:
         self._check_moe()
 
     def _check_moe(self):
-        if self.family in MOE_FAMILIES and self.num_experts <= 0:
+        if FAMILIES[self.family].moe and self.num_experts <= 0:
             raise ValueError(f"{self.family}: num_experts={self.num_experts}; expected > 0 (without experts the "
-                             f"model is a dense qwen3)")
-        if self.family not in MOE_FAMILIES and self.num_experts:
+                             f"model is a dense one)")
+        if not FAMILIES[self.family].moe and self.num_experts:
             raise ValueError(f"{self.family} has no experts (num_experts={self.num_experts}); mixture-of-experts "
-                             f"families: {MOE_FAMILIES}")
+                             f"families: {[n for n, f in FAMILIES.items() if f.moe]}")
         if not self.num_experts:
             return
         if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
@@ -120,7 +149,7 @@ class ModelConfig:
         family = kw.get("family")
         if family not in FAMILIES:
             raise ValueError(f"model family '{family}' is unknown; known: {sorted(FAMILIES)}")
-        kw = {**FAMILIES[family][1], **kw}
+        kw = {**FAMILIES[family].switches, **kw}
         kw.setdefault("head_dim", kw["hidden_size"] // kw["num_heads"])
         if isinstance(kw.get("rope_scaling"), Mapping):
             kw["rope_scaling"] = tuple(sorted(kw["rope_scaling"].items()))
@@ -149,7 +178,8 @@ def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
     """ModelConfig from a parsed HF config.json (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
     `rope_parameters`). `source` names the file in errors."""
     model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
+    family = FAMILIES.get(model_type)
+    if family is None:
         archs = hf.get("architectures")
         raise ValueError(
             f"{source}: model_type '{model_type}' (architectures {archs}) is not supported; "
@@ -165,6 +195,10 @@ def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
         raise ValueError(f"{source}: hidden_act '{hf['hidden_act']}' is not supported (expected 'silu')")
     if hf.get("use_sliding_window"):
         raise ValueError(f"{source}: use_sliding_window=true is not supported (full attention only)")
+    for key, value in family.hf_fixed.items():
+        if key in hf and hf[key] != value:
+            raise ValueError(f"{source}: {key}={json.dumps(hf[key])} is not supported for model_type '{model_type}' "
+                             f"(only {json.dumps(value)}: full attention)")
 
     rope = dict(hf.get("rope_parameters") or {})
     if hf.get("rope_scaling"):
@@ -183,7 +217,7 @@ def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
     attention_bias = bool(hf.get("attention_bias", False))
     eos = hf.get("eos_token_id")
     moe = {}
-    if model_type in MOE_FAMILIES:  # transformers 5 writes num_experts as num_local_experts; the Hub's files do not
+    if family.moe:  # transformers 5 writes num_experts as num_local_experts; the Hub's files do not
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         if experts is None:
             raise KeyError(f"{source}: missing key 'num_experts' required for model_type '{model_type}'")
@@ -206,10 +240,10 @@ def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
         rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=True if model_type == "qwen2" else attention_bias,
-        o_bias=False if model_type == "qwen2" else attention_bias,
+        qkv_bias=attention_bias if family.attention_bias_key else bool(family.switches.get("qkv_bias", False)),
+        o_bias=attention_bias and family.attention_bias_key,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=family.qk_norm,
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
@@ -222,17 +256,18 @@ def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
 
 def to_hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     """A config.json dict that transformers 4.x and 5.x both load as the same architecture."""
-    if cfg.family == "qwen2" and (not cfg.qkv_bias or cfg.o_bias):
-        raise ValueError("Qwen2 checkpoints always have q/k/v bias and no o_proj bias")
-    if cfg.family != "qwen2" and cfg.qkv_bias != cfg.o_bias:
+    family = FAMILIES[cfg.family]
+    if not family.attention_bias_key and (cfg.qkv_bias != family.switches.get("qkv_bias", False) or cfg.o_bias):
+        raise ValueError(f"{cfg.family} checkpoints always have q/k/v bias = {family.switches.get('qkv_bias', False)} "
+                         f"and no o_proj bias")
+    if family.attention_bias_key and cfg.qkv_bias != cfg.o_bias:
         raise ValueError(f"{cfg.family}: HF `attention_bias` sets q/k/v and o biases together")
-    qk_norm = cfg.family in ("qwen3", "qwen3_moe")
-    if cfg.qk_norm != qk_norm:
-        raise ValueError(f"{cfg.family}: q/k norm is {'required' if qk_norm else 'not supported'}")
+    if cfg.qk_norm != family.qk_norm:
+        raise ValueError(f"{cfg.family}: q/k norm is {'required' if family.qk_norm else 'not supported'}")
     rope = cfg.rope
     rope_parameters = {"rope_type": "default", **rope, "rope_theta": cfg.rope_theta}
     out = {
-        "architectures": [FAMILIES[cfg.family][0]],
+        "architectures": [family.architecture],
         "model_type": cfg.family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -254,15 +289,15 @@ def to_hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         "dtype": dtype,
         "use_cache": True,
     }
-    if cfg.family != "qwen2":
+    if family.attention_bias_key:
         out["attention_bias"] = cfg.qkv_bias
-    if cfg.family == "llama":
+    if family.mlp_bias_key:
         out["mlp_bias"] = cfg.mlp_bias
     elif cfg.mlp_bias:
-        raise ValueError(f"{cfg.family}: mlp_bias is only expressible in Llama checkpoints")
-    if cfg.family in ("qwen2", "qwen3", "qwen3_moe"):
-        out["use_sliding_window"] = False
-    if cfg.family in MOE_FAMILIES:
+        raise ValueError(f"{cfg.family}: mlp_bias is only expressible in "
+                         f"{[n for n, f in FAMILIES.items() if f.mlp_bias_key]} checkpoints")
+    out.update(family.hf_fixed)
+    if family.moe:
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
                    decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),

@@ -50,7 +50,6 @@ _LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post
           "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # tokenizer.ggml.pre -> the pre-tokenizer llama.cpp applies before byte-level BPE: extra splits, then the regex
 # ("gpt2": byte-level's own). The regexes are llama.cpp's (llama-vocab.cpp), as the models' tokenizer.json have them.
 _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
@@ -195,8 +194,9 @@ def model_config(meta: dict[str, Any], has_output: bool, where: str = "gguf"):
     from arealjax.models.config import ModelConfig
 
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{where}: architecture '{arch}' is not supported; supported: {ARCHITECTURES}")
+    families = architectures()
+    if arch not in families:
+        raise ValueError(f"{where}: architecture '{arch}' is not supported; supported: {tuple(families)}")
 
     def key(name, default=None):
         full = f"{arch}.{name}"
@@ -214,8 +214,8 @@ def model_config(meta: dict[str, Any], has_output: bool, where: str = "gguf"):
         raise KeyError(f"{where}: neither '{arch}.vocab_size' nor 'tokenizer.ggml.tokens' gives the vocabulary size")
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig.make(
-        family=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")), num_heads=heads,
+        family=families[arch].model_type, vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")), num_layers=int(key("block_count")), num_heads=heads,
         num_kv_heads=int(key("attention.head_count_kv", heads)),
         head_dim=int(key("attention.key_length", hidden // heads)), rope_theta=float(key("rope.freq_base", 10000.0)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)), tie_word_embeddings=not has_output,
@@ -223,8 +223,18 @@ def model_config(meta: dict[str, Any], has_output: bool, where: str = "gguf"):
         bos_token_id=None if bos is None else int(bos), eos_token_id=None if eos is None else int(eos))
 
 
+def architectures() -> dict:
+    """llama.cpp's `general.architecture` -> the family it is (models/config.py FAMILIES, those with `gguf`)."""
+    from arealjax.models.config import FAMILIES
+
+    return {f.gguf: f for f in FAMILIES.values() if f.gguf}
+
+
 def hf_tensors(f: GGUFFile, cfg) -> dict[str, np.ndarray]:
-    """The file's tensors under HF names, float32, q/k rows back in HF's order for Llama."""
+    """The file's tensors under HF names, float32, q/k rows back in HF's order where llama.cpp permuted them."""
+    from arealjax.models.config import FAMILIES
+
+    permuted = FAMILIES[cfg.family].gguf_permuted_qk
     out = {}
     for name in f.tensors:
         if name in _GLOBAL:
@@ -236,10 +246,10 @@ def hf_tensors(f: GGUFFile, cfg) -> dict[str, np.ndarray]:
             raise ValueError(f"{f.path}: tensor 'rope_freqs.weight' (scaled RoPE) is not supported")
         else:
             raise ValueError(f"{f.path}: tensor '{name}' has no Hugging Face counterpart for {cfg.family}")
-        if cfg.family == "llama" and name.endswith(".bias"):
-            raise ValueError(f"{f.path}: tensor '{name}': attention biases in a llama GGUF are not supported")
+        if permuted and name.endswith(".bias"):
+            raise ValueError(f"{f.path}: tensor '{name}': attention biases in a {cfg.family} GGUF are not supported")
         w = f.tensor(name)
-        if cfg.family == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+        if permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = unpermute(w, cfg.num_heads if "attn_q" in name else cfg.num_kv_heads)
         out[hf] = w
     return out

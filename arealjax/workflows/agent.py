@@ -17,8 +17,9 @@ in its environment; it reports its reward with `POST $OPENAI_BASE_URL/rl/reward 
 the last line of its stdout. The command runs under `guard.py`, which kills it if the trainer dies (kill -9
 included), and only the end of its output is kept.
 
-An agent that raises, runs past `timeout` seconds, makes no call, exits non-zero or (a command) reports no reward
-ends as a rejected episode: one log line with its reason, counted per reason (`metrics()`); the run goes on.
+An agent that raises, runs past `timeout` seconds of its own (the time its calls wait for the model is not counted:
+a busy generator rejects nothing), makes no call, exits non-zero or (a command) reports no reward ends as a
+rejected episode: one log line with its reason, counted per reason (`metrics()`); the run goes on.
 Every chat call's tokens, behaviour logprobs and versions go into the episode's trajectories (one per
 token-faithful chain, all with the episode's reward)."""
 
@@ -102,7 +103,8 @@ async def _tail(stream: asyncio.StreamReader, limit: int = TAIL_BYTES) -> bytes:
 
 class OpenAIAgent:
     """The workflow (module docstring). `agent`: 'package.module:function', or `command`: a shell command run once
-    per episode; `timeout`: seconds per episode; `max_calls`: chat calls per episode; `host`: where the commands'
+    per episode; `timeout`: seconds of the agent's own time per episode (its model calls' time not counted: a busy
+    generator does not reject episodes); `max_calls`: chat calls per episode; `host`: where the commands'
     endpoint listens (loopback unless set)."""
 
     def __init__(self, agent: str | None = None, command: str | None = None, timeout: float = 600.0,
@@ -129,11 +131,11 @@ class OpenAIAgent:
         try:
             if self.command is None:
                 async with client_for(session) as client:
-                    reward = await asyncio.wait_for(self.agent(client, data), self.timeout)
+                    reward = await self._within(self.agent(client, data), session)
             else:
                 reward = await self._run_command(session, data)
         except TimeoutError:
-            return self._reject(ep, "timeout", f"ran past workflow timeout {self.timeout} s")
+            return self._reject(ep, "timeout", f"ran past workflow timeout {self.timeout} s of its own time")
         except Rejected as e:
             return self._reject(ep, e.reason, str(e))
         except Exception as e:  # noqa: BLE001 - an agent's error rejects its episode, not the run
@@ -160,8 +162,8 @@ class OpenAIAgent:
                    "AREALJAX_DATA": json.dumps(data)}
             proc = await start_command(self.command, env)
             try:
-                out, err, _ = await asyncio.wait_for(asyncio.gather(_tail(proc.stdout), _tail(proc.stderr),
-                                                                    proc.wait()), self.timeout)
+                out, err, _ = await self._within(asyncio.gather(_tail(proc.stdout), _tail(proc.stderr), proc.wait()),
+                                                 session)
             finally:
                 if proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
@@ -178,6 +180,22 @@ class OpenAIAgent:
             except (IndexError, ValueError):
                 raise Rejected("no_reward", "reported no reward (POST /v1/rl/reward {\"reward\": r}, or a number on "
                                             f"the last line of stdout; it ended with {lines[-1:]!r})") from None
+
+    async def _within(self, awaitable, session: ChatSession):
+        """`awaitable`'s result, or TimeoutError once the agent has spent `timeout` seconds of its own
+        (session.agent_seconds: the time its model calls wait for a busy generator is not counted); cancelled
+        then."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while (left := self.timeout - session.agent_seconds()) > 0:
+                done, _ = await asyncio.wait({task}, timeout=left)
+                if done:
+                    return task.result()
+            raise TimeoutError
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def close(self) -> None:
         """Stops the commands' endpoint, if one was started on this event loop."""

@@ -88,6 +88,30 @@ class ChatSession:
         self._returned: dict[str, str] = {}  # key of an assistant message we returned -> the model's own text
         self._template_tools = "tools" in (getattr(self.tok, "chat_template", "") or "")
         self.last_assistant: str = ""  # the last returned assistant message's content (the default reward's input)
+        self.started = time.monotonic()
+        self._waiting = 0  # model calls in flight
+        self._waited = 0.0  # seconds with a model call in flight, up to _since
+        self._since = self.started
+
+    def agent_seconds(self) -> float:
+        """Seconds since the session started during which no model call of it was in flight: the agent's own time
+        (its code, its tools), not the time it waited for the generator, which a busy generator stretches."""
+        now = time.monotonic()
+        waited = self._waited + (now - self._since if self._waiting else 0.0)
+        return now - self.started - waited
+
+    async def _generate(self, tokens, **overrides):
+        """Episode.generate, its time counted as waiting for the model (`agent_seconds`)."""
+        now = time.monotonic()
+        if self._waiting:
+            self._waited += now - self._since
+        self._since, self._waiting = now, self._waiting + 1
+        try:
+            return await self.ep.generate(tokens, **overrides)
+        finally:
+            now = time.monotonic()
+            self._waited += now - self._since
+            self._since, self._waiting = now, self._waiting - 1
 
     # ---- the endpoint ----
 
@@ -132,7 +156,7 @@ class ChatSession:
                 raise APIError(f"the conversation is {len(chain.turns.tokens)} tokens: no room for a reply in "
                                f"max_len={self.ep.max_len}", "messages")
             prompt_tokens = len(chain.turns.tokens)
-            c = await self.ep.generate(chain.turns.tokens, **overrides)
+            c = await self._generate(chain.turns.tokens, **overrides)
             self.counts.calls += 1
             chain.turns.model(c)
             chain.text += self.tok.decode(c.output_tokens, skip_special_tokens=False)
