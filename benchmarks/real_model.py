@@ -658,18 +658,20 @@ def report(res: dict) -> str:
                   f"{runs[0]['objective']} PPO. A rejected "
                   "episode (the agent raised, ran past its timeout, made no call) scores 0 in evaluation and is "
                   "not trained.", "",
-                  "| seed | pass@1 start → end | gain | greedy start → end | rejected start → end | chat calls "
-                  "per trained trajectory | unparsed tool calls | s / step | wall-clock |", "|---" * 9 + "|"]
+                  "| seed | pass@1 start → end | gain | greedy start → end | rejected start → end | chat calls, "
+                  "all episodes (filtered groups' too) | trajectories trained | unparsed tool calls | s / step | "
+                  "wall-clock |",
+                  "|---" * 10 + "|"]
         for x in runs:
             lines.append(f"| {x['seed']} | {x['accuracy_start']:.2f} → **{x['accuracy_end']:.2f}** | "
                          f"{x['gain']:+.2f} | {x['greedy_start']:.2f} → {x['greedy_end']:.2f} | "
                          f"{x['rejected_start']:.1%} → {x['rejected_end']:.1%} | "
-                         f"{x['agent_calls'] / max(x['trajectories'], 1):.2f} | {x['unparsed_tool_calls']} | "
+                         f"{x['agent_calls']:.0f} | {x['trajectories']:.0f} | {x['unparsed_tool_calls']:.0f} | "
                          f"{x['seconds_per_step']:.0f} s | {x['wall_seconds'] / 60:.0f} min |")
         if len(runs) > 1:
             lines.append(f"| mean | {stat(x['accuracy_start'] for x in runs)} → "
                          f"**{stat(x['accuracy_end'] for x in runs)}** | "
-                         f"**{np.mean([x['gain'] for x in runs]):+.2f}** | | | | | | |")
+                         f"**{np.mean([x['gain'] for x in runs]):+.2f}** | | | | | | | |")
         lines.append("")
     return "\n".join(lines)
 

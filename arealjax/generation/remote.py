@@ -304,6 +304,8 @@ class RemoteBackend:
         with self._cv:
             now = time.monotonic()
             for s in self.fleet.live():
+                if s.state == "dead":  # lost while this tick ran
+                    continue
                 why = self.fleet.failing(s, now, busy=self.router.holds(s.name), paused=self._paused)
                 if why is not None:
                     self._lose(s, why)
