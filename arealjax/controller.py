@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,8 +33,7 @@ from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import Tokenizer
 from arealjax.validate import Problems, number
 from arealjax.workflows import RLVR, Episode, Prompt, Workflow
-
-log = logging.getLogger(__name__)
+from arealjax.workflows.base import wind_down
 
 __all__ = ["ControllerStats", "Group", "Prompt", "RolloutController", "TaskSolved", "check", "staleness_of",
            "token_staleness"]
@@ -137,15 +135,7 @@ class RolloutController:
         try:
             self._loop.run_until_complete(self._admit_loop())
         finally:
-            tasks = asyncio.all_tasks(self._loop)
-            for t in tasks:
-                t.cancel()
-            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            if (close := getattr(self.workflow, "close", None)) is not None:  # e.g. an agents' endpoint
-                try:
-                    self._loop.run_until_complete(close())
-                except Exception as e:  # noqa: BLE001 - the run is over; its outcome stands
-                    log.warning("workflow %s: close failed: %s", type(self.workflow).__name__, error_text(e))
+            self._loop.run_until_complete(wind_down(self.workflow))
             self._loop.close()
 
     async def _admit_loop(self) -> None:
@@ -188,10 +178,9 @@ class RolloutController:
                 return group
 
     async def _run_group(self, group: Group) -> None:
-        sampling = dataclasses.replace(self.sampling, n=1, seed=group.prompt.sampling_seed(self.sampling.seed))
-        episodes = [Episode(group.prompt, j, f"{group.prompt.id}#{group.seq}/{j}", self.backend, self.rewards,
-                            self.tokenizer, sampling, self.backend.max_len)
-                    for j in range(self.sampling.n)]
+        sampling = dataclasses.replace(self.sampling, seed=group.prompt.sampling_seed(self.sampling.seed))
+        episodes = Episode.group(group.prompt, sampling, f"{group.prompt.id}#{group.seq}", self.backend, self.rewards,
+                                 self.tokenizer)
         try:
             results = await asyncio.gather(*(self.workflow.run(ep) for ep in episodes))
         except asyncio.CancelledError:

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import logging
 import math
 import threading
 import time
@@ -36,7 +35,6 @@ from tqdm import tqdm
 from arealjax.api import RolloutBackend, SamplingParams
 from arealjax.runtime import Stop
 
-log = logging.getLogger(__name__)
 MAJ_EXACT = 20_000
 MAJ_DRAWS = 2_000
 BAR_SECONDS = 2.0  # the progress bar's shortest redraw interval
@@ -190,7 +188,7 @@ EVAL_IDS = itertools.count()  # request ids of evaluation episodes: unique withi
 def _episodes(workflow: Any, backend: RolloutBackend, rewards, tokenizer):
     """submit(prompt, sampling) → samples(wait): the prompt's `sampling.n` episodes of `workflow` (episode j samples
     as sample j of the prompt), run on an event loop of their own that is closed, with the workflow, on exit."""
-    from arealjax.workflows.base import Episode
+    from arealjax.workflows.base import Episode, wind_down
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="evaluate-episodes", daemon=True)
@@ -208,31 +206,17 @@ def _episodes(workflow: Any, backend: RolloutBackend, rewards, tokenizer):
                       any(t.info.get("stop_reason") == "length" for t in trajs))
 
     async def episodes(p, sampling: SamplingParams) -> list[Sample]:
-        one = dataclasses.replace(sampling, n=1)
-        tag = next(EVAL_IDS)
-        return list(await asyncio.gather(*(sample(Episode(p, j, f"eval{tag}:{p.id}/{j}", backend, rewards, tokenizer,
-                                                          one, backend.max_len)) for j in range(sampling.n))))
+        group = Episode.group(p, sampling, f"eval{next(EVAL_IDS)}:{p.id}", backend, rewards, tokenizer)
+        return list(await asyncio.gather(*(sample(ep) for ep in group)))
 
     def submit(p, sampling: SamplingParams) -> Callable[[Callable], list[Sample]]:
         fut = asyncio.run_coroutine_threadsafe(episodes(p, sampling), loop)
         return lambda wait: wait(fut)
 
-    async def shutdown() -> None:
-        """Cancels the episodes still running (an evaluation stopped early), then closes the workflow."""
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if (close := getattr(workflow, "close", None)) is not None:
-            try:
-                await close()
-            except Exception as e:  # noqa: BLE001 - the evaluation's outcome stands
-                log.warning("evaluation workflow %s: close failed: %s", type(workflow).__name__, e)
-
     try:
         yield submit
     finally:
-        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=60)
+        asyncio.run_coroutine_threadsafe(wind_down(workflow), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=30)
         if not thread.is_alive():

@@ -460,24 +460,49 @@ MEMORY_VARIANTS = [
 # ---- rl ----
 
 
+def grid_of(args, model_dir: Path, data: Path, name: str, arg: str = "", eval_problems: int = 0):
+    """The cells' settings (benchmarks/cells.py) for the recipe, `arg` added to its config argument, in
+    --work/`name`: evaluations at the start, the middle and the end (--smoke: the start and the end)."""
+    every = args.steps // 2 if args.steps % 2 == 0 and not args.smoke else args.steps
+    config, *paths = recipe(model_dir, data)
+    grid = argparse.Namespace(config=config.removeprefix("--config=") + arg, work=str(Path(args.work) / name),
+                              steps=args.steps, warmup=args.warmup, eval_problems=eval_problems or args.eval_problems,
+                              eval_every=every, overrides=[*paths, *args.overrides], warm_up=False)
+    Path(grid.work).mkdir(parents=True, exist_ok=True)
+    return grid
+
+
+def run_cell(c: dict, grid: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """Cell `c` run (or its finished run read back): its summary with greedy and pass@4 at the start, pass@4 and
+    the held-out median length at both ends, gain and wall-clock; and its metrics rows."""
+    from benchmarks import cells
+
+    r = cells.run(c, grid)
+    rows = [json.loads(x) for x in (Path(grid.work) / c["name"] / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in rows if "eval_accuracy" in x]
+    summary = json.loads((Path(grid.work) / c["name"] / "summary.json").read_text())
+    r.update(greedy_start=evals[0].get("eval_greedy_accuracy"), wall_seconds=summary["wall_seconds"],
+             pass_at_4_start=evals[0].get("eval_pass_at_4"), pass_at_4_end=evals[-1].get("eval_pass_at_4"),
+             gain=r["accuracy_end"] - r["accuracy_start"], length_start=evals[0].get("eval_length_p50"),
+             length_end=evals[-1].get("eval_length_p50"))
+    return {k: v for k, v in r.items() if k not in ("overrides",)}, rows
+
+
 def part_rl(args, model_dir: Path, data: Path) -> dict:
     """The recipe's runs (benchmarks/cells.py: one main.py process each, resumable), then each run's final model
     and the base model evaluated at T = 1 too."""
     from benchmarks import cells
 
-    # evaluations at the start, the middle and the end (--smoke: the start and the end)
-    every = args.steps // 2 if args.steps % 2 == 0 and not args.smoke else args.steps
-    config, *paths = recipe(model_dir, data)
-    grid = argparse.Namespace(config=config.removeprefix("--config="), work=str(Path(args.work) / "rl"),
-                              steps=args.steps, warmup=args.warmup, eval_problems=args.eval_problems,
-                              eval_every=every, overrides=[*paths, *args.overrides], warm_up=False)
-    Path(grid.work).mkdir(parents=True, exist_ok=True)
+    grid = grid_of(args, model_dir, data, "rl")
     runs = []
     for seed in args.seeds:
         for eta in args.etas:
             for objective in args.objectives:
-                runs.append(rl_run(cells.cell("colocated", eta, objective, "recompute", seed), grid, args,
-                                   model_dir, data))
+                c = cells.cell("colocated", eta, objective, "recompute", seed)
+                r, _ = run_cell(c, grid)
+                r["t1_end"] = evaluate_t1(Path(grid.work) / c["name"] / "model", Path(grid.work) / c["name"] / "t1",
+                                          args, model_dir, data)
+                runs.append(r)
     return {"runs": runs, "t1_start": evaluate_t1(model_dir, Path(grid.work) / "base_t1", args, model_dir, data),
             "command": "python benchmarks/real_model.py " + " ".join(args.argv)}
 
@@ -489,53 +514,24 @@ def part_agent(args, model_dir: Path, data: Path) -> dict:
     from configs.smollm2 import get_config
 
     recipe_config = get_config(f"agent={args.agent}")
-    every = args.steps // 2 if args.steps % 2 == 0 and not args.smoke else args.steps
-    config, *paths = recipe(model_dir, data)
-    grid = argparse.Namespace(config=config.removeprefix("--config=") + f",agent={args.agent}",
-                              work=str(Path(args.work) / f"agent_{args.agent}"), steps=args.steps,
-                              warmup=args.warmup, eval_problems=args.agent_eval_problems or
-                              recipe_config.eval.num_problems, eval_every=every,
-                              overrides=[*paths, *args.overrides], warm_up=False)
-    Path(grid.work).mkdir(parents=True, exist_ok=True)
+    grid = grid_of(args, model_dir, data, f"agent_{args.agent}", f",agent={args.agent}",
+                   args.agent_eval_problems or recipe_config.eval.num_problems)
     runs = []
     for seed in args.seeds:
-        c = cells.cell("colocated", recipe_config.rl.max_staleness, recipe_config.trainer.ppo.objective,
-                       recipe_config.generator.mode, seed)
-        r = cells.run(c, grid)
-        rows = [json.loads(x) for x in (Path(grid.work) / c["name"] / "metrics.jsonl").read_text().splitlines()]
+        r, rows = run_cell(cells.cell("colocated", recipe_config.rl.max_staleness, recipe_config.trainer.ppo.objective,
+                                      recipe_config.generator.mode, seed), grid)
         evals, steps = [x for x in rows if "eval_accuracy" in x], [x for x in rows if "agent_calls" in x]
-        summary = json.loads((Path(grid.work) / c["name"] / "summary.json").read_text())
-        episodes = sum(x["sequences"] for x in steps)  # trained trajectories: one per chain of an episode
-        r.update(greedy_start=evals[0].get("eval_greedy_accuracy"), wall_seconds=summary["wall_seconds"],
-                 gain=r["accuracy_end"] - r["accuracy_start"], rejected_start=evals[0].get("eval_rejected"),
-                 rejected_end=evals[-1].get("eval_rejected"), length_start=evals[0].get("eval_length_p50"),
-                 length_end=evals[-1].get("eval_length_p50"), agent_calls=steps[-1]["agent_calls"],
-                 trajectories=episodes, prefix_breaks=steps[-1]["agent_prefix_breaks"],
+        r.update(rejected_start=evals[0].get("eval_rejected"), rejected_end=evals[-1].get("eval_rejected"),
+                 agent_calls=steps[-1]["agent_calls"],
+                 trajectories=sum(x["sequences"] for x in steps),  # trained: one per chain of an episode
+                 prefix_breaks=steps[-1]["agent_prefix_breaks"],
                  unparsed_tool_calls=steps[-1]["agent_unparsed_tool_calls"],
                  rejected_in_training={k.removeprefix("agent_rejected_"): v for k, v in steps[-1].items()
                                        if k.startswith("agent_rejected_")})
-        runs.append({k: v for k, v in r.items() if k not in ("overrides",)})
+        runs.append(r)
     return {"agent": args.agent, "workflow": recipe_config.workflow.to_dict(), "runs": runs,
             "eval_problems": grid.eval_problems,
             "command": "python benchmarks/real_model.py " + " ".join(args.argv)}
-
-
-def rl_run(c: dict, grid: argparse.Namespace, args, model_dir: Path, data: Path) -> dict:
-    """One RL cell of the recipe (benchmarks/cells.py), its summary with greedy and pass@4 ends, gain, the held-out
-    outputs' median length at both ends, wall-clock and the final model's T = 1 pass@1."""
-    from benchmarks import cells
-
-    r = cells.run(c, grid)
-    rows = [json.loads(x) for x in (Path(grid.work) / c["name"] / "metrics.jsonl").read_text().splitlines()]
-    evals = [x for x in rows if "eval_accuracy" in x]
-    summary = json.loads((Path(grid.work) / c["name"] / "summary.json").read_text())
-    r.update(greedy_start=evals[0].get("eval_greedy_accuracy"), wall_seconds=summary["wall_seconds"],
-             pass_at_4_start=evals[0].get("eval_pass_at_4"), pass_at_4_end=evals[-1].get("eval_pass_at_4"),
-             gain=r["accuracy_end"] - r["accuracy_start"], length_start=evals[0].get("eval_length_p50"),
-             length_end=evals[-1].get("eval_length_p50"),
-             t1_end=evaluate_t1(Path(grid.work) / c["name"] / "model", Path(grid.work) / c["name"] / "t1", args,
-                                model_dir, data))
-    return {k: v for k, v in r.items() if k not in ("overrides",)}
 
 
 def evaluate_t1(model: Path, out: Path, args, model_dir: Path, data: Path) -> float:
@@ -757,7 +753,8 @@ def main() -> None:
         args.overrides = [*SMOKE_RL, *args.overrides]
     work, results = Path(args.work), Path(args.results)
     if args.smoke:  # finished smoke runs would not run again
-        shutil.rmtree(work / "rl", ignore_errors=True)
+        for runs in ("rl", f"agent_{args.agent}"):
+            shutil.rmtree(work / runs, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)
     store = results / "real_model.json"

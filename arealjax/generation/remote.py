@@ -110,8 +110,7 @@ class RemoteBackend:
         self._paused = self._closed = False
         self._tokens = itertools.count()
         self._error: str | None = None
-        self.stream = WeightStream(host_snapshot(model.params, self.dtype), version, self.lora, bool(s.verify),
-                                   self._send)
+        full = host_snapshot(model.params, self.dtype)  # what a joining server gets first
         self._welcome = rpc.pack({"protocol": rpc.PROTOCOL, "config": json.loads(config.to_json_best_effort()),
                                   "model": rpc.model_config_to_wire(model.cfg), "lora": self.lora,
                                   "dtype": config.generator.dtype})
@@ -134,7 +133,8 @@ class RemoteBackend:
         self.address = self.endpoint.address
         self.fleet = Fleet(s, self.endpoint, keys_dir, int(config.mesh.generator.devices) or 1,
                            str(workdir) if workdir else None)
-        self.router = Router(self.fleet.servers, self._send)
+        self.stream = WeightStream(full, version, self.lora, bool(s.verify), self.fleet.send)
+        self.router = Router(self.fleet.servers, self.fleet.send)
         self.transport = RemoteTransport(self)
         self.endpoint.start()  # its callbacks read what is set above
         try:
@@ -161,9 +161,6 @@ class RemoteBackend:
                     raise RuntimeError(f"generation servers did not start: {why}")
                 self._cv.wait(0.25)
         logging.info("generation servers ready: %s", ", ".join(self.fleet.servers))
-
-    def _send(self, name: str, kind: str, *buffers: Any, **kwargs: Any) -> None:
-        self.fleet.send(name, kind, *buffers, **kwargs)
 
     # ---- messages from servers (endpoint thread) ----
 
@@ -235,7 +232,7 @@ class RemoteBackend:
             server.progressed = time.monotonic()
             self.router.orphaned_since = None
             if self._paused:
-                self._send(server.name, "pause", token=-1)
+                self.fleet.send(server.name, "pause", token=-1)
             self.router.dispatch(self.fleet.ready())
         if h.get("fingerprint") is not None:  # servers.verify: what arrived must be what was sent
             got = rpc.field(h, "fingerprint", float)
@@ -310,7 +307,7 @@ class RemoteBackend:
                 if why is not None:
                     self._lose(s, why)
                 else:
-                    self._send(s.name, "ping", tag=("ping", next(self._tokens)), replaces=("ping",))
+                    self.fleet.send(s.name, "ping", tag=("ping", next(self._tokens)), replaces=("ping",))
             self.fleet.reap = [p for p in self.fleet.reap if p.poll() is None]
             starting = any(s.state == "joining" for s in self.fleet.servers.values())  # has start_seconds to join
             orphaned = self.router.orphaned_since
@@ -357,7 +354,7 @@ class RemoteBackend:
                 if time.monotonic() >= again:  # the question again each second: one may be lost on the way
                     again = time.monotonic() + 1.0
                     for n in waiting:
-                        self._send(n, kind, token=token)
+                        self.fleet.send(n, kind, token=token)
                 self._cv.wait(0.05)
             return self._replies.pop(token, {})
 
@@ -417,7 +414,7 @@ class RemoteBackend:
         with self._cv:
             self._paused = False
             for s in self.fleet.ready():
-                self._send(s.name, "resume")
+                self.fleet.send(s.name, "resume")
 
     def in_flight(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -453,7 +450,7 @@ class RemoteBackend:
             return
         self._closed = self.fleet.closed = True
         for s in self.fleet.live():
-            self._send(s.name, "stop", why="the trainer is closing")
+            self.fleet.send(s.name, "stop", why="the trainer is closing")
         self._fail_all("generator closed")
         self._error = None
         procs = self.fleet.processes()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -28,8 +29,11 @@ from arealjax.api import Completion, Rewards, RolloutBackend, SamplingParams
 from arealjax.rewards.sandbox import Limits, RunResult, run_python
 from arealjax.rewards.service import resolve
 from arealjax.rl.trajectory import Trajectory
+from arealjax.runtime import error_text
 from arealjax.tokenizer import Tokenizer
 from arealjax.validate import Problems
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +92,15 @@ class Episode:
                                     first_sample=self.index)
         return (await asyncio.wrap_future(fut))[0]
 
+    @classmethod
+    def group(cls, prompt: Prompt, sampling: SamplingParams, request_id: str, backend: RolloutBackend,
+              rewards: Rewards, tokenizer: Tokenizer) -> list[Episode]:
+        """The `sampling.n` episodes of `prompt` (episode j samples as sample j; request ids `<request_id>/<j>`),
+        each generating with `sampling` at n = 1."""
+        one = dataclasses.replace(sampling, n=1)
+        return [cls(prompt, j, f"{request_id}/{j}", backend, rewards, tokenizer, one, backend.max_len)
+                for j in range(sampling.n)]
+
     async def reward(self, text: str, **kwargs: Any) -> float:
         """The reward service's score of `text`, with the prompt's reward kwargs (overridable)."""
         return await self.rewards.score(text, **{**self.prompt.reward_kwargs, **kwargs})
@@ -145,6 +158,21 @@ class Turns:
         return Trajectory(np.array(self.tokens), np.array(self._mask), np.array(self._logprobs),
                           np.array(self._versions), reward=reward, temperature=self.temperature or 1.0,
                           info={"turns": self.model_turns, **info}, routes=routes)
+
+
+async def wind_down(workflow: Workflow) -> None:
+    """The end of an event loop that ran `workflow`'s episodes: cancels every other task on it (episodes still
+    running), then closes the workflow (its optional `close`: what it started on this loop; a failure is logged,
+    the run's outcome stands)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if (close := getattr(workflow, "close", None)) is not None:  # e.g. an agents' endpoint
+        try:
+            await close()
+        except Exception as e:  # noqa: BLE001 - the run is over; its outcome stands
+            log.warning("workflow %s: close failed: %s", type(workflow).__name__, error_text(e))
 
 
 def user_turn(tokenizer: Tokenizer, text: str, after_eos: bool) -> list[int]:
