@@ -65,6 +65,56 @@ class SamplingParams:
         return "greedy" if self.temperature <= 0 else "truncate" if self.truncates else "sample"
 
 
+@dataclasses.dataclass(frozen=True)
+class Routes:
+    """A mixture-of-experts model's routing of one token sequence: `experts` int16 [T, layers, k], the experts each
+    sparse layer sent each position to, best first; -1 where the model did not run that position (a completion's
+    last token, environment tokens after the last model turn). The generator records them, completions, turns,
+    trajectories and the wire carry them, packing aligns them with the trainer's input tokens, and the trainer
+    replays them (trainer.router_replay)."""
+
+    experts: np.ndarray
+
+    def __post_init__(self):
+        experts = np.asarray(self.experts)
+        if experts.ndim != 3 or not np.issubdtype(experts.dtype, np.integer):
+            raise ValueError(f"Routes.experts is {experts.dtype} {experts.shape}; expected integers [T, layers, k]")
+        if experts.size and experts.min() < -1:
+            raise ValueError(f"Routes.experts holds {experts.min()}; expected expert ids, or -1 where none ran")
+        object.__setattr__(self, "experts", experts.astype(np.int16, copy=False))
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    @property
+    def per_position(self) -> tuple[int, int]:
+        """(layers, k): the expert ids of one position."""
+        return self.experts.shape[1:]
+
+    def padded(self, n: int) -> Routes:
+        """These routes followed by -1 (none) up to n positions."""
+        if n < len(self):
+            raise ValueError(f"Routes of {len(self)} positions cannot be padded to {n}")
+        if n == len(self):
+            return self
+        return Routes(np.concatenate([self.experts, np.full((n - len(self), *self.per_position), -1, np.int16)]))
+
+    def check(self, num_experts: int) -> None:
+        """Refuses expert ids outside [-1, num_experts) (routes from a peer, before any is replayed)."""
+        if self.experts.size and self.experts.max() >= num_experts:
+            raise ValueError(f"expert ids {self.experts.min()}..{self.experts.max()}: outside -1..{num_experts - 1}")
+
+    def to_bytes(self) -> bytes:
+        return self.experts.tobytes()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, n: int, layers: int, k: int) -> Routes:
+        """The routes of n positions from `to_bytes`; ValueError when the size is not n · layers · k int16s."""
+        if len(raw) != n * layers * k * 2:
+            raise ValueError(f"holds {len(raw)} bytes, not {n * layers * k} int16 values ({layers} x {k} per position)")
+        return cls(np.frombuffer(raw, np.int16).reshape(n, layers, k).copy())
+
+
 @dataclasses.dataclass
 class Completion:
     """One generated sample. logprobs[i] and versions[i] belong to output_tokens[i]."""
@@ -78,8 +128,7 @@ class Completion:
     stop_reason: str  # "stop" (a stop token, kept as the last output), "length", or "abort"
     interrupts: int  # weight swaps that happened while this sample was in flight
     temperature: float = 1.0  # logprobs are log softmax(logits / temperature) (1 for greedy): the trainer's too
-    routes: np.ndarray | None = None  # MoE: int16 [P + O, L, k], the experts each layer chose at each position of
-    # prompt + output (-1 where the model did not run: the last output token); what trainer.router_replay replays
+    routes: Routes | None = None  # MoE: the experts of every position of prompt + output (none at the last token)
 
 
 def checked_prompt(prompt: Sequence[int], max_len: int) -> list[int]:

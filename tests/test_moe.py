@@ -364,7 +364,7 @@ def test_after_a_recompute_swap_the_routes_are_the_new_params():
         seq = c.prompt_tokens + c.output_tokens
         model = new if c.interrupts else old
         straddled += c.interrupts > 0
-        np.testing.assert_array_equal(c.routes[:-1], own_routes(model, seq)[:-1])
+        np.testing.assert_array_equal(c.routes.experts[:-1], own_routes(model, seq)[:-1])
     assert 0 < straddled < len(prompts)
 
 
@@ -381,9 +381,32 @@ def test_the_generator_records_the_experts_of_every_position_it_ran(decode_steps
         assert counters.preemptions > 0  # the resume path ran
     for c in completions:
         seq = c.prompt_tokens + c.output_tokens
-        assert c.routes.shape == (len(seq), 2, 2) and c.routes.dtype == np.int16
-        np.testing.assert_array_equal(c.routes[:-1], own_routes(model, seq)[:-1])
-        assert (c.routes[-1] == -1).all()
+        assert c.routes.experts.shape == (len(seq), 2, 2) and c.routes.experts.dtype == np.int16
+        np.testing.assert_array_equal(c.routes.experts[:-1], own_routes(model, seq)[:-1])
+        assert (c.routes.experts[-1] == -1).all()
+
+
+def test_routes_are_one_checked_type():
+    """api.Routes: int16 [T, layers, k] expert ids or -1, padded with -1, refused when malformed, whoever builds
+    them (the generator, the wire, a workflow) and wherever they go (a Trajectory of as many tokens)."""
+    from arealjax.api import Routes
+    from arealjax.rl.trajectory import Trajectory
+
+    r = Routes(np.arange(12, dtype=np.int64).reshape(3, 2, 2))
+    assert r.experts.dtype == np.int16 and len(r) == 3 and r.per_position == (2, 2)
+    assert r.padded(3) is r and (r.padded(5).experts[3:] == -1).all()
+    np.testing.assert_array_equal(r.padded(5).experts[:3], r.experts)
+    np.testing.assert_array_equal(Routes.from_bytes(r.to_bytes(), 3, 2, 2).experts, r.experts)
+    r.check(12)
+    for bad, error in [(lambda: r.padded(2), "cannot be padded to 2"), (lambda: r.check(11), r"outside -1\.\.10"),
+                       (lambda: Routes(np.zeros((3, 2))), r"expected integers \[T, layers, k\]"),
+                       (lambda: Routes(np.full((1, 1, 1), 0.5)), "expected integers"),
+                       (lambda: Routes(np.full((1, 1, 1), -3)), "holds -3"),
+                       (lambda: Routes.from_bytes(r.to_bytes(), 4, 2, 2), "holds 24 bytes, not 16 int16"),
+                       (lambda: Trajectory.from_completion([1, 2, 3], [4], [0.0], [0], routes=r), "3 positions; "
+                                                                                                "expected 4")]:
+        with pytest.raises(ValueError, match=error):
+            bad()
 
 
 def test_routes_cross_the_wire_checked():
@@ -397,10 +420,11 @@ def test_routes_cross_the_wire_checked():
               max_len=64, versions=(0, 0), experts=(2, 2, 8))
     wire = rpc.completion_to_wire(c)
     (back,) = rpc.completions_from_wire([wire], **kw)
-    np.testing.assert_array_equal(back.routes, c.routes)
+    np.testing.assert_array_equal(back.routes.experts, c.routes.experts)
     assert rpc.completions_from_wire([wire], **{**kw, "experts": None})[0].routes is None  # a dense model: none
-    bad = {"wrong size": (c.routes[:-1].tobytes(), r"'routes' holds \d+ bytes, not \d+ int16 values \(2 x 2 per"),
-           "expert 8 of 8": (np.full_like(c.routes, 8).tobytes(), r"expert ids 8\.\.8: outside -1\.\.7"),
+    bad = {"wrong size": (c.routes.experts[:-1].tobytes(), r"'routes' holds \d+ bytes, not \d+ int16 values \(2 x 2"),
+           "expert 8 of 8": (np.full_like(c.routes.experts, 8).tobytes(), r"expert ids 8\.\.8: outside -1\.\.7"),
+           "expert -2": (np.full_like(c.routes.experts, -2).tobytes(), r"holds -2; expected expert ids, or -1"),
            "missing": (None, r"no 'routes'")}
     for raw, error in bad.values():
         forged = {k: v for k, v in wire.items() if k != "routes"} | ({} if raw is None else {"routes": raw})
@@ -432,7 +456,7 @@ def test_the_trainer_replays_the_generators_routes():
         mb = batch.micro(0)
         for i, t in enumerate(trajectories):  # the packed routes are each trajectory's, at its tokens' positions
             row, col = np.argwhere(mb["segment_ids"] == i + 1)[0]
-            np.testing.assert_array_equal(mb["routes"][row, col:col + len(t)], t.routes)
+            np.testing.assert_array_equal(mb["routes"][row, col:col + len(t)], t.routes.experts)
         logp = np.asarray(trainer.logprobs(trainer.params, batch)[0])
         mismatch[replay] = np.abs(logp - mb["behav_logp"])[mb["loss_mask"]].mean()
         if replay:  # what the trainer's forward routed: the generator's experts wherever they were recorded
@@ -468,14 +492,14 @@ def test_sft_adds_the_routers_load_balancing_loss():
 def test_a_multi_turn_trajectory_has_the_routes_of_its_last_turn():
     """Turns: turn 2's prefill ran every earlier position again (turn 1's tokens, the environment's), and its
     tokens were sampled from that KV: the trajectory has turn 2's routes; trailing environment tokens have none."""
-    from arealjax.api import Completion
+    from arealjax.api import Completion, Routes
     from arealjax.workflows.base import Turns
 
     def completion(prompt, out, fill):
         routes = np.full((len(prompt) + len(out), 2, 2), fill, np.int16)
         routes[-1] = -1
         return Completion("r", 0, prompt, out, np.zeros(len(out), np.float32), np.zeros(len(out), np.int32),
-                          "stop", 0, 1.0, routes)
+                          "stop", 0, 1.0, Routes(routes))
 
     turns = Turns([1, 2, 3])
     turns.model(completion([1, 2, 3], [4, 5], fill=1))
@@ -483,4 +507,4 @@ def test_a_multi_turn_trajectory_has_the_routes_of_its_last_turn():
     turns.model(completion([1, 2, 3, 4, 5, 6, 7], [8, 9], fill=2))
     turns.env([10])
     t = turns.build(reward=1.0)
-    assert list(t.routes[:, 0, 0]) == [2, 2, 2, 2, 2, 2, 2, 2, -1, -1]
+    assert list(t.routes.experts[:, 0, 0]) == [2, 2, 2, 2, 2, 2, 2, 2, -1, -1]

@@ -94,8 +94,8 @@ def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_th
                 assert a.output_tokens == b.output_tokens and a.sample == b.sample, rid
                 np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
                 assert list(a.versions) == list(b.versions) == [0] * len(a.output_tokens)
-                assert b.routes.shape == (len(b.prompt_tokens) + len(b.output_tokens), 1, 2)
-                np.testing.assert_array_equal(a.routes, b.routes)
+                assert b.routes.experts.shape == (len(b.prompt_tokens) + len(b.output_tokens), 1, 2)
+                np.testing.assert_array_equal(a.routes.experts, b.routes.experts)
             by_group = {}
             for rid, server in routes.items():
                 by_group.setdefault(rid.split("/")[0], set()).add(server)

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from arealjax.api import Completion, checked_prompt
+from arealjax.api import Completion, Routes, checked_prompt
 from arealjax.generation.engine import (
     Engine,
     Packed,
@@ -71,7 +71,7 @@ class _Seq:
     interrupts: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)  # KV pages of the sequence, in order
     order: int = 0  # admission order: the latest admitted is preempted first
-    routes: np.ndarray | None = None  # MoE: int16 [capacity, L, k] by position, -1 where none was recorded
+    routes: np.ndarray | None = None  # MoE: the routes being recorded, int16 [capacity, L, k] by position (-1: none)
 
     def route(self, start: int, routes: np.ndarray) -> None:
         """Sets the routes of positions start.. (growing the array by doubling)."""
@@ -500,11 +500,9 @@ class Generator:
     def _finish(self, seq: _Seq, reason: str) -> None:
         """Records a finished sample; resolves its request's future when all samples are in (holds the lock)."""
         req = seq.request
-        routes = None
+        routes, n = None, len(req.prompt) + len(seq.tokens)
         if seq.routes is not None:  # every position, -1 where the model never ran (the last token)
-            routes = np.full((len(req.prompt) + len(seq.tokens), *seq.routes.shape[1:]), -1, np.int16)
-            n = min(len(seq.routes), len(routes))
-            routes[:n] = seq.routes[:n]
+            routes = Routes(seq.routes[:n]).padded(n)
         req.results[seq.sample - req.first_sample] = Completion(
             req.id, seq.sample, list(req.prompt), list(seq.tokens), np.asarray(seq.logprobs, np.float32),
             np.asarray(seq.versions, np.int32), reason, seq.interrupts, req.sampling.logprob_temperature, routes)

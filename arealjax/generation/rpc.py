@@ -34,7 +34,7 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from arealjax.api import Completion, SamplingParams
+from arealjax.api import Completion, Routes, SamplingParams
 
 PROTOCOL = 2  # the shape of the messages; hello carries it and either side refuses another
 Frames = Sequence[Any]  # bytes, memoryviews or zmq.Frame
@@ -362,7 +362,7 @@ def completion_to_wire(c: Completion) -> dict[str, Any]:
             "output_tokens": c.output_tokens, "logprobs": np.asarray(c.logprobs, np.float32).tobytes(),
             "versions": np.asarray(c.versions, np.int32).tobytes(), "stop_reason": c.stop_reason,
             "interrupts": c.interrupts, "temperature": c.temperature,
-            **({} if c.routes is None else {"routes": np.asarray(c.routes, np.int16).tobytes()})}
+            **({} if c.routes is None else {"routes": c.routes.to_bytes()})}
 
 
 class WireError(ValueError):
@@ -430,11 +430,12 @@ def completions_from_wire(raw: Any, *, request_id: str, prompt: Sequence[int], s
             routes = None
             if experts is not None:
                 layers, k, e = experts
-                n = len(prompt) + len(tokens)
-                routes = _array(d, "routes", np.int16, n * layers * k, f"{layers} x {k} per position of prompt + "
-                                                                       f"output").reshape(n, layers, k)
-                if routes.size and (routes.min() < -1 or routes.max() >= e):
-                    raise WireError(f"expert ids {routes.min()}..{routes.max()}: outside -1..{e - 1}")
+                raw_routes = field(d, "routes", bytes)
+                try:
+                    routes = Routes.from_bytes(raw_routes, len(prompt) + len(tokens), layers, k)
+                    routes.check(e)
+                except ValueError as why:
+                    raise WireError(f"'routes' {why}") from None
         except WireError as e:
             raise WireError(f"completion {j} of {request_id}: {e}") from None
         out.append(Completion(request_id, first_sample + j, list(prompt), tokens, logprobs, vs, reason, interrupts,

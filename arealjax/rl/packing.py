@@ -136,7 +136,7 @@ def pack(trajectories: Sequence[Trajectory], max_tokens: int, rows: int, *, pack
     out["temperature"][:] = 1.0
     routed = [t.routes for t in trajectories if t.routes is not None] if routes else []
     if routed:
-        out["routes"] = np.full((*shape, *routed[0].shape[1:]), -1, np.int16)
+        out["routes"] = np.full((*shape, *routed[0].per_position), -1, np.int16)
     for row, members in enumerate(bins):
         o = 0
         for i in members:
@@ -152,7 +152,7 @@ def pack(trajectories: Sequence[Trajectory], max_tokens: int, rows: int, *, pack
             out["versions"][row, o:o + n - 1] = np.where(t.loss_mask[1:], t.versions[1:], 0)
             out["temperature"][row, s] = t.temperature
             if routed and t.routes is not None:
-                out["routes"][row, s] = t.routes
+                out["routes"][row, s] = t.routes.experts
             o += n
     return PackedBatch(**out, n_sequences=len(trajectories), sizes=sizes)
 

@@ -8,13 +8,12 @@ length L, aligned with `tokens`:
     logprobs   f32   [L]   behaviour logprob of each model token (0 elsewhere)
     versions   int32 [L]   policy version that sampled each model token (-1 elsewhere)
 
-and, for a mixture-of-experts model, `routes` int16 [L, layers, k]: the experts the generator's forward chose at
-each position (-1 where it did not run one: the last token, environment tokens not yet prefilled), what the
-trainer replays (trainer.router_replay); plus a scalar `reward` (from the reward service) and `advantage` (set by
-`advantages.py`; every model token of a trajectory gets its trajectory's advantage), and the sampling
-`temperature` its logprobs were taken at: the
-trainer scores π_θ and π_prox as log softmax(logits / temperature) too, or the behaviour weight and the PPO ratio
-would compare different distributions. `group` ties the n samples of one prompt together.
+and, for a mixture-of-experts model, `routes` (api.Routes, L positions): the experts the generator's forward chose
+at each position, what the trainer replays (trainer.router_replay); plus a scalar `reward` (from the reward
+service) and `advantage` (set by `advantages.py`; every model token of a trajectory gets its trajectory's
+advantage), and the sampling `temperature` its logprobs were taken at: the trainer scores π_θ and π_prox as
+log softmax(logits / temperature) too, or the behaviour weight and the PPO ratio would compare different
+distributions. `group` ties the n samples of one prompt together.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+
+from arealjax.api import Routes
 
 
 @dataclasses.dataclass
@@ -36,7 +37,7 @@ class Trajectory:
     temperature: float = 1.0
     group: str = ""
     info: dict = dataclasses.field(default_factory=dict)  # free-form: prompt id, stop reason, turns, ...
-    routes: np.ndarray | None = None
+    routes: Routes | None = None
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, np.int32)
@@ -48,10 +49,8 @@ class Trajectory:
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"Trajectory.{name} has shape {getattr(self, name).shape}; expected ({n},) "
                                  f"like tokens")
-        if self.routes is not None:
-            self.routes = np.asarray(self.routes, np.int16)
-            if self.routes.ndim != 3 or len(self.routes) != n:
-                raise ValueError(f"Trajectory.routes has shape {self.routes.shape}; expected ({n}, layers, k)")
+        if self.routes is not None and len(self.routes) != n:
+            raise ValueError(f"Trajectory.routes has {len(self.routes)} positions; expected {n} like tokens")
         if not self.temperature > 0:
             raise ValueError(f"Trajectory.temperature = {self.temperature}; expected > 0 (1 for greedy samples)")
         if n and self.loss_mask[0]:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from arealjax.api import Completion, Rewards, RolloutBackend, SamplingParams
+from arealjax.api import Completion, Rewards, RolloutBackend, Routes, SamplingParams
 from arealjax.rewards.sandbox import Limits, RunResult, run_python
 from arealjax.rewards.service import resolve
 from arealjax.rl.trajectory import Trajectory
@@ -119,7 +119,7 @@ class Turns:
         self._mask, self._logprobs, self._versions = [False] * n, [0.0] * n, [-1] * n
         self.model_turns = 0
         self.temperature: float | None = None  # of the model turns' logprobs, which must agree
-        self.routes: np.ndarray | None = None  # MoE: the experts of each position the model ran (-1: none yet)
+        self.routes: Routes | None = None  # MoE: the last model turn's, of every position up to its output
 
     def model(self, c: Completion) -> None:
         if self.temperature is not None and c.temperature != self.temperature:
@@ -128,7 +128,7 @@ class Turns:
                              f"them at it)")
         self.temperature = c.temperature
         if c.routes is not None:  # this turn's prefill ran every earlier position again: its routes are the latest
-            self.routes = np.array(c.routes, np.int16)
+            self.routes = c.routes
         self.tokens += c.output_tokens
         self._mask += [True] * len(c.output_tokens)
         self._logprobs += [float(x) for x in c.logprobs]
@@ -151,10 +151,7 @@ class Turns:
         self._versions += [-1] * n
 
     def build(self, reward: float, **info: Any) -> Trajectory:
-        routes = self.routes
-        if routes is not None and len(routes) < len(self.tokens):  # environment tokens after the last model turn
-            routes = np.concatenate([routes, np.full((len(self.tokens) - len(routes), *routes.shape[1:]), -1,
-                                                     np.int16)])
+        routes = None if self.routes is None else self.routes.padded(len(self.tokens))  # -1: environment tokens
         return Trajectory(np.array(self.tokens), np.array(self._mask), np.array(self._logprobs),
                           np.array(self._versions), reward=reward, temperature=self.temperature or 1.0,
                           info={"turns": self.model_turns, **info}, routes=routes)
