@@ -522,6 +522,7 @@ def part_agent(args, model_dir: Path, data: Path) -> dict:
                                       recipe_config.generator.mode, seed), grid)
         evals, steps = [x for x in rows if "eval_accuracy" in x], [x for x in rows if "agent_calls" in x]
         r.update(rejected_start=evals[0].get("eval_rejected"), rejected_end=evals[-1].get("eval_rejected"),
+                 truncated_start=evals[0].get("eval_truncated"), truncated_end=evals[-1].get("eval_truncated"),
                  agent_calls=steps[-1]["agent_calls"],
                  trajectories=sum(x["sequences"] for x in steps),  # trained: one per chain of an episode
                  prefix_breaks=steps[-1]["agent_prefix_breaks"],
@@ -558,11 +559,11 @@ def commit() -> str:
     return c()
 
 
-def stat(xs) -> str:
+def stat(xs, fmt: str = ".2f") -> str:
     xs = np.asarray([x for x in xs if x is not None], float)
     if not len(xs):
         return "—"
-    return f"{xs.mean():.2f} ± {xs.std(ddof=1):.2f}" if len(xs) > 1 else f"{xs.mean():.2f}"
+    return f"{xs.mean():{fmt}} ± {xs.std(ddof=1):{fmt}}" if len(xs) > 1 else f"{xs.mean():{fmt}}"
 
 
 def by_seed(runs: list[dict], key: str, unit: float, suffix: str) -> str:
@@ -654,20 +655,24 @@ def report(res: dict) -> str:
                   f"{runs[0]['objective']} PPO. A rejected "
                   "episode (the agent raised, ran past its timeout, made no call) scores 0 in evaluation and is "
                   "not trained.", "",
-                  "| seed | pass@1 start → end | gain | greedy start → end | rejected start → end | chat calls, "
-                  "all episodes (filtered groups' too) | trajectories trained | unparsed tool calls | s / step | "
-                  "wall-clock |",
-                  "|---" * 10 + "|"]
+                  "| seed | pass@1 start → end | gain | greedy start → end | replies cut at the cap, start → end | "
+                  "rejected start → end | chat calls, all episodes (filtered groups' too) | trajectories trained | "
+                  "unparsed tool calls | s / step | wall-clock |",
+                  "|---" * 11 + "|"]
         for x in runs:
             lines.append(f"| {x['seed']} | {x['accuracy_start']:.2f} → **{x['accuracy_end']:.2f}** | "
                          f"{x['gain']:+.2f} | {x['greedy_start']:.2f} → {x['greedy_end']:.2f} | "
+                         f"{x['truncated_start']:.1%} → {x['truncated_end']:.1%} | "
                          f"{x['rejected_start']:.1%} → {x['rejected_end']:.1%} | "
                          f"{x['agent_calls']:.0f} | {x['trajectories']:.0f} | {x['unparsed_tool_calls']:.0f} | "
                          f"{x['seconds_per_step']:.0f} s | {x['wall_seconds'] / 60:.0f} min |")
         if len(runs) > 1:
             lines.append(f"| mean | {stat(x['accuracy_start'] for x in runs)} → "
                          f"**{stat(x['accuracy_end'] for x in runs)}** | "
-                         f"**{np.mean([x['gain'] for x in runs]):+.2f}** | | | | | | | |")
+                         f"**{np.mean([x['gain'] for x in runs]):+.2f}** | "
+                         f"{stat(x['greedy_start'] for x in runs)} → {stat(x['greedy_end'] for x in runs)} | "
+                         f"{stat([x['truncated_start'] for x in runs], '.1%')} → "
+                         f"{stat([x['truncated_end'] for x in runs], '.1%')} | | | | | | |")
         lines.append("")
     return "\n".join(lines)
 
