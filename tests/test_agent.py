@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from arealjax.api import SamplingParams
+from arealjax.api import Completion, SamplingParams
 from arealjax.generation.engine import Engine
 from arealjax.generation.generator import Generator
 from arealjax.models import load_pretrained
@@ -156,6 +156,9 @@ def test_a_streamed_completion_is_the_same_reply_in_chunks(served):
     ("frobnicate", 1, "unsupported field 'frobnicate'"),
     ("stop", "a long stop string", "only single-token stop"),
     ("temperature", 5, "'temperature' = 5"),
+    ("temperature", True, "'temperature' = True"),
+    ("max_tokens", True, "'max_tokens' = True"),
+    ("n", True, "'n' = True"),
     ("seed", 3, "'seed': draws are keyed by"),
     ("messages", [{"role": "wizard", "content": "x"}], r"messages\[0\]"),
 ])
@@ -231,6 +234,217 @@ class Queued(Recording):
     async def generate(self, tokens, **overrides):
         await asyncio.sleep(self.wait)
         return await super().generate(tokens, **overrides)
+
+
+async def agent_returns_nan(client, data):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    return float("nan")
+
+
+async def agent_returns_numpy(client, data):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    return np.float32(0.5)
+
+
+async def agent_survives_a_refused_call(client, data):
+    try:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 2000}])
+    except openai.BadRequestError as e:
+        assert e.code == "context_length_exceeded", e.body
+    return 1.0
+
+
+def test_a_reward_must_be_a_finite_number_and_an_episode_without_a_model_turn_is_rejected(served):
+    """A NaN reward would make its group's advantages NaN: the episode is rejected (`bad_reward`); a numpy number
+    is a number. An agent that catches a refused over-long call (OpenAI's `context_length_exceeded`) and returns a
+    reward had no model turn: rejected with its reason, counted."""
+    for name, reason in (("agent_returns_nan", "bad_reward"), ("agent_survives_a_refused_call", "no_call")):
+        wf = OpenAIAgent(f"test_agent:{name}")
+        assert asyncio.run(wf.run(episode(served))) is None
+        assert wf.metrics()[f"agent_rejected_{reason}"] == 1, wf.metrics()
+    (traj,) = asyncio.run(OpenAIAgent("test_agent:agent_returns_numpy").run(episode(served)))
+    assert traj.reward == 0.5
+
+
+def test_concurrent_calls_and_n_alternatives_are_each_a_faithful_trajectory_of_independent_draws(served):
+    """Two identical calls at once and one call with n = 3: five trajectories, each exactly the prompt it was fed
+    and the tokens it produced (concurrent calls never append to one another's chain), and five different draws
+    (each call and each alternative samples anew). The calls limit counts every alternative."""
+    ep = episode(served)
+    session = ChatSession(ep, max_calls=6)
+    messages = [{"role": "user", "content": "Name a colour."}]
+
+    async def agent():
+        async with client_for(session) as client:
+            await asyncio.gather(*[client.chat.completions.create(model="m", messages=messages, max_tokens=8)
+                                   for _ in range(2)])
+            r = await client.chat.completions.create(model="m", messages=messages, max_tokens=8, n=3)
+            assert [c.index for c in r.choices] == [0, 1, 2]
+            with pytest.raises(openai.BadRequestError, match="limit"):
+                await client.chat.completions.create(model="m", messages=messages, max_tokens=8, n=2)
+
+    asyncio.run(agent())
+    trajs = session.trajectories(1.0)
+    assert len(trajs) == len(ep.fed) == 5 and session.counts.calls == 5
+    built = sorted(list(t.tokens) for t in trajs)
+    assert built == sorted(fed + list(c.output_tokens) for fed, c in ep.fed)
+    for t in trajs:
+        (fed, c), = [(f, c) for f, c in ep.fed if list(t.tokens) == f + list(c.output_tokens)]
+        assert list(t.loss_mask) == [False] * len(fed) + [True] * len(c.output_tokens)
+        np.testing.assert_array_equal(t.logprobs[len(fed):], c.logprobs)
+    assert len({tuple(c.output_tokens) for _, c in ep.fed}) == 5
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_token_fidelity_over_random_conversations(served, seed):
+    """A property over random agents: calls that extend a returned conversation, edit its history, go back to an
+    earlier turn, run two at once, ask n = 2, switch tools, temperature or stop strings. Every model segment of
+    every trajectory is exactly one call's output (up to where a stop string cut it), preceded by exactly the tokens
+    that call was fed, with its logprobs and versions; every call is in exactly one trajectory."""
+    rng = np.random.RandomState(seed)
+    tok = served[2]
+    ep = episode(served)
+    session = ChatSession(ep, max_calls=64)
+    stops = [s for s in (",", ".", " the", "\n") if len(tok.encode(s)) == 1]
+
+    async def agent():
+        async with client_for(session) as client:
+            states = [[{"role": "user", "content": "Start."}]]  # conversations as the agent holds them
+
+            async def call(messages, **kw):
+                r = await client.chat.completions.create(model="m", messages=messages, max_tokens=6, **kw)
+                for choice in r.choices:
+                    states.append(messages + [choice.message.model_dump(exclude_none=True)])
+
+            for turn in range(8):
+                base = states[rng.randint(len(states))]
+                action = rng.choice(["extend", "extend", "edit", "back", "gather", "n"])
+                if action == "edit" and base[-1]["role"] == "assistant":
+                    base = base[:-1] + [{"role": "assistant", "content": f"edited {turn}"}]
+                elif action == "back" and len(base) > 2:
+                    base = base[:-2]
+                messages = base + ([{"role": "user", "content": f"Go on {turn}."}]
+                                   if base[-1]["role"] == "assistant" else [])
+                kw = {}
+                if rng.rand() < 0.3:
+                    kw["tools"] = TOOLS
+                if rng.rand() < 0.3:
+                    kw["temperature"] = 0.7
+                if stops and rng.rand() < 0.3:
+                    kw["stop"] = stops[rng.randint(len(stops))]
+                if action == "gather":
+                    await asyncio.gather(call(messages, **kw), call(messages, **kw))
+                else:
+                    await call(messages, **({"n": 2} if action == "n" else {}), **kw)
+
+    asyncio.run(agent())
+    trajs = session.trajectories(1.0)
+    used = set()
+    for t in trajs:
+        mask = np.concatenate([[False], t.loss_mask, [False]]).astype(int)
+        starts, ends = np.flatnonzero(np.diff(mask) == 1), np.flatnonzero(np.diff(mask) == -1)
+        assert len(starts) == t.info["turns"]
+        for a, b in zip(starts, ends):
+            match = [i for i, (fed, c) in enumerate(ep.fed) if i not in used and fed == list(t.tokens[:a])
+                     and list(c.output_tokens[:b - a]) == list(t.tokens[a:b])]
+            assert match, (seed, a, b)
+            used.add(match[0])
+            fed, c = ep.fed[match[0]]
+            np.testing.assert_array_equal(t.logprobs[a:b], c.logprobs[:b - a])
+            np.testing.assert_array_equal(t.versions[a:b], c.versions[:b - a])
+    assert len(used) == len(ep.fed) == session.counts.calls  # every call, once
+    assert session.counts.prefix_breaks > 0
+
+
+class Scripted(Recording):
+    """An episode whose model writes `reply` (the parsing under test, not the model)."""
+
+    reply = ""
+
+    async def generate(self, tokens, draw=0, **overrides):
+        out = self.tokenizer.encode(self.reply) + [self.tokenizer.eos_ids[0]]
+        c = Completion(self.request_id, self.index, list(tokens), out, np.full(len(out), -0.5, np.float32),
+                       np.zeros(len(out), np.int32), "stop", 0)
+        self.fed.append((list(tokens), c))
+        return c
+
+
+def test_parallel_tool_calls_false_returns_at_most_one_call(served):
+    """A reply with two tool calls: both by default, the first only with parallel_tool_calls false (OpenAI's
+    meaning); the trajectory holds the model's whole reply either way."""
+    call = '<tool_call>{{"name": "add", "arguments": {{"a": {}, "b": 2}}}}</tool_call>'
+    counts = {}
+    for parallel in (True, False):
+        e = episode(served)
+        ep = Scripted(e.prompt, e.index, e.request_id, e.backend, e.rewards, e.tokenizer, e.sampling, e.max_len)
+        ep.reply = call.format(1) + "\n" + call.format(3)
+        session = ChatSession(ep)
+
+        async def agent(session, parallel):
+            async with client_for(session) as client:
+                return await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                            tools=TOOLS, parallel_tool_calls=parallel)
+
+        r = asyncio.run(agent(session, parallel))
+        calls = r.choices[0].message.tool_calls
+        counts[parallel] = len(calls)
+        assert json.loads(calls[0].function.arguments) == {"a": 1, "b": 2}
+        (traj,) = session.trajectories(0.0)
+        assert list(traj.tokens[traj.loss_mask]) == list(ep.fed[0][1].output_tokens)
+    assert counts == {True: 2, False: 1}
+
+
+def test_a_stop_string_ends_the_reply_and_is_left_out_of_its_content(served):
+    """`stop`: the reply ends where its text first contains a stop string, whether the model wrote the stop's own
+    token or a token holding it among other characters; the content leaves the stop string out (as OpenAI's) and
+    the trajectory keeps exactly the tokens up to the one that held it."""
+    tok = served[2]
+    messages = [{"role": "user", "content": "Count to ten."}]
+
+    async def ask(**kw):
+        session = ChatSession(episode(served))
+        async with client_for(session) as client:
+            r = await client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=1,
+                                                     **kw)
+        return r.choices[0], session
+
+    _, free = asyncio.run(ask())
+    produced = list(free.ep.fed[0][1].output_tokens)
+    own, held = [], []  # stops that are a produced token's whole text / one character inside a produced token
+    for j, t in enumerate(produced):
+        piece, before = tok.decode([t]), tok.decode(produced[:j])
+        if piece.strip() and tok.encode(piece) == [t] and piece not in before:
+            own.append((j, piece))
+        held += [(j, ch) for ch in dict.fromkeys(piece) if ch.strip() and ch not in before and ch != piece
+                 and len(tok.encode(ch)) == 1][:1]
+    assert own and held, (produced, tok.decode(produced))
+    for j, stop in own[:2] + held[:2]:
+        choice, session = asyncio.run(ask(stop=stop))
+        (traj,) = session.trajectories(0.0)
+        assert list(traj.tokens[traj.loss_mask]) == produced[:j + 1], (j, stop)
+        text = tok.decode(produced[:j + 1])
+        assert choice.message.content == text[:text.index(stop)] and choice.finish_reason == "stop", (j, stop)
+
+
+def test_episodes_starting_at_once_share_one_endpoint():
+    """The endpoint starts once per event loop, however many episodes start on it at the same moment."""
+    from arealjax.workflows.endpoint import AgentEndpoint
+
+    endpoint = AgentEndpoint()
+
+    async def one(seen):
+        async with endpoint.episode(None):
+            seen.append(endpoint.base_url)
+            await asyncio.sleep(0.05)
+            seen.append(endpoint.base_url)
+
+    async def many():
+        seen = []
+        await asyncio.gather(*[one(seen) for _ in range(4)])
+        await endpoint.close()
+        return seen
+
+    assert len(set(asyncio.run(many()))) == 1
 
 
 async def agent_calls_twice(client, data):
@@ -435,7 +649,8 @@ codes = [httpx.post(base + "/chat/completions", json=body).status_code,
          httpx.post(base + "/chat/completions", json=body, headers=auth(os.environ["OLD_KEY"])).status_code,
          httpx.post(base + "/rl/reward", json={"reward": 9}, headers=auth("wrong")).status_code,
          httpx.post(base + "/chat/completions", content=b"x" * (5 << 20), headers=auth(key)).status_code,
-         httpx.post(base + "/rl/reward", json={"reward": "high"}, headers=auth(key)).status_code]
+         httpx.post(base + "/rl/reward", json={"reward": "high"}, headers=auth(key)).status_code,
+         httpx.post(base + "/rl/reward", content=b'{"reward": NaN}', headers=auth(key)).status_code]
 open(os.environ["OUT"], "w").write(" ".join(map(str, codes)) + " " + key)
 print(1.0)
 """,
@@ -497,7 +712,7 @@ def test_agents_run_as_commands_through_the_episode_endpoint(served, tmp_path, m
         (traj,) = trajs
         assert traj.reward == reward and list(traj.tokens[:len(ep.fed[0][0])]) == ep.fed[0][0]
     *codes, key = (tmp_path / "hostile.txt").read_text().split()
-    assert codes == ["401", "401", "401", "401", "413", "400"] and len(key) >= 43  # no key, wrong, expired, ...
+    assert codes == ["401", "401", "401", "401", "413", "400", "400"] and len(key) >= 43  # no key, wrong, ...
     assert out["chatty"][4] < 16 << 20, out["chatty"][4]  # 100 MiB printed; what was kept of it: little
     trajs, m, ep, _, _ = out["hostile"]
     assert trajs is None and not ep.fed and m["agent_rejected_no_call"] == 1  # nothing reached the episode

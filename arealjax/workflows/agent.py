@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from arealjax.rewards.service import resolve
+from arealjax.rewards.service import as_reward, resolve
 from arealjax.rl.trajectory import Trajectory
 from arealjax.workflows.base import Episode
 from arealjax.workflows.chat import ChatSession
@@ -144,13 +144,15 @@ class OpenAIAgent:
             self.calls += session.counts.calls
             self.prefix_breaks += session.counts.prefix_breaks
             self.unparsed_tool_calls += session.counts.unparsed_tool_calls
-        if not session.chains:
-            return self._reject(ep, "no_call", "made no chat call")
+        if not any(c.turns.model_turns for c in session.chains):
+            return self._reject(ep, "no_call", "made no chat call the model answered")
         if reward is None:
             reward = await ep.reward(session.last_assistant)
-        if not isinstance(reward, (int, float)):
-            return self._reject(ep, "bad_reward", f"returned {reward!r}, expected a number or None")
-        return session.trajectories(float(reward), agent_calls=session.counts.calls,
+        try:
+            reward = as_reward(reward)
+        except (TypeError, ValueError) as e:
+            return self._reject(ep, "bad_reward", f"{e} (or None: the run's reward function scores the last reply)")
+        return session.trajectories(reward, agent_calls=session.counts.calls,
                                     prefix_breaks=session.counts.prefix_breaks) or None
 
     async def _run_command(self, session: ChatSession, data: dict) -> float:
@@ -176,7 +178,7 @@ class OpenAIAgent:
                 return grant.reward
             lines = out.decode(errors="replace").strip().splitlines()
             try:
-                return float(lines[-1])
+                return as_reward(float(lines[-1]))
             except (IndexError, ValueError):
                 raise Rejected("no_reward", "reported no reward (POST /v1/rl/reward {\"reward\": r}, or a number on "
                                             f"the last line of stdout; it ended with {lines[-1:]!r})") from None

@@ -80,12 +80,17 @@ class Episode:
         """How many tokens one more call may add after `tokens`."""
         return min(self.sampling.max_new_tokens, self.max_len - len(tokens))
 
-    async def generate(self, tokens: Sequence[int], **overrides: Any) -> Completion:
-        """One model turn continuing `tokens`; `overrides` replace sampling fields (e.g. stop_token_ids)."""
+    async def generate(self, tokens: Sequence[int], draw: int = 0, **overrides: Any) -> Completion:
+        """One model turn continuing `tokens`; `overrides` replace sampling fields (e.g. stop_token_ids). Draws are
+        keyed by (seed, sample, position): `draw` > 0 gives a call draws of its own (an alternative of the same
+        tokens, a retry), independent of draw 0's and reproducible."""
         room = self.room(tokens)
         if room < 1:
             raise ValueError(f"episode {self.request_id}: {len(tokens)} tokens leave no room in max_len={self.max_len}")
         sampling = dataclasses.replace(self.sampling, **{**overrides, "n": 1})
+        if draw:
+            digest = hashlib.blake2b(f"{sampling.seed}/draw/{draw}".encode(), digest_size=4).digest()
+            sampling = dataclasses.replace(sampling, seed=int.from_bytes(digest, "little"))
         sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
         self._calls += 1
         fut = self.backend.submit(tokens, sampling, request_id=f"{self.request_id}.{self._calls}",
@@ -135,12 +140,11 @@ class Turns:
         self._versions += [int(v) for v in c.versions]
         self.model_turns += 1
 
-    def copy(self) -> Turns:
-        """An independent copy: a branch of the conversation so far."""
-        out = Turns([])
-        out.tokens, out._mask = list(self.tokens), list(self._mask)
-        out._logprobs, out._versions = list(self._logprobs), list(self._versions)
-        out.model_turns, out.temperature, out.routes = self.model_turns, self.temperature, self.routes
+    def branch(self) -> Turns:
+        """A branch of the conversation so far: its tokens as context, not trained (they are trained once, in
+        this trajectory); its model turns are those added after."""
+        out = Turns(self.tokens)
+        out.temperature, out.routes = self.temperature, self.routes
         return out
 
     def env(self, tokens: Sequence[int]) -> None:

@@ -22,6 +22,7 @@ Whatever is not supported is refused with the OpenAI error shape naming the fiel
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -30,6 +31,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from arealjax.api import Completion, Routes
 from arealjax.rl.trajectory import Trajectory
 from arealjax.workflows.base import Episode, Turns
 
@@ -53,12 +55,12 @@ class APIError(Exception):
     """A request the endpoint refuses: HTTP `status` and OpenAI's error body."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
-        self.status, self.param, self.kind = status, param, kind
+        self.status, self.param, self.kind, self.code = status, param, kind, code
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclasses.dataclass
@@ -68,6 +70,7 @@ class Chain:
     turns: Turns
     text: str  # the decoded tokens, special tokens kept: what the next prompt's text must start with
     stop_reason: str = ""  # of its last model turn: "stop", or "length" where it hit the token cap
+    busy: bool = False  # a call on it is in flight: its output will follow these tokens, nothing else may
 
 
 @dataclasses.dataclass
@@ -135,34 +138,41 @@ class ChatSession:
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise APIError(f"'stream_options' = {options!r}: only {{'include_usage': bool}} is served",
                            "stream_options")
-        if self.counts.calls >= self.max_calls:
-            raise APIError(f"this episode made {self.max_calls} calls, its limit (workflow.kwargs.max_calls)")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError("'messages' must be a non-empty list", "messages")
         tools = body.get("tools") or []
         text = self.render(messages, tools)
-        overrides = self._sampling(body)
+        overrides, stops = self._sampling(body)
         n = body.get("n", 1)
-        if not isinstance(n, int) or not 1 <= n <= 16:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
             raise APIError(f"'n' = {n!r}: expected an integer in [1, 16]", "n")
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        if self.counts.calls + n > self.max_calls:
+            raise APIError(f"this episode made {self.counts.calls} calls; {n} more pass its limit of "
+                           f"{self.max_calls} (workflow.kwargs.max_calls)")
         base = self._continue(text, overrides.get("temperature", self.ep.sampling.temperature))
-        chains = [base] + [Chain(base.turns.copy(), base.text) for _ in range(n - 1)]  # n alternatives
+        prompt_tokens = len(base.turns.tokens)
+        chains = [base] + [Chain(base.turns.branch(), base.text) for _ in range(n - 1)]  # n alternatives
         self.chains += chains[1:]
-        for i, chain in enumerate(chains):
-            room = self.ep.room(chain.turns.tokens)
-            if room < 1:
-                raise APIError(f"the conversation is {len(chain.turns.tokens)} tokens: no room for a reply in "
-                               f"max_len={self.ep.max_len}", "messages")
-            prompt_tokens = len(chain.turns.tokens)
-            c = await self._generate(chain.turns.tokens, **overrides)
-            self.counts.calls += 1
+        draws = range(self.counts.calls, self.counts.calls + n)  # every call and alternative draws anew
+        self.counts.calls += n
+        for chain in chains:
+            chain.busy = True
+        try:
+            outs = await asyncio.gather(*[self._generate(chain.turns.tokens, draw=d, **overrides)
+                                          for chain, d in zip(chains, draws)])
+        finally:
+            for chain in chains:
+                chain.busy = False
+        choices, completion_tokens = [], 0
+        for i, (chain, c) in enumerate(zip(chains, outs)):
+            c, content = self._cut(c, stops)
             chain.turns.model(c)
             chain.text += self.tok.decode(c.output_tokens, skip_special_tokens=False)
             chain.stop_reason = c.stop_reason
             completion_tokens += len(c.output_tokens)
-            choices.append(self._choice(i, c, tools, bool(body.get("logprobs"))))
+            choices.append(self._choice(i, c, content, tools, bool(body.get("logprobs")),
+                                        body.get("parallel_tool_calls") is not False))
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model", self.model_name), "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -222,37 +232,53 @@ class ChatSession:
         return text
 
     def _continue(self, text: str, temperature: float) -> Chain:
-        """The chain whose text `text` extends (its tokens then the extension's: environment tokens), or a new one."""
+        """The chain whose text `text` extends (its tokens then the extension's: environment tokens), or a new one.
+        A chain with a call in flight is branched instead (concurrent calls of one agent): the copy holds the
+        tokens that call was fed, and each call's output follows exactly the tokens it was fed. Refuses (before
+        changing anything) a prompt that leaves no room for a reply."""
         logprob_t = temperature if temperature > 0 else 1.0
         for chain in reversed(self.chains):
             if text.startswith(chain.text) and chain.turns.temperature in (None, logprob_t):
-                rest = text[len(chain.text):]
+                rest = self.tok.encode(text[len(chain.text):]) if len(text) > len(chain.text) else []
+                self._room(len(chain.turns.tokens) + len(rest))
+                if chain.busy:
+                    chain = Chain(chain.turns.branch(), chain.text)
+                    self.chains.append(chain)
                 if rest:
-                    chain.turns.env(self.tok.encode(rest))
+                    chain.turns.env(rest)
                 chain.text = text
                 return chain
+        tokens = self.tok.encode(text)
+        self._room(len(tokens))
         if self.chains:
             self.counts.prefix_breaks += 1
-        chain = Chain(Turns(self.tok.encode(text)), text)
+        chain = Chain(Turns(tokens), text)
         self.chains.append(chain)
         return chain
 
-    def _sampling(self, body: dict) -> dict:
+    def _room(self, n: int) -> None:
+        if n >= self.ep.max_len:
+            raise APIError(f"the conversation is {n} tokens: no room for a reply in max_len={self.ep.max_len}",
+                           "messages", code="context_length_exceeded")
+
+    def _sampling(self, body: dict) -> tuple[dict, list[str]]:
+        """The sampling overrides of a request, and its stop strings."""
         out: dict[str, Any] = {}
+        stops: list[str] = []
         if body.get("temperature") is not None:
             t = body["temperature"]
-            if not isinstance(t, (int, float)) or not 0 <= t <= 2:
+            if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t <= 2:
                 raise APIError(f"'temperature' = {t!r}: expected a number in [0, 2]", "temperature")
             out["temperature"] = float(t)
         if body.get("top_p") is not None:
             p = body["top_p"]
-            if not isinstance(p, (int, float)) or not 0 < p <= 1:
+            if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
                 raise APIError(f"'top_p' = {p!r}: expected a number in (0, 1]", "top_p")
             out["top_p"] = float(p)
         for key in ("max_completion_tokens", "max_tokens"):
             if body.get(key) is not None:
                 m = body[key]
-                if not isinstance(m, int) or m < 1:
+                if not isinstance(m, int) or isinstance(m, bool) or m < 1:
                     raise APIError(f"'{key}' = {m!r}: expected an integer ≥ 1", key)
                 out["max_new_tokens"] = min(m, self.ep.sampling.max_new_tokens)
                 break
@@ -272,18 +298,37 @@ class ChatSession:
                                    f"strings are supported (generation stops on token ids)", "stop")
                 ids += enc
             out["stop_token_ids"] = tuple(dict.fromkeys((*self.ep.sampling.stop_token_ids, *ids)))
-        return out
+        return out, stops
 
     # ---- the response ----
 
-    def _choice(self, i: int, c, tools: list, logprobs: bool) -> dict:
+    def _cut(self, c: Completion, stops: list[str]) -> tuple[Completion, str]:
+        """The completion up to the first token at which its text holds a stop string (the model may write one
+        inside a longer token, which the stop ids do not catch), and its text without the stop string: what
+        OpenAI returns. The tokens kept are exactly the generator's, so the trajectory stays faithful."""
+        text = self.tok.decode(c.output_tokens, skip_special_tokens=True)
+        if not any(s in text for s in stops):
+            return c, text
+        lo, hi = 0, len(c.output_tokens)  # the shortest prefix whose text holds a stop string: hi tokens
+        while lo + 1 < hi:
+            mid = (lo + hi) // 2
+            prefix = self.tok.decode(c.output_tokens[:mid], skip_special_tokens=True)
+            lo, hi = (lo, mid) if any(s in prefix for s in stops) else (mid, hi)
+        text = self.tok.decode(c.output_tokens[:hi], skip_special_tokens=True)
+        end = min(text.index(s) for s in stops if s in text)
+        n = len(c.prompt_tokens) + hi
+        return dataclasses.replace(
+            c, output_tokens=c.output_tokens[:hi], logprobs=c.logprobs[:hi], versions=c.versions[:hi],
+            stop_reason="stop", routes=None if c.routes is None else Routes(c.routes.experts[:n])), text[:end]
+
+    def _choice(self, i: int, c: Completion, text: str, tools: list, logprobs: bool, parallel: bool) -> dict:
         eos = set(self.tok.eos_ids)
         out = list(c.output_tokens)
         own = self.tok.decode(out[:-1] if out and out[-1] in eos else out, skip_special_tokens=False)
-        text = self.tok.decode(out, skip_special_tokens=True)
         calls, content = [], text
         if tools:
             calls, content = self._parse_calls(text)
+            calls = calls if parallel else calls[:1]  # parallel_tool_calls false: at most one, as OpenAI's
         finish = "tool_calls" if calls else ("length" if c.stop_reason == "length" else "stop")
         message = {"role": "assistant", "content": content if content or not calls else None}
         if calls:

@@ -18,6 +18,7 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from arealjax.rewards.service import as_reward
 from arealjax.workflows.chat import APIError, ChatSession
 from arealjax.workflows.routes import MAX_BODY, answer, json_response
 
@@ -37,6 +38,7 @@ class AgentEndpoint:
         self._grants: dict[str, Grant] = {}
         self._runner = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._starting: asyncio.Lock | None = None  # of self._loop: episodes starting at once start one server
         self.port = 0
 
     @property
@@ -48,21 +50,23 @@ class AgentEndpoint:
         from aiohttp import web
 
         loop = asyncio.get_running_loop()
-        if self._runner is not None and self._loop is loop:
-            return
-        app = web.Application(client_max_size=MAX_BODY)
-        app.router.add_route("*", "/{path:.*}", self._handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, 0)
-        await site.start()
-        self._runner, self._loop = runner, loop
-        self.port = runner.addresses[0][1]
+        if self._loop is not loop:
+            self._runner, self._loop, self._starting = None, loop, asyncio.Lock()
+        async with self._starting:
+            if self._runner is not None:
+                return
+            app = web.Application(client_max_size=MAX_BODY)
+            app.router.add_route("*", "/{path:.*}", self._handle)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, self.host, 0)
+            await site.start()
+            self._runner, self.port = runner, runner.addresses[0][1]
 
     async def close(self) -> None:
         if self._runner is not None and self._loop is asyncio.get_running_loop():
             await self._runner.cleanup()
-        self._runner = self._loop = None
+        self._runner = self._loop = self._starting = None
 
     @contextlib.asynccontextmanager
     async def episode(self, session: ChatSession) -> AsyncIterator[Grant]:
@@ -90,11 +94,12 @@ class AgentEndpoint:
         if request.method == "POST" and request.path.rstrip("/").endswith("/rl/reward"):
             try:
                 reward = json.loads(body or b"null")["reward"]
-                if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+                if isinstance(reward, bool):
                     raise TypeError
+                reward = as_reward(reward)
             except (ValueError, TypeError, KeyError):
-                return _refuse(APIError('expected {"reward": <number>}', "reward"))
-            grant.reward = float(reward)
+                return _refuse(APIError('expected {"reward": <a finite number>}', "reward"))
+            grant.reward = reward
             return _response(*json_response(200, {"ok": True}))
         return _response(*await answer(grant.session, request.method, request.path, body))
 

@@ -41,15 +41,18 @@ async def responses(session: ChatSession, body: Any) -> dict:
                            key)
     chat = {"model": body.get("model", session.model_name), "messages": _messages(body), "tools": _tools(body)}
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("max_output_tokens", "max_tokens"),
-                         ("metadata", "metadata"), ("user", "user")):
+                         ("metadata", "metadata"), ("user", "user"), ("parallel_tool_calls", "parallel_tool_calls")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
     try:
         reply = await session.chat_completions(chat)
     except APIError as e:  # named as the caller named it
         names = {"max_tokens": "max_output_tokens", "messages": "input"}
-        raise APIError(str(e).replace("'max_tokens'", "'max_output_tokens'"), names.get(e.param, e.param),
-                       e.status, e.kind) from None
+        param = names.get(e.param, e.param)
+        if param and param.startswith("messages["):
+            param = "input"
+        raise APIError(str(e).replace("'max_tokens'", "'max_output_tokens'"), param, e.status, e.kind,
+                       e.code) from None
     (choice,) = reply["choices"]
     m = choice["message"]
     output = [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "status": "completed",
