@@ -74,6 +74,7 @@ def test_a_multi_turn_conversation_is_one_token_faithful_trajectory(served):
                     list(ep.fed[-1][1].logprobs))
                 messages += [r.choices[0].message.model_dump(exclude_none=True),
                              {"role": "user", "content": f"Again, try {turn}."}]
+            assert (await client.models.retrieve("Qwen/Qwen3-0.6B")).id == "Qwen/Qwen3-0.6B"
             return (await client.models.list()).data[0].id
 
     assert asyncio.run(agent()) == "arealjax"

@@ -13,7 +13,7 @@ MAX_BODY = 4 << 20  # bytes of one request body
 
 async def answer(session: ChatSession, method: str, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
     """One OpenAI API request answered by `session`: (status, headers, body). POST /v1/chat/completions (JSON, or
-    server-sent events with `stream`), POST /v1/responses (workflows/responses.py), GET /v1/models; anything else,
+    server-sent events with `stream`), POST /v1/responses (workflows/responses.py), GET /v1/models[/id]; anything else,
     and every refusal, in OpenAI's error shape."""
     path = path.rstrip("/")
     try:
@@ -21,6 +21,8 @@ async def answer(session: ChatSession, method: str, path: str, body: bytes) -> t
             raise APIError(f"request body of {len(body)} bytes exceeds {MAX_BODY}", None, 413)
         if method == "GET" and path.endswith("/models"):
             return json_response(200, session.models())
+        if method == "GET" and "/models/" in path:  # any name is served (a chat call's `model` is any name)
+            return json_response(200, {**session.models()["data"][0], "id": path.split("/models/", 1)[1]})
         if method == "POST" and path.endswith(("/chat/completions", "/responses")):
             try:
                 data = json.loads(body or b"null")
