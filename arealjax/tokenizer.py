@@ -21,6 +21,22 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 CHAR_FILE = "char_tokenizer.json"
 
 
+def _bytes_to_unicode() -> dict[str, int]:
+    """Byte-level BPE's stand-in character for each byte (GPT-2's table), inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNICODE_BYTES = _bytes_to_unicode()
+
+
 class Tokenizer(Protocol):
     vocab_size: int
     pad_id: int
@@ -29,6 +45,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+    def token_bytes(self, token: int) -> bytes: ...
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str: ...
 
@@ -95,6 +112,24 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for, also when they are part of a UTF-8 character (decode gives U+FFFD):
+        byte-level BPE's printable stand-ins mapped back, SentencePiece's <0xNN> byte tokens and ▁ spaces."""
+        piece = self._tok.id_to_token(int(token))
+        if piece is None:
+            raise ValueError(f"token id {token} is not in this tokenizer (vocab_size {self.vocab_size})")
+        if self._byte_level and all(ch in _UNICODE_BYTES for ch in piece):
+            return bytes(_UNICODE_BYTES[ch] for ch in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        return decoder.get("type") == "ByteLevel" or any(
+            d.get("type") == "ByteLevel" for d in decoder.get("decoders", []))
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """The template rendered as transformers renders it; `kwargs` (e.g. `tools`) become its variables."""
@@ -138,6 +173,9 @@ class CharTokenizer:
         n = len(self.SPECIALS)
         special = lambda i: "" if skip_special_tokens else self.SPECIALS[i]  # noqa: E731
         return "".join(self.alphabet[i - n] if i >= n else special(i) for i in ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.decode([token], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

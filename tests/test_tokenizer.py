@@ -60,6 +60,18 @@ def test_hf_tokenizer_matches_transformers(hf_tokenizer_dir):
     assert set(ours.eos_ids) == {0, 2}  # generation_config.json eos ids plus the tokenizer eos
 
 
+def test_token_bytes_are_the_bytes_each_token_stands_for(hf_tokenizer_dir):
+    """A token may hold part of a UTF-8 character (this small BPE splits 🙂 and é into bytes; decode gives U+FFFD
+    for such a token alone): the tokens' bytes, concatenated, are the text's UTF-8 (OpenAI's logprobs `bytes`)."""
+    ours = load_tokenizer(hf_tokenizer_dir)
+    for text in TEXTS + ["<|im_start|>user\n日本語<|im_end|>"]:
+        ids = ours.encode(text)
+        assert b"".join(ours.token_bytes(t) for t in ids) == text.encode()
+    assert any("\ufffd" in ours.decode([t]) for t in ours.encode(TEXTS[2]))  # split characters are there
+    char = CharTokenizer("ab🙂")
+    assert b"".join(char.token_bytes(t) for t in char.encode("a🙂b")) == "a🙂b".encode()
+
+
 def test_char_tokenizer_roundtrip_and_template(tmp_path):
     tok = CharTokenizer("0123456789+=? abc")
     ids = tok.encode("12+30=?")

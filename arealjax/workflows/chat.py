@@ -339,7 +339,7 @@ class ChatSession:
         if logprobs:
             choice["logprobs"] = {"content": [
                 {"token": self.tok.decode([t], skip_special_tokens=False), "logprob": float(lp),
-                 "bytes": list(self.tok.decode([t], skip_special_tokens=False).encode()), "top_logprobs": []}
+                 "bytes": list(self.tok.token_bytes(t)), "top_logprobs": []}
                 for t, lp in zip(c.output_tokens, c.logprobs)]}
         return choice
 
