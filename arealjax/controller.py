@@ -63,6 +63,22 @@ class Group:
     admitted_at: int  # staleness-manager version at admission (≤ the version of every token)
     seq: int  # admission order (the staleness manager's sequence number)
     trajectories: list[Trajectory]
+    rejected: int = 0  # episodes that gave no trajectory
+
+    def episode_rewards(self) -> list[float]:
+        """One reward per episode that gave trajectories: an agent's chains share their episode's
+        (`info['episode']`)."""
+        seen: dict = {}
+        for i, t in enumerate(self.trajectories):
+            seen.setdefault(t.info.get("episode", ("own", i)), t.reward)
+        return list(seen.values())
+
+
+def _contributions(group: Group) -> dict[str, float]:
+    """What a scored group adds to the ControllerStats counters: its episodes, each once."""
+    rewards = group.episode_rewards()
+    return {"rejected_episodes": group.rejected, "scored_samples": len(rewards), "reward_sum": float(sum(rewards)),
+            "generated_tokens": sum(t.n_model_tokens for t in group.trajectories)}
 
 
 @dataclasses.dataclass
@@ -71,7 +87,7 @@ class ControllerStats:
     trained: int = 0
     filtered: int = 0
     filtered_in_a_row: int = 0  # since the last group that reached the queue
-    rejected_episodes: int = 0  # episodes whose workflow returned None
+    rejected_episodes: int = 0  # episodes whose workflow returned None (or no trajectory)
     generated_tokens: int = 0  # model tokens of finished episodes
     scored_samples: int = 0  # every finished episode, filtered groups included
     reward_sum: float = 0.0  # over those episodes: the policy's reward before filtering
@@ -200,14 +216,13 @@ class RolloutController:
             for t in [] if r is None else r if isinstance(r, list) else [r]:
                 t.group, t.info["episode"] = group.prompt.id, j  # one sample of the group (rl/advantages.py)
                 group.trajectories.append(t)
-        rewards = [t.reward for t in group.trajectories]
+        group.rejected = sum(not r for r in results)  # None, or an empty list
+        rewards = group.episode_rewards()
         kept, _ = dynamic_filter([group.trajectories], self.advantage) if group.trajectories else ([], None)
         with self._cv:
             self._running.pop(group.seq, None)
-            self.stats.rejected_episodes += sum(r is None for r in results)
-            self.stats.generated_tokens += sum(t.n_model_tokens for t in group.trajectories)
-            self.stats.scored_samples += len(rewards)
-            self.stats.reward_sum += float(sum(rewards))
+            for key, value in _contributions(group).items():
+                setattr(self.stats, key, getattr(self.stats, key) + value)
             if kept:
                 self.staleness.on_accept(group.seq)
                 self._queue[group.seq] = group
@@ -218,7 +233,8 @@ class RolloutController:
                 self.stats.filtered += 1
                 self.stats.filtered_in_a_row += 1
                 self._filtered_reward_sum += rewards[0] if rewards else 0.0
-                self._filtered_reward_min = min(self._filtered_reward_min, rewards[0] if rewards else -float("inf"))
+                self._filtered_reward_min = min(self._filtered_reward_min,  # a rejected episode is not right
+                                                rewards[0] if rewards and not group.rejected else -float("inf"))
                 self._rejected_in_a_row += not rewards
             self._cv.notify_all()
             rules = self.stopping
@@ -226,7 +242,7 @@ class RolloutController:
             starved = 0 < rules.max_filtered_in_a_row <= self.stats.filtered_in_a_row
             mean = self._filtered_reward_sum / max(self.stats.filtered_in_a_row, 1)
             solved = self._filtered_reward_min >= rules.solved_reward
-            self._all_right.append(bool(rewards) and min(rewards) >= rules.solved_reward)
+            self._all_right.append(bool(rewards) and not group.rejected and min(rewards) >= rules.solved_reward)
             window = self._all_right.maxlen
             right = sum(self._all_right)
             mostly_right = 0 < window == len(self._all_right) and right >= rules.solved_share * window
@@ -327,8 +343,12 @@ class RolloutController:
         trained (queued or in flight, to be re-issued on resume, in admission order) and the counters."""
         with self._source_lock, self._cv:  # admission takes a prompt and registers its group under both
             pending = sorted([*self._running.values(), *self._queue.values()], key=lambda g: g.seq)
+            stats = dataclasses.asdict(self.stats)
+            for group in self._queue.values():  # scored, not trained: re-run on resume, where they count again
+                for key, value in _contributions(group).items():
+                    stats[key] -= value
             return {"prompts": self.prompts.get_state(), "pending": [dataclasses.asdict(g.prompt) for g in pending],
-                    "stats": dataclasses.asdict(self.stats)}
+                    "stats": stats}
 
     def restore(self, state: dict, version: int) -> None:
         """Before start(): continue from `checkpoint_state()` output, the generator serving `version`."""

@@ -130,7 +130,8 @@ def evaluate(backend: RolloutBackend, rewards, tokenizer, prompts: Sequence, spe
         for p, f in zip(prompts, futs):
             samples = f(wait)
             row = {"id": p.id, "rewards": [s.reward for s in samples], "completions": [s.text for s in samples],
-                   "lengths": [s.length for s in samples], "truncated": sum(s.truncated for s in samples)}
+                   "lengths": [s.length for s in samples if not s.rejected],  # a rejected episode has none
+                   "truncated": sum(s.truncated for s in samples)}
             if workflow is not None:
                 row["rejected"] = sum(s.rejected for s in samples)
             row["correct"] = sum(r > 0.5 for r in row["rewards"])
@@ -201,7 +202,9 @@ def _episodes(workflow: Any, backend: RolloutBackend, rewards, tokenizer):
             return Sample("", 0.0, 0, rejected=True)
         last = trajs[-1]
         mask = np.asarray(last.loss_mask, bool)
-        text = tokenizer.decode(np.asarray(last.tokens)[int(np.argmax(mask)):].tolist()) if mask.any() else ""
+        text = last.info.get("final_reply")  # an agent's: its last reply, whichever chain holds it
+        if text is None:
+            text = tokenizer.decode(np.asarray(last.tokens)[int(np.argmax(mask)):].tolist()) if mask.any() else ""
         return Sample(text, float(last.reward), int(sum(np.asarray(t.loss_mask).sum() for t in trajs)),
                       any(t.info.get("stop_reason") == "length" for t in trajs))
 
@@ -238,7 +241,7 @@ def summarize(rows: list[dict[str, Any]], n: int, ks: Sequence[int], seconds: fl
         out["eval_rejected"] = float(sum(r["rejected"] for r in rows) / max(len(rows) * n, 1))
     if rows and "greedy_reward" in rows[0]:
         out["eval_greedy_accuracy"] = float(np.mean([r["greedy_reward"] for r in rows]))
-    lengths = [x for r in rows for x in r["lengths"]]
+    lengths = [x for r in rows for x in r["lengths"]] or [float("nan")]  # of the samples not rejected
     out.update(eval_length_p50=float(np.percentile(lengths, 50)), eval_length_p99=float(np.percentile(lengths, 99)),
                eval_length_max=float(max(lengths)),
                eval_truncated=float(sum(r["truncated"] for r in rows) / max(len(lengths), 1)))

@@ -400,7 +400,7 @@ class RLLoop:
         trainer's when it took the batch."""
         stale = staleness_of(batch, version)
         by_staleness = np.bincount(token_staleness(batch, version), minlength=self.config.rl.max_staleness + 1)
-        rewards = np.array([tr.reward for grp in batch for tr in grp.trajectories])
+        rewards = np.array([r for grp in batch for r in grp.episode_rewards()])  # each episode once
         local = {"reward": float(rewards.mean()), "accuracy": float(np.mean(rewards > 0.5)),
                  "staleness_max": Peak(stale.max()), "staleness_mean": float(stale.mean()),
                  **{f"staleness_tokens_{k}": Count(n) for k, n in enumerate(by_staleness)},

@@ -150,19 +150,19 @@ def test_bad_inputs_are_named():
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "dr_grpo"])
 def test_an_episode_of_several_trajectories_is_one_sample_of_its_group(estimator):
     """An agent episode that yields three trajectories (its history broke its prefix) counts once in its group's
-    baseline, like the single-trajectory episodes beside it, and its trajectories share its advantage; lengths
-    for the overlong penalty are the episode's model tokens over all its trajectories. Untagged trajectories are
-    episodes of their own, as before."""
+    baseline, like the single-trajectory episodes beside it, and its trajectories share its advantage; the length
+    the overlong penalty reads is the episode's longest reply (each call is capped by max_new_tokens; three
+    replies of 7 are not one of 21). Untagged trajectories are episodes of their own, as before."""
     cfg = AdvantageConfig(estimator=estimator, overlong_buffer=4, max_new_tokens=10, overlong_penalty=1.0)
-    (group,) = trajectories([[1.0, 1.0, 1.0, 0.0, 0.5]], [[3, 3, 3, 2, 9]])
+    (group,) = trajectories([[1.0, 1.0, 1.0, 0.0, 0.5]], [[7, 3, 7, 2, 9]])
     for t, episode in zip(group, [0, 0, 0, 1, 2]):
         t.info["episode"] = episode
     assign_advantages([group], cfg)
-    (alone,) = trajectories([[1.0, 0.0, 0.5]], [[9, 2, 9]])  # the same three episodes, one trajectory each
+    (alone,) = trajectories([[1.0, 0.0, 0.5]], [[7, 2, 9]])  # the same three episodes, one trajectory each
     assign_advantages([alone], cfg)
     expected = [alone[0].advantage] * 3 + [alone[1].advantage, alone[2].advantage]
     np.testing.assert_allclose([t.advantage for t in group], expected, rtol=1e-12)
-    (untagged,) = trajectories([[1.0, 1.0, 1.0, 0.0, 0.5]], [[3, 3, 3, 2, 9]])
+    (untagged,) = trajectories([[1.0, 1.0, 1.0, 0.0, 0.5]], [[7, 3, 7, 2, 9]])
     assign_advantages([untagged], cfg)
     assert not np.allclose([t.advantage for t in untagged], expected)  # five samples: another baseline
     (one,) = trajectories([[1.0, 1.0]])
@@ -170,3 +170,18 @@ def test_an_episode_of_several_trajectories_is_one_sample_of_its_group(estimator
         t.info["episode"] = 0
     kept, dropped = dynamic_filter([one], AdvantageConfig(estimator=estimator, filter_uniform=True))
     assert dropped == [one] and not kept  # one episode: nothing to compare it with
+
+
+def test_an_episode_weighs_once_in_sample_level_batch_statistics_and_its_longest_reply_is_its_length():
+    """batch_level='sample': an episode of three trajectories and one of one are two samples (±1 after
+    normalising), not four. A multi-turn trajectory's length for the overlong penalty is its longest reply."""
+    from arealjax.rl.advantages import longest_reply
+
+    (group,) = trajectories([[1.0, 1.0, 1.0, 0.0]], [[2, 2, 2, 2]])
+    for t, episode in zip(group, [0, 0, 0, 1]):
+        t.info["episode"] = episode
+    stats = assign_advantages([group], AdvantageConfig(estimator="reinforce_pp", batch_level="sample", eps=0.0))
+    np.testing.assert_allclose([t.advantage for t in group], [1.0, 1.0, 1.0, -1.0])
+    assert stats["advantage_mean"] == pytest.approx(0.0) and stats["advantage_abs_mean"] == pytest.approx(1.0)
+    turns = Trajectory([1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 1, 1, 0, 1, 1, 1, 0, 1], np.zeros(9), np.zeros(9))
+    assert longest_reply(turns) == 3 and longest_reply(Trajectory([1, 2], [0, 0], np.zeros(2), np.zeros(2))) == 0

@@ -486,6 +486,34 @@ async def agent_graded(client, data):
     return float(data["answer"] == "5")
 
 
+FINAL_REPLIES: list[str] = []
+
+
+async def agent_picks_the_first_of_two(client, data):
+    messages = [{"role": "user", "content": data["prompt"]}]
+    r = await client.chat.completions.create(model="m", messages=messages, max_tokens=4, n=2)
+    messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Final answer?"}]
+    final = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+    FINAL_REPLIES.append(final.choices[0].message.content)
+    return 1.0
+
+
+def test_an_agents_answer_is_its_last_reply_whichever_chain_holds_it(served):
+    """An agent that asks for two alternatives and carries on with the first: the episode has two trajectories,
+    and evaluation reads its answer from the reply it ended with, not from the alternative it dropped."""
+    from arealjax import evaluate as evaluation
+
+    gen, rewards, tok = served
+    prompts = [Prompt("p0", tok.encode(tok.apply_chat_template([{"role": "user", "content": "2 + 3?"}])), {},
+                      text="2 + 3?")]
+    spec = evaluation.EvalSpec(SamplingParams(temperature=1.0, max_new_tokens=12, seed=3), n=1, ks=(1,),
+                               greedy=False)
+    FINAL_REPLIES.clear()
+    _, rows = evaluation.evaluate(gen, rewards, tok, prompts, spec,
+                                  workflow=OpenAIAgent("test_agent:agent_picks_the_first_of_two"))
+    assert rows[0]["completions"] == FINAL_REPLIES and len(FINAL_REPLIES) == 1
+
+
 class Closed(OpenAIAgent):
     closed = 0
 
@@ -510,8 +538,9 @@ def test_held_out_evaluation_runs_the_agent_as_training_does(served):
     assert [r["rewards"] for r in rows] == [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
     assert [r["rejected"] for r in rows] == [0, 2, 0] and [r["greedy_reward"] for r in rows] == [1.0, 0.0, 0.0]
     assert summary["eval_rejected"] == pytest.approx(2 / 6) and summary["pass@1"] == pytest.approx(1 / 3)
-    assert all(0 < n <= 6 for n in rows[0]["lengths"]) and rows[1]["lengths"] == [0, 0] and Closed.closed == 1
+    assert all(0 < n <= 6 for n in rows[0]["lengths"]) and rows[1]["lengths"] == [] and Closed.closed == 1
     assert rows[0]["truncated"] == sum(n == 6 for n in rows[0]["lengths"]) > 0  # cut at the agent's max_tokens
+    assert summary["eval_truncated"] == pytest.approx(sum(r["truncated"] for r in rows) / 4)  # of 4 not rejected
 
     plain = evaluation.evaluate(gen, rewards, tok, prompts, spec)[1]
     episodes = evaluation.evaluate(gen, rewards, tok, prompts, spec, workflow=RLVR())[1]

@@ -360,6 +360,28 @@ def test_an_episode_that_yields_several_trajectories_is_one_sample_of_its_group(
     assert a == b == -other and a > 0  # two samples, 1 and 0: ± the same
 
 
+def test_episodes_are_counted_once_rejected_ones_are_not_right_and_a_checkpoint_does_not_count_twice():
+    """An episode of two trajectories counts once in the rollout reward; a group whose survivors are all right but
+    which lost an episode (rejected, or an empty list) is not 'every sample right'; a checkpoint's counters leave
+    out the queued groups it will re-run on resume, so they are not counted twice."""
+    c = small_config(1)
+    prompts = train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
+    controller = RolloutController(None, None, None, prompts, StalenessManager(2, 1, 4), SamplingParams(n=3),
+                                   AdvantageConfig(filter_uniform=False), stopping=Stopping(solved_window=2))
+    traj = lambda r: Trajectory.from_completion([1, 2], [3], [-1.0], [0], reward=r)  # noqa: E731
+    controller._on_scored(controller._admit(), [[traj(1.0), traj(1.0)], traj(0.0), None])
+    assert (controller.stats.scored_samples, controller.stats.reward_sum, controller.stats.rejected_episodes) == \
+        (2, 1.0, 1)
+    state = controller.checkpoint_state()["stats"]  # the group is queued: re-run after a resume
+    assert (state["scored_samples"], state["reward_sum"], state["rejected_episodes"], state["generated_tokens"]) \
+        == (0, 0.0, 0, 0)
+    for lost in (None, []):
+        controller._on_scored(controller._admit(), [traj(1.0), traj(1.0), lost])
+    assert not any(controller._all_right)  # two episodes right, one lost: not solved
+    assert len(controller.get_batch(0, timeout=5)) == 2
+    assert controller.checkpoint_state()["stats"]["scored_samples"] == 4  # the two trained groups' episodes
+
+
 def test_a_workflow_is_closed_on_the_controllers_loop_when_it_stops():
     """A workflow's `close()` (OpenAIAgent's endpoint for command agents lives on the controller's loop) runs there
     when the controller stops."""

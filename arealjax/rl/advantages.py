@@ -105,12 +105,16 @@ def group_advantages(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
 
 
 def batch_normalize(values: np.ndarray, tokens: np.ndarray, cfg: AdvantageConfig,
-                    reduce: Reduce | None = None) -> np.ndarray:
-    """(x − mean) / (std + eps) over the batch, each sample weighted by its model tokens (`batch_level="token"`,
-    i.e. statistics over every trained token) or equally ("sample"). `reduce` sums the statistics over every
-    process of a multi-host step, whose batch is the union of theirs."""
+                    reduce: Reduce | None = None, samples: np.ndarray | None = None) -> np.ndarray:
+    """(x − mean) / (std + eps) over the batch, each trajectory weighted by its model tokens (`batch_level=
+    "token"`, i.e. statistics over every trained token) or by `samples` ("sample": its share of its episode, so
+    each episode counts once; default 1 each). `reduce` sums the statistics over every process of a multi-host
+    step, whose batch is the union of theirs."""
     x = np.asarray(values, np.float64)
-    w = np.maximum(tokens, 0).astype(np.float64) if cfg.batch_level == "token" else np.ones(len(x))
+    if cfg.batch_level == "token":
+        w = np.maximum(tokens, 0).astype(np.float64)
+    else:
+        w = np.ones(len(x)) if samples is None else np.asarray(samples, np.float64)
     sums = np.array([w.sum(), (w * x).sum(), (w * x * x).sum(), len(x), x.sum(), (x * x).sum()])
     if reduce is not None:
         sums = reduce(sums)
@@ -130,14 +134,23 @@ def episodes(group: Sequence[Trajectory]) -> np.ndarray:
                      for i, t in enumerate(group)], np.int64)
 
 
+def longest_reply(t: Trajectory) -> int:
+    """The longest run of model tokens: one call's reply (what max_new_tokens caps, so what the overlong penalty
+    reads), however many turns the trajectory has."""
+    runs = np.diff(np.concatenate([[0], np.asarray(t.loss_mask, np.int8), [0]]))
+    return int((np.flatnonzero(runs == -1) - np.flatnonzero(runs == 1)).max(initial=0))
+
+
 def _episode_rewards(group: Sequence[Trajectory], cfg: AdvantageConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(episode of each trajectory, raw reward per episode, shaped reward per episode: lengths are the episode's
-    model tokens over all its trajectories)."""
+    """(episode of each trajectory, raw reward per episode, shaped reward per episode: the length the overlong
+    penalty reads is the episode's longest reply)."""
     ids = episodes(group)
     first = np.unique(ids, return_index=True)[1]
     raw = np.array([group[i].reward for i in first], np.float64)
-    tokens = np.bincount(ids, weights=[t.n_model_tokens for t in group], minlength=len(first))
-    return ids, raw, shape_rewards(raw, tokens, cfg)
+    lengths = np.zeros(len(first))
+    if cfg.overlong_buffer:
+        np.maximum.at(lengths, ids, [longest_reply(t) for t in group])
+    return ids, raw, shape_rewards(raw, lengths, cfg)
 
 
 def dynamic_filter(groups: Sequence[Sequence[Trajectory]], cfg: AdvantageConfig
@@ -167,13 +180,15 @@ def assign_advantages(groups: Sequence[Sequence[Trajectory]], cfg: AdvantageConf
     else:
         adv = np.concatenate([s[ids] for ids, _, s in per_episode])
     flat_tokens = np.array([t.n_model_tokens for g in groups for t in g], np.float64)
+    share = np.concatenate([1.0 / np.bincount(ids)[ids] for ids, _, _ in per_episode])  # each episode weighs 1
     if cfg.estimator == "reinforce_pp":
-        adv = batch_normalize(adv, flat_tokens, cfg, reduce)
+        adv = batch_normalize(adv, flat_tokens, cfg, reduce, share)
     if cfg.normalize_batch:
-        adv = batch_normalize(adv, flat_tokens, cfg, reduce)
+        adv = batch_normalize(adv, flat_tokens, cfg, reduce, share)
     for t, a in zip((t for g in groups for t in g), adv):
         t.advantage = float(a)
     raw_flat, shaped_flat = np.concatenate(raw), np.concatenate(shaped)
     return {"reward_mean": float(raw_flat.mean()), "reward_std": float(raw_flat.std()),
-            "shaped_reward_mean": float(shaped_flat.mean()), "advantage_mean": float(adv.mean()),
-            "advantage_abs_mean": float(np.abs(adv).mean())}
+            "shaped_reward_mean": float(shaped_flat.mean()),
+            "advantage_mean": float(np.sum(share * adv) / share.sum()),
+            "advantage_abs_mean": float(np.sum(share * np.abs(adv)) / share.sum())}

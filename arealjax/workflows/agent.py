@@ -152,7 +152,7 @@ class OpenAIAgent:
             reward = as_reward(reward)
         except (TypeError, ValueError) as e:
             return self._reject(ep, "bad_reward", f"{e} (or None: the run's reward function scores the last reply)")
-        return session.trajectories(reward, agent_calls=session.counts.calls,
+        return session.trajectories(reward, final_reply=session.last_assistant, agent_calls=session.counts.calls,
                                     prefix_breaks=session.counts.prefix_breaks) or None
 
     async def _run_command(self, session: ChatSession, data: dict) -> float:

@@ -90,7 +90,9 @@ class ChatSession:
         self.counts = Counts()
         self._returned: dict[str, str] = {}  # key of an assistant message we returned -> the model's own text
         self._template_tools = "tools" in (getattr(self.tok, "chat_template", "") or "")
-        self.last_assistant: str = ""  # the last returned assistant message's content (the default reward's input)
+        # the content of the last call's first choice (the reply an agent carries on with): the default reward's
+        # input, and the text evaluation reads the episode's answer from
+        self.last_assistant: str = ""
         self.started = time.monotonic()
         self._waiting = 0  # model calls in flight
         self._waited = 0.0  # seconds with a model call in flight, up to _since
@@ -334,7 +336,8 @@ class ChatSession:
         if calls:
             message["tool_calls"] = calls
         self._returned[_key(message["content"] or "", calls)] = own
-        self.last_assistant = content
+        if i == 0:
+            self.last_assistant = content
         choice = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
         if logprobs:
             choice["logprobs"] = {"content": [
