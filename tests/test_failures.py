@@ -170,6 +170,7 @@ def refused_in_process(workdir: Path, pattern: str, *flags: str) -> None:
     from arealjax import train
     from arealjax.runtime import error_text
 
+    before = set(children(os.getpid()))  # what earlier tests left (Python's own resource tracker): not the run's
     argv, values = ["main.py", *TINY, *flags], absl_flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, flag_values=values, lock_config=True, sys_argv=argv)
     values(argv)
@@ -180,7 +181,8 @@ def refused_in_process(workdir: Path, pattern: str, *flags: str) -> None:
     assert time.monotonic() - t0 < 10
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["status"] == "failed" and re.search(pattern, summary["error"]), summary
-    assert not children(os.getpid()), [cmdline(p) for p in children(os.getpid())]
+    left = set(children(os.getpid())) - before
+    assert not left, [cmdline(p) for p in left]
 
 
 
