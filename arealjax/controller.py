@@ -116,12 +116,14 @@ class Stopping:
 class RolloutController:
     def __init__(self, backend: RolloutBackend, rewards: Rewards, tokenizer: Tokenizer, prompts: PromptSource,
                  staleness: StalenessManager, sampling: SamplingParams, advantage: AdvantageConfig, *,
-                 workflow: Workflow | None = None, stopping: Stopping = Stopping()):
+                 workflow: Workflow | None = None, stopping: Stopping = Stopping(), max_tokens: int = 0):
         """`sampling.n` episodes per prompt, each generating with `sampling` (n = 1); `stopping`: when groups that
-        all get filtered end the run (`get_batch` raises TaskSolved when the task is solved)."""
+        all get filtered end the run (`get_batch` raises TaskSolved when the task is solved); `max_tokens`: the
+        trainer's row length (0: unchecked), which a workflow's trajectory longer than fails the run at once,
+        naming the workflow and the prompt, not later in the trainer."""
         if sampling.n < 1:
             raise ValueError("sampling.n must be >= 1")
-        self.stopping = stopping
+        self.stopping, self.max_tokens = stopping, max_tokens
         self._all_right: collections.deque[bool] = collections.deque(maxlen=stopping.solved_window)  # per group
         self.backend, self.rewards, self.tokenizer = backend, rewards, tokenizer
         self.prompts, self.staleness, self.sampling, self.advantage = prompts, staleness, sampling, advantage
@@ -211,6 +213,12 @@ class RolloutController:
 
     def _on_scored(self, group: Group, results: list[Trajectory | list[Trajectory] | None]) -> None:
         """An episode gives one trajectory, several (an agent's chains: workflows/agent.py) or None (rejected)."""
+        longest = max((len(t) for r in results if r for t in (r if isinstance(r, list) else [r])), default=0)
+        if self.max_tokens and longest > self.max_tokens:
+            self._fail(ValueError(f"workflow {type(self.workflow).__name__} returned a trajectory of {longest} "
+                                  f"tokens for prompt '{group.prompt.id}': the trainer's rows hold trainer.max_tokens"
+                                  f" = {self.max_tokens} (keep an episode's tokens within generator.max_len)"))
+            return
         group.trajectories = []
         for j, r in enumerate(results):
             for t in [] if r is None else r if isinstance(r, list) else [r]:

@@ -263,7 +263,7 @@ class RLLoop:
         self.advantage = AdvantageConfig(**config.advantage.to_dict())
         self.controller = RolloutController(
             self.backend, self.rewards, self.tokenizer, prompts, share, sampling, self.advantage,
-            stopping=Stopping.of(rl), workflow=workflow)
+            stopping=Stopping.of(rl), workflow=workflow, max_tokens=int(config.trainer.max_tokens))
         stack.callback(lambda: summary.update(prompts=self.controller.stop()))  # the accounting, on every exit
         if self.restored:
             self.controller.restore(controllers[processes.index], self.trainer.version)

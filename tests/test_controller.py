@@ -382,6 +382,20 @@ def test_episodes_are_counted_once_rejected_ones_are_not_right_and_a_checkpoint_
     assert controller.checkpoint_state()["stats"]["scored_samples"] == 4  # the two trained groups' episodes
 
 
+def test_a_trajectory_longer_than_the_trainers_rows_fails_the_run_naming_the_workflow():
+    """A custom workflow that appends past the context: the run stops at once with the workflow, the prompt and
+    the limit, not later inside a training step."""
+    c = small_config(1)
+    prompts = train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
+    controller = RolloutController(None, None, None, prompts, StalenessManager(1, 1, 4), SamplingParams(n=1),
+                                   AdvantageConfig(filter_uniform=False), max_tokens=8)
+    controller._on_scored(controller._admit(), [Trajectory.from_completion([1] * 6, [3] * 3, np.zeros(3),
+                                                                           np.zeros(3))])
+    with pytest.raises(RuntimeError, match=r"workflow RLVR returned a trajectory of 9 tokens for prompt 'train-0'.*"
+                                           r"trainer\.max_tokens = 8"):
+        controller.get_batch(0, timeout=5)
+
+
 def test_a_workflow_is_closed_on_the_controllers_loop_when_it_stops():
     """A workflow's `close()` (OpenAIAgent's endpoint for command agents lives on the controller's loop) runs there
     when the controller stops."""
