@@ -69,9 +69,9 @@ class SamplingParams:
 class Routes:
     """A mixture-of-experts model's routing of one token sequence: `experts` int16 [T, layers, k], the experts each
     sparse layer sent each position to, best first; -1 where the model did not run that position (a completion's
-    last token, environment tokens after the last model turn). The generator records them, completions, turns,
-    trajectories and the wire carry them, packing aligns them with the trainer's input tokens, and the trainer
-    replays them (trainer.router_replay)."""
+    last token as generated, environment tokens after the last model turn). The generator records them,
+    completions, turns, trajectories and the wire carry them, packing aligns them with the trainer's input tokens,
+    and the trainer replays them (trainer.router_replay)."""
 
     experts: np.ndarray
 
@@ -79,8 +79,9 @@ class Routes:
         experts = np.asarray(self.experts)
         if experts.ndim != 3 or not np.issubdtype(experts.dtype, np.integer):
             raise ValueError(f"Routes.experts is {experts.dtype} {experts.shape}; expected integers [T, layers, k]")
-        if experts.size and experts.min() < -1:
-            raise ValueError(f"Routes.experts holds {experts.min()}; expected expert ids, or -1 where none ran")
+        if experts.size and (experts.min() < -1 or experts.max() > np.iinfo(np.int16).max):
+            bad = experts.min() if experts.min() < -1 else experts.max()
+            raise ValueError(f"Routes.experts holds {bad}; expected expert ids (int16), or -1 where none ran")
         object.__setattr__(self, "experts", experts.astype(np.int16, copy=False))
 
     def __len__(self) -> int:

@@ -115,6 +115,8 @@ class HFTokenizer:
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for, also when they are part of a UTF-8 character (decode gives U+FFFD):
         byte-level BPE's printable stand-ins mapped back, SentencePiece's <0xNN> byte tokens and ▁ spaces."""
+        if int(token) in self._added:  # special and added tokens are their text as written
+            return self._added[int(token)].encode()
         piece = self._tok.id_to_token(int(token))
         if piece is None:
             raise ValueError(f"token id {token} is not in this tokenizer (vocab_size {self.vocab_size})")
@@ -123,6 +125,10 @@ class HFTokenizer:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()
+
+    @cached_property
+    def _added(self) -> dict[int, str]:
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
 
     @cached_property
     def _byte_level(self) -> bool:

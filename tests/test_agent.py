@@ -351,6 +351,10 @@ def test_token_fidelity_over_random_conversations(served, seed):
             assert match, (seed, a, b)
             used.add(match[0])
             fed, c = ep.fed[match[0]]
+            kept = list(c.output_tokens[:b - a])
+            if len(kept) < len(c.output_tokens):  # cut where its text first held a stop string, not elsewhere
+                assert any(x in tok.decode(kept) for x in stops), (seed, kept)
+                assert not any(x in tok.decode(kept[:-1]) for x in stops), (seed, kept)
             np.testing.assert_array_equal(t.logprobs[a:b], c.logprobs[:b - a])
             np.testing.assert_array_equal(t.versions[a:b], c.versions[:b - a])
     assert len(used) == len(ep.fed) == session.counts.calls  # every call, once
@@ -669,6 +673,12 @@ openai.OpenAI(max_retries=0).chat.completions.create(model="m", messages=[{"role
 print("thinking...")
 print(0.5)
 """,
+    "prints_nan": """
+import openai
+openai.OpenAI(max_retries=0).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4)
+print("nan")
+""",
     "hostile": """
 import os, httpx
 base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
@@ -723,7 +733,7 @@ def test_agents_run_as_commands_through_the_episode_endpoint(served, tmp_path, m
     async def episodes():
         out = {}
         for name, kw in (("posts", {}), ("prints", {}), ("chatty", {}), ("hostile", {}), ("crashes", {}),
-                         ("hangs", {"timeout": 2}), ("silent", {})):
+                         ("hangs", {"timeout": 2}), ("silent", {}), ("prints_nan", {})):
             wf = run(name, **kw)
             async with wf.endpoint.episode(ChatSession(episode(served))) as old:  # an episode that has ended
                 pass
@@ -746,7 +756,8 @@ def test_agents_run_as_commands_through_the_episode_endpoint(served, tmp_path, m
     assert out["chatty"][4] < 16 << 20, out["chatty"][4]  # 100 MiB printed; what was kept of it: little
     trajs, m, ep, _, _ = out["hostile"]
     assert trajs is None and not ep.fed and m["agent_rejected_no_call"] == 1  # nothing reached the episode
-    for name, reason in (("crashes", "exit"), ("hangs", "timeout"), ("silent", "no_reward")):
+    for name, reason in (("crashes", "exit"), ("hangs", "timeout"), ("silent", "no_reward"),
+                         ("prints_nan", "bad_reward")):
         trajs, m, _, _, _ = out[name]
         assert trajs is None and m[f"agent_rejected_{reason}"] == 1, (name, m)
 

@@ -398,10 +398,13 @@ def test_routes_are_one_checked_type():
     np.testing.assert_array_equal(r.padded(5).experts[:3], r.experts)
     np.testing.assert_array_equal(Routes.from_bytes(r.to_bytes(), 3, 2, 2).experts, r.experts)
     r.check(12)
+    as_array = Trajectory.from_completion([1, 2], [4], [0.0], [0], routes=r.experts).routes  # an array: the type
+    assert isinstance(as_array, Routes) and as_array.experts.dtype == np.int16
     for bad, error in [(lambda: r.padded(2), "cannot be padded to 2"), (lambda: r.check(11), r"outside -1\.\.10"),
                        (lambda: Routes(np.zeros((3, 2))), r"expected integers \[T, layers, k\]"),
                        (lambda: Routes(np.full((1, 1, 1), 0.5)), "expected integers"),
                        (lambda: Routes(np.full((1, 1, 1), -3)), "holds -3"),
+                       (lambda: Routes(np.full((1, 1, 1), 40000)), "holds 40000"),  # would wrap in int16
                        (lambda: Routes.from_bytes(r.to_bytes(), 4, 2, 2), "holds 24 bytes, not 16 int16"),
                        (lambda: Trajectory.from_completion([1, 2, 3], [4], [0.0], [0], routes=r), "3 positions; "
                                                                                                 "expected 4")]:
@@ -424,7 +427,7 @@ def test_routes_cross_the_wire_checked():
     assert rpc.completions_from_wire([wire], **{**kw, "experts": None})[0].routes is None  # a dense model: none
     bad = {"wrong size": (c.routes.experts[:-1].tobytes(), r"'routes' holds \d+ bytes, not \d+ int16 values \(2 x 2"),
            "expert 8 of 8": (np.full_like(c.routes.experts, 8).tobytes(), r"expert ids 8\.\.8: outside -1\.\.7"),
-           "expert -2": (np.full_like(c.routes.experts, -2).tobytes(), r"holds -2; expected expert ids, or -1"),
+           "expert -2": (np.full_like(c.routes.experts, -2).tobytes(), r"holds -2; expected expert ids"),
            "missing": (None, r"no 'routes'")}
     for raw, error in bad.values():
         forged = {k: v for k, v in wire.items() if k != "routes"} | ({} if raw is None else {"routes": raw})

@@ -28,7 +28,8 @@ def hf_tokenizer_dir(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                                                  "<｜end▁of▁sentence｜>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TEXTS * 20 + ["system user assistant helpful"] * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -64,7 +65,7 @@ def test_token_bytes_are_the_bytes_each_token_stands_for(hf_tokenizer_dir):
     """A token may hold part of a UTF-8 character (this small BPE splits 🙂 and é into bytes; decode gives U+FFFD
     for such a token alone): the tokens' bytes, concatenated, are the text's UTF-8 (OpenAI's logprobs `bytes`)."""
     ours = load_tokenizer(hf_tokenizer_dir)
-    for text in TEXTS + ["<|im_start|>user\n日本語<|im_end|>"]:
+    for text in TEXTS + ["<|im_start|>user\n日本語<|im_end|>", "done<｜end▁of▁sentence｜>"]:
         ids = ours.encode(text)
         assert b"".join(ours.token_bytes(t) for t in ids) == text.encode()
     assert any("\ufffd" in ours.decode([t]) for t in ours.encode(TEXTS[2]))  # split characters are there

@@ -502,7 +502,7 @@ class Generator:
         req = seq.request
         routes, n = None, len(req.prompt) + len(seq.tokens)
         if seq.routes is not None:  # every position, -1 where the model never ran (the last token)
-            routes = Routes(seq.routes[:n]).padded(n)
+            routes = Routes(seq.routes[:n].copy()).padded(n)  # its own array, not a view of the buffer
         req.results[seq.sample - req.first_sample] = Completion(
             req.id, seq.sample, list(req.prompt), list(seq.tokens), np.asarray(seq.logprobs, np.float32),
             np.asarray(seq.versions, np.int32), reason, seq.interrupts, req.sampling.logprob_temperature, routes)

@@ -135,8 +135,9 @@ def episodes(group: Sequence[Trajectory]) -> np.ndarray:
 
 
 def longest_reply(t: Trajectory) -> int:
-    """The longest run of model tokens: one call's reply (what max_new_tokens caps, so what the overlong penalty
-    reads), however many turns the trajectory has."""
+    """The longest run of model tokens, however many turns the trajectory has: a reply (what max_new_tokens caps,
+    so what the overlong penalty reads), or replies a workflow continued with no environment token between them,
+    which read as one."""
     runs = np.diff(np.concatenate([[0], np.asarray(t.loss_mask, np.int8), [0]]))
     return int((np.flatnonzero(runs == -1) - np.flatnonzero(runs == 1)).max(initial=0))
 

@@ -49,6 +49,8 @@ class Trajectory:
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"Trajectory.{name} has shape {getattr(self, name).shape}; expected ({n},) "
                                  f"like tokens")
+        if self.routes is not None and not isinstance(self.routes, Routes):
+            self.routes = Routes(self.routes)  # an array: checked as the type checks it
         if self.routes is not None and len(self.routes) != n:
             raise ValueError(f"Trajectory.routes has {len(self.routes)} positions; expected {n} like tokens")
         if not self.temperature > 0:

@@ -178,10 +178,11 @@ class OpenAIAgent:
                 return grant.reward
             lines = out.decode(errors="replace").strip().splitlines()
             try:
-                return as_reward(float(lines[-1]))
+                printed = float(lines[-1])
             except (IndexError, ValueError):
                 raise Rejected("no_reward", "reported no reward (POST /v1/rl/reward {\"reward\": r}, or a number on "
                                             f"the last line of stdout; it ended with {lines[-1:]!r})") from None
+            return printed  # checked as every reward is (a NaN is a bad reward)
 
     async def _within(self, awaitable, session: ChatSession):
         """`awaitable`'s result, or TimeoutError once the agent has spent `timeout` seconds of its own

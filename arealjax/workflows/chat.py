@@ -331,6 +331,7 @@ class ChatSession:
         if tools:
             calls, content = self._parse_calls(text)
             calls = calls if parallel else calls[:1]  # parallel_tool_calls false: at most one, as OpenAI's
+            self.counts.tool_calls += len(calls)
         finish = "tool_calls" if calls else ("length" if c.stop_reason == "length" else "stop")
         message = {"role": "assistant", "content": content if content or not calls else None}
         if calls:
@@ -367,7 +368,6 @@ class ChatSession:
             last = m.end()
             calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                           "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
-        self.counts.tool_calls += len(calls)
         kept.append(text[last:])
         return calls, "".join(kept).strip()
 

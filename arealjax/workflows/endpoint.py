@@ -93,10 +93,7 @@ class AgentEndpoint:
             return _refuse(APIError(f"request body exceeds {MAX_BODY} bytes", None, 413))
         if request.method == "POST" and request.path.rstrip("/").endswith("/rl/reward"):
             try:
-                reward = json.loads(body or b"null")["reward"]
-                if isinstance(reward, bool):
-                    raise TypeError
-                reward = as_reward(reward)
+                reward = as_reward(json.loads(body or b"null")["reward"])  # as a reward function's (true is 1)
             except (ValueError, TypeError, KeyError):
                 return _refuse(APIError('expected {"reward": <a finite number>}', "reward"))
             grant.reward = reward
