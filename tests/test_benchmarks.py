@@ -42,7 +42,7 @@ SMOKE_RESULTS = {
     "rewards.py": (["| math (math-verify) | 1 | 16 |", "| code ("], []),
     "staleness_ablation.py": (["| η = 0 |", "| η = 1 (keep) |"],
                               [f"arealjax_ablation/smoke/staleness_ablation.{x}" for x in ("json", "md", "png")]),
-    "suite.py": (["| test_advantages.py | 19 |", "passed; ", " cores ("], []),
+    "suite.py": (["| test_advantages.py | ", "passed; ", " cores ("], []),  # its row (any count of tests)
     "trainer.py": (['"packed_over_naive"'], []),
     "tunix_grpo.py": ([], ["arealjax_tunix_grpo/smoke/rows.json"]),
     "weights.py": (["| default | 0.6M | float32 | 1 |", "Default job on 1 server(s)"], []),
