@@ -27,8 +27,8 @@ overrides below. docs/real_model.md has the measurements behind the 2-core setti
 
 Expected (device=cpu, 2 CPU cores): 17–21 minutes for 20 steps with three evaluations; held-out pass@1 (T = 0.7)
 0.16 ± 0.01 → 0.56 ± 0.05 over seeds 0–2 (benchmarks/results/real_model.md). device=gpu: not measured yet.
-agent=sdk (device=cpu): 56 minutes, 142 s a step; the agent's held-out pass@1 0.14 → 0.46 on 64 problems (seed 0,
-benchmarks/results/real_model.md).
+agent=sdk (device=cpu): 56 minutes, 142 s a step (seed 0, nothing else running); the agent's held-out pass@1
+0.14 → 0.39 ± 0.06 on 64 problems over seeds 0–2 (benchmarks/results/real_model.md).
 """
 
 import ml_collections
