@@ -36,6 +36,11 @@ from arealjax.validate import Problems
 log = logging.getLogger(__name__)
 
 
+def seed_of(key: str) -> int:
+    """A 32-bit sampling seed from a string key: independent draws for different keys, the same for the same."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
+
+
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     id: str
@@ -48,8 +53,7 @@ class Prompt:
         """The seed of this prompt's samples, from (run seed, id, epoch): draws are independent across prompts and
         a prompt drawn again in a later epoch (or a duplicate row, which has its own id) gets new samples, while a
         prompt re-issued after a resume draws exactly what it drew before."""
-        digest = hashlib.blake2b(f"{run_seed}/{self.id}/{self.epoch}".encode(), digest_size=4).digest()
-        return int.from_bytes(digest, "little")
+        return seed_of(f"{run_seed}/{self.id}/{self.epoch}")
 
 
 class Workflow(Protocol):
@@ -89,8 +93,7 @@ class Episode:
             raise ValueError(f"episode {self.request_id}: {len(tokens)} tokens leave no room in max_len={self.max_len}")
         sampling = dataclasses.replace(self.sampling, **{**overrides, "n": 1})
         if draw:
-            digest = hashlib.blake2b(f"{sampling.seed}/draw/{draw}".encode(), digest_size=4).digest()
-            sampling = dataclasses.replace(sampling, seed=int.from_bytes(digest, "little"))
+            sampling = dataclasses.replace(sampling, seed=seed_of(f"{sampling.seed}/draw/{draw}"))
         sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
         self._calls += 1
         fut = self.backend.submit(tokens, sampling, request_id=f"{self.request_id}.{self._calls}",
