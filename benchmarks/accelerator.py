@@ -129,8 +129,10 @@ SIZES = {
                  e2e=dict(steps=30, warmup=3, eval_every=10, eval_problems=256),
                  real_model=dict(requests=512, median=48, cap=256, groups=64, group=8, rl_steps=10, eval_problems=200),
                  profile=dict(slots=256, rows=64, ratio_rows=16, ratio_slots=(16, 256), full_rows=256,
-                              # rows, then our kernel's block_pages, num_warps, num_stages, splits at those rows
-                              sweep=((256, (2, 4, 8), (2, 4, 8), (2, 3, 4), (0,)), (16, (2, 4, 8), (4,), (3,), (0,))),
+                              # rows, then our kernel's block_pages, num_warps, num_stages, splits, mma at those
+                              # rows: around the H200's fastest (1 page, 1 warp, 1 stage), matrix and vector units
+                              sweep=((256, (1, 2), (1, 2, 4), (1, 2), (0,), (1, 0)),
+                                     (64, (1, 2), (1, 2), (1,), (0, 1), (1, 0))),
                               attentions=("pallas", "pallas_mha"), decode_attentions=("auto", "pallas_jax"),
                               long_tail=dict(requests=(64, 512), slots=(64, 256)))),
     "smoke": dict(models={"tiny": dict(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -143,7 +145,7 @@ SIZES = {
                   matmul_sizes=(128, 256), e2e=dict(steps=2, warmup=1, eval_every=2, eval_problems=4),
                   real_model=dict(requests=8, median=6, cap=16, groups=1, group=2, rl_steps=2, eval_problems=4),
                   profile=dict(slots=16, rows=8, ratio_rows=4, ratio_slots=(4, 16), full_rows=16,
-                               sweep=((16, (2,), (4,), (3,), (0, 2)), (4, (2,), (4,), (3,), (0,))),
+                               sweep=((16, (2,), (4,), (3,), (0, 2), (1, 0)), (4, (2,), (4,), (3,), (0,), (1,))),
                                attentions=("pallas_mha",), decode_attentions=("auto",),
                                long_tail=dict(requests=(4, 8), slots=(4,)))),
 }
@@ -830,9 +832,10 @@ def count_compiles() -> None:
 
 def paged_sweep(sweep: tuple, context: int, page: int, shape: dict, repeats: int) -> list[dict]:
     """The paged decode kernels alone, one layer of `shape`'s heads in bf16, rows of `context` tokens on pages of
-    `page` scattered over the pool, for each (rows, block_pages, num_warps, num_stages, splits) of `sweep`: JAX's
-    kernel (`pallas_jax`, its best knobs of the H200 sweep) and ours (`pallas`) at every block_pages × num_warps ×
-    num_stages × splits (0: chosen by rows; models/paged_gpu.py). Each row of the result: seconds per kernel call (a
+    `page` scattered over the pool, for each (rows, block_pages, num_warps, num_stages, splits[, mma]) of `sweep`:
+    JAX's kernel (`pallas_jax`, its best knobs of the H200 sweep) and ours (`pallas`) at every block_pages × num_warps
+    × num_stages × splits (0: chosen by rows) × mma (1: matrix units, 0: vector units; 1 if not given;
+    models/paged_gpu.py). Each row of the result: seconds per kernel call (a
     jitted loop of `LOOP` calls, each query fed by the last output, so no call's launch shows) and the share of peak
     HBM its K and V reads reach."""
     import itertools
@@ -858,7 +861,9 @@ def paged_sweep(sweep: tuple, context: int, page: int, shape: dict, repeats: int
         k, v = (jnp.asarray(rng.normal(size=(hkv, rows * per_row, page, d)), jnp.bfloat16) for _ in range(2))
         read = 2 * rows * context * hkv * d * 2  # K and V of every row, bf16
         want = paged_reference(q, k, v, jnp.asarray(table), positions + 1)
-        variants = [("pallas_jax", None)] + [("pallas", Tuning(*t)) for t in itertools.product(*grid)]
+        knobs = (*grid, (1,)) if len(grid) == 4 else grid
+        variants = [("pallas_jax", None)] + [("pallas", Tuning(*t[:4], mma=bool(t[4])))
+                                             for t in itertools.product(*knobs)]
         for kind, tuning in variants:
             attend = functools.partial(pallas_attention, positions=positions, index=index, kind=kind, tuning=tuning)
             loop = functools.partial(jax.jit(lambda q, k, v, attend=attend: jax.lax.fori_loop(
@@ -966,8 +971,11 @@ def profile(size: dict, args, out: Path) -> dict:
                              "ratio": times[-1] / times[0]}
 
     def decode():
-        held["bench"], key = decode_bench(p["rows"], p["slots"])
-        res["decode"] = {"rows": p["rows"], "slots": p["slots"], "program": key, **{
+        rows = args.decode_rows or p["rows"]
+        if rows > p["slots"]:
+            raise ValueError(f"--decode-rows={rows}: more rows than the engine's {p['slots']} slots")
+        held["bench"], key = decode_bench(rows, p["slots"])
+        res["decode"] = {"rows": rows, "slots": p["slots"], "program": key, **{
             x: programs[key][x] for x in ("attention", "num_pages")},
             "seconds_per_step": held["bench"].seconds_per_step(size["step_repeats"])}
         res["pool_elements"] = programs[key]["pool_elements"]
@@ -1158,7 +1166,8 @@ def profile_summary(res: dict) -> str:
     for row in res.get("paged_sweep", []):
         knobs = "" if row["kernel"] != "pallas" else (f" {row['block_pages']} pages per block, {row['num_warps']} "
                                                       f"warps, {row['num_stages']} stages, splits "
-                                                      f"{row['splits'] or 'auto'}")
+                                                      f"{row['splits'] or 'auto'}"
+                                                      + ("" if row.get("mma", True) else ", vector units"))
         lines.append(f"  paged kernel {row['kernel']}{knobs}, {row['rows']} rows: " + (row.get("error") or (
             f"{row['seconds'] * 1e6:.1f} µs, {fmt(row['hbm_fraction'], '.1%')} of peak HBM"
             + ("" if "max_abs_error" not in row else f", max error {row['max_abs_error']:.2g}"
@@ -1314,8 +1323,11 @@ def main() -> None:
     ap.add_argument("--stages", default="", help="--profile's stages to run, comma-separated, of: "
                                                  + ", ".join(STAGES) + " (default: all)")
     ap.add_argument("--sweep", default="", help="the sweep stage's grids, ';'-separated, each rows:block_pages:"
-                                                "num_warps:num_stages:splits with ','-separated values, e.g. "
-                                                "256:1,2:1,2:2:0,2 (default: the size's)")
+                                                "num_warps:num_stages:splits[:mma] with ','-separated values (mma "
+                                                "1: matrix units, 0: vector units; default 1), e.g. "
+                                                "256:1,2:1,2:1:0:1,0 (default: the size's)")
+    ap.add_argument("--decode-rows", type=int, default=0, help="the decode stage's active rows (traced, its HLO "
+                                                                 "checked; default: the size's, 64 of 256 slots)")
     ap.add_argument("--long-tail-requests", default="", help="the long_tail stage's request counts, comma-separated "
                                                              "(default: the size's, 64,512)")
     ap.add_argument("--train-variants", default="", help="train_attention's attention:remat pairs, comma-separated "

@@ -123,13 +123,15 @@ def test_kernel_checks_fail_a_wrong_mask_a_wrong_gradient_and_an_off_by_one_leng
 @pytest.mark.slow
 def test_profile_smoke_writes_its_files_and_profile_table_reads_its_trace(tmp_path):
     """accelerator.py --smoke --profile writes the six files a lent GPU sends back (each under the 16 MiB a file
-    may be): the numbers, the decode and train programs' optimised HLO, the trace of a warm decode call and train
-    step, its kernel table, the environment and the summary (profile.md); long-tail rates per slot count and
-    request count, the train step per attention kernel with its loss; the ragged decode copies no pool-sized buffer; and
-    profile_table.py prints that trace's kernels per region."""
+    may be): the numbers, the decode (12 active rows of 16 slots: --decode-rows) and train programs' optimised HLO,
+    the trace of a warm decode call and train step, its kernel table, the environment and the summary
+    (profile.md); long-tail rates per slot count and request count, the train step per attention kernel with its
+    loss; the ragged decode copies no pool-sized buffer; and profile_table.py prints that trace's kernels per
+    region."""
     before = results_digest()
     out = tmp_path / "out"
-    stdout, wall = run_script("accelerator.py", ["--smoke", "--profile", f"--out={out}"], tmp_path, 300)
+    stdout, wall = run_script("accelerator.py", ["--smoke", "--profile", "--decode-rows=12", f"--out={out}"],
+                              tmp_path, 300)
     print(f"accelerator.py --smoke --profile: {wall:.1f} s")
     files = {p.name: p.stat().st_size for p in out.iterdir()}
     assert sorted(files) == ["environment.txt", "hlo.tar.gz", "kernels.md", "profile.json", "profile.md",
@@ -139,16 +141,18 @@ def test_profile_smoke_writes_its_files_and_profile_table_reads_its_trace(tmp_pa
     assert res["errors"] == {} and res["model"] == "tiny" and res["platform"] == "cpu"
     free = res["free_slots"]
     assert free["slots"] == [4, 16] and free["rows"] == 4 and free["ratio"] > 0
-    assert (res["decode"]["rows"], res["decode"]["slots"], res["decode"]["attention"]) == (8, 16, "ragged")
+    assert (res["decode"]["rows"], res["decode"]["slots"], res["decode"]["attention"]) == (12, 16, "ragged")
     assert res["decode"]["seconds_per_step"] > 0 and res["train"]["seconds"] > 0
     assert res["pool_elements"] == 1 * 32 * 16 * 32  # kv heads × 16 slots' 2 pages × page size × head dim
     assert res["pool_sized_copies"] == []  # the ragged decode writes its pages in place
     sweep = res["paged_sweep"]  # both paged kernels alone, checked against float32 attention, at each row count
-    assert [(r["rows"], r["kernel"]) for r in sweep] == [(16, "pallas_jax"), (16, "pallas"), (16, "pallas"),
-                                                         (4, "pallas_jax"), (4, "pallas")]
+    assert [(r["rows"], r["kernel"], r.get("splits"), r.get("mma")) for r in sweep] == [
+        (16, "pallas_jax", None, None), (16, "pallas", 0, True), (16, "pallas", 0, False), (16, "pallas", 2, True),
+        (16, "pallas", 2, False), (4, "pallas_jax", None, None), (4, "pallas", 0, True)]
     assert all(r["passed"] and r["seconds"] > 0 for r in sweep), sweep
     fastest = min((r for r in sweep if r["kernel"] == "pallas" and r["rows"] == 16), key=lambda r: r["seconds"])
-    assert res["tuning"]["splits"] == fastest["splits"]  # the decode stages run the fastest knobs
+    # the decode stages run the fastest knobs
+    assert (res["tuning"]["splits"], res["tuning"]["mma"]) == (fastest["splits"], fastest["mma"])
     assert set(res["decode_full"]["by_attention"]) == {"ragged"} and res["decode_full"]["seconds_per_step"] > 0
     assert [(r["slots"], r["requests"]) for r in res["long_tail"]] == [(4, 4), (4, 8)]
     assert all(r["tokens_per_s"] > 0 and r["useful_tokens"] > 0 for r in res["long_tail"])
@@ -157,7 +161,7 @@ def test_profile_smoke_writes_its_files_and_profile_table_reads_its_trace(tmp_pa
     with tarfile.open(out / "hlo.tar.gz") as tar:
         names = set(tar.getnames())
         assert all(tar.extractfile(n).read(9) == b"HloModule" for n in names)
-    assert {"decode-8of16-generate.hlo.txt", "decode-4of4-generate.hlo.txt", "decode-4of16-generate.hlo.txt",
+    assert {"decode-12of16-generate.hlo.txt", "decode-4of4-generate.hlo.txt", "decode-4of16-generate.hlo.txt",
             "train-grad.hlo.txt", "train-apply.hlo.txt"} <= names, names
     assert set(res["hlo"]["programs"]) == {n.removesuffix(".hlo.txt") for n in names}
     assert any(m.endswith(".trace.json.gz") for m in res["trace"]["members"])

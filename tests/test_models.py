@@ -232,6 +232,45 @@ def test_random_init_is_seeded_and_counted():
     np.testing.assert_array_equal(np.asarray(forward(a.graphdef, a.params, t)), np.asarray(a(t)))
 
 
+def _kernel_calls(jaxpr) -> list[str]:
+    """The names of the Pallas kernels a jaxpr runs, in its nested jaxprs (scan bodies, remat, custom VJPs) too."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.append(str(eqn.params["name"]))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names += _kernel_calls(inner)
+    return names
+
+
+@pytest.mark.parametrize("remat,forwards", [("none", 1), ("save_dots", 1), ("full", 2)])
+def test_remat_save_dots_keeps_the_attention_kernels_output(remat, forwards):
+    """remat save_dots keeps the Pallas attention forward's output and log-sum-exp (its backward's residuals): the
+    gradient of scanned layers runs the kernel's forward once, as without remat (full remat runs it again in the
+    backward), and the gradients equal those without remat."""
+    cfg = ModelConfig.make(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=16)
+    model = from_config(cfg)
+    x = jnp.asarray(np.arange(64, dtype=np.int32)[None] % 64)
+    segments = jnp.asarray(np.repeat([[1, 2]], 32, axis=1))
+
+    def grad(remat):
+        def loss(params):
+            logits = nnx.merge(model.graphdef, params).forward(x, segment_ids=segments, attention="pallas",
+                                                               remat=remat)[0]
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 5])
+        return jax.grad(loss)
+
+    calls = _kernel_calls(jax.make_jaxpr(grad(remat))(model.params).jaxpr)
+    assert sorted(calls) == sorted(["flash_segments_forward"] * forwards + ["flash_segments_dq", "flash_segments_dkv"])
+    if remat != "none":
+        for a, b in zip(jax.tree.leaves(grad(remat)(model.params)), jax.tree.leaves(grad("none")(model.params))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("remat", ["none", "full", "save_dots"])
 def test_scanned_layers_equal_unrolled(hf_checkpoints, tokens, remat):
     """Layers under lax.scan, with each remat policy, == the same stacked params unrolled in Python (the
@@ -331,12 +370,15 @@ def _paged_reference(q, k, v, table, lengths):
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,dtype", [(6, 2, "float32"), (4, 2, "bfloat16"), (3, 1, "float32")])
-def test_paged_gpu_kernel_equals_reference_at_every_split(heads, kv_heads, dtype):
+@pytest.mark.parametrize("heads,kv_heads,dtype", [(6, 2, "float32"), (4, 2, "bfloat16"), (3, 1, "float32"),
+                                                   (2, 2, "float32")])
+@pytest.mark.parametrize("mma", [True, False])
+def test_paged_gpu_kernel_equals_reference_at_every_split(heads, kv_heads, dtype, mma):
     """Our paged decode kernel (models/paged_gpu.py, Pallas interpret mode here) equals float64 attention over each
     row's pages, scattered over the pool, for lengths of one token, a page boundary, a block boundary, mid-block
     and the whole table, whatever the pages per block and the splits (empty splits included: 4 splits of a 1-token
-    row), with G = 3 query heads per kv head padded to the 16-row tile."""
+    row), on the matrix units (G query heads padded to the 16-row tile) and on the vector units (G = 3 padded to 4,
+    G = 1 as it is)."""
     from arealjax.models.paged_gpu import Tuning, paged_decode
 
     rng = np.random.default_rng(7)
@@ -349,10 +391,41 @@ def test_paged_gpu_kernel_equals_reference_at_every_split(heads, kv_heads, dtype
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     tol = 2e-2 if dtype == "bfloat16" else 1e-5
     for tuning in (Tuning(), Tuning(block_pages=1, splits=4), Tuning(block_pages=2, splits=3), Tuning(block_pages=8)):
+        tuning = tuning._replace(mma=mma)
         got = paged_decode(cast(q), cast(k), cast(v), jnp.asarray(table), jnp.asarray(lengths), tuning, True)
         assert got.dtype == jnp.dtype(dtype) and got.shape == q.shape
         err = np.abs(np.asarray(got, np.float64) - want).max()
         assert err < tol, (tuning, err)
+
+
+def _lowers_to_triton(f, *shapes) -> int:
+    """Lowers `f` for CUDA on this CPU (Pallas to Triton IR, as a GPU run does before compiling): its Triton calls."""
+    from jax import export
+
+    unchecked = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    lowered = export.export(jax.jit(f), platforms=("cuda",), disabled_checks=unchecked)(*shapes)
+    return lowered.mlir_module().count("__gpu$xla.gpu.triton")
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(16, 8), (3, 1), (32, 4)])
+def test_gpu_kernels_lower_to_triton(heads, kv_heads):
+    """Our GPU kernels lower to Triton (what interpret mode never checks: an op or block shape Pallas's Triton
+    lowering refuses fails here, on CI's CPU, not minutes into a GPU lease): the paged decode kernel at every kind of
+    knob (matrix or vector units, one split or several) at Qwen3-0.6B's heads and others, bf16, head dim 128; the
+    training attention forward and its gradient."""
+    from arealjax.models import flash_gpu
+    from arealjax.models.paged_gpu import Tuning, paged_decode
+
+    s = jax.ShapeDtypeStruct
+    rows, d, pool, page, width = 256, 128, 600, 16, 32
+    pages = s((kv_heads, pool, page, d), jnp.bfloat16)
+    decode = (s((rows, heads, d), jnp.bfloat16), pages, pages, s((rows, width), jnp.int32), s((rows,), jnp.int32))
+    for tuning in (Tuning(), Tuning(mma=False), Tuning(block_pages=2, splits=4), Tuning(mma=False, splits=2)):
+        assert _lowers_to_triton(functools.partial(paged_decode, tuning=tuning), *decode) == 1, tuning
+    q, kv, seg = s((1, 128, heads, d), jnp.bfloat16), s((1, 128, kv_heads, d), jnp.bfloat16), s((1, 128), jnp.int32)
+    assert _lowers_to_triton(flash_gpu.attention, q, kv, kv, seg) == 1
+    loss = lambda q, k, v, seg: jnp.sum(flash_gpu.attention(q, k, v, seg).astype(jnp.float32))  # noqa: E731
+    assert _lowers_to_triton(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, seg) == 3
 
 
 def test_paged_gpu_kernel_splits_only_rows_that_do_not_fill_the_device():

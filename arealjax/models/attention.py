@@ -33,6 +33,7 @@ from arealjax.models import flash_gpu
 
 Array = jax.Array
 KINDS = ("auto", "xla", "sparse", "flash", "pallas", "pallas_mha")
+PALLAS_KINDS = ("pallas", "pallas_mha")  # Pallas kernels: remat save_dots keeps their outputs (models/transformer.py)
 XLA_BLOCK = 128  # query block of the xla kind
 SPARSE_BLOCK = 64  # query and key block of the sparse kind (at least; a row has at most SPARSE_BLOCKS of them)
 SPARSE_BLOCKS = 16

@@ -1,12 +1,17 @@
 """Paged decode attention on GPU (Pallas Triton), shaped for RL's lengths: one query token per row over its pages.
 
-One program per (row, kv head[, split]) holds that kv head's G query heads (padded to 16, the smallest matrix-unit
-tile; compute is not what decode is short of) and loops over the row's pages `block_pages` at a time, only as far
-as the row's length, with the online softmax of flash attention. What keeps memory busy is many small programs in
-flight per multiprocessor (one warp, one page per step, no software pipeline: the H200 sweep's fastest, 57% of peak
-HBM alone at 256 rows of 512 tokens against 37% for JAX's kernel) rather than a deep pipeline in each. With few rows
-(not enough programs to fill the device) each row's blocks are split over `splits` programs whose partial results
-are combined after; with many rows there is one split and the kernel writes the normalised output itself.
+One program per (row, kv head[, split]) holds that kv head's G query heads and loops over the row's pages
+`block_pages` at a time, only as far as the row's length, with the online softmax of flash attention. What keeps
+memory busy is many small programs in flight per multiprocessor (one warp, one page per step, no software pipeline:
+the H200 sweep's fastest, 57% of peak HBM alone at 256 rows of 512 tokens against 37% for JAX's kernel) rather than
+a deep pipeline in each. With few rows (not enough programs to fill the device) each row's blocks are split over
+`splits` programs whose partial results are combined after; with many rows there is one split and the kernel
+writes the normalised output itself.
+
+Scores and weighted values come from the matrix units (`mma`: the G heads padded to 16 rows, their smallest tile;
+compute is not what decode is short of) or, for the few heads per kv head of a grouped-query model, from
+multiply-and-sum on the vector units over the G heads as they are (padded to a power of two only): no padded query,
+no slice of a padded output, no layout change of K for the matrix units, at 2·G multiply-adds per element read.
 
 q [A, H, D] (unscaled; the scores are scaled in fp32 inside), pools [Hkv, P, page, D] of one layer as
 `models/paged.py` lays them out (the array itself: no slice of a larger pool, which would be copied out every step),
@@ -33,14 +38,16 @@ MIN_TILE = 16  # rows of the query tile: the matrix units' smallest
 
 class Tuning(NamedTuple):
     """The kernel's knobs (the accelerator benchmark sweeps them): pages per loop step, warps per program, software
-    pipeline depth, and programs per row (0: enough to fill `target_programs`). The defaults are the H200 sweep's
-    fastest at 256 rows of 512 tokens (Qwen3-0.6B's heads, pages of 16; benchmarks/results/
-    profile-nvidia-h200-44b6a10-long-tail.md): small programs, many per multiprocessor, beat deep pipelines."""
+    pipeline depth, programs per row (0: enough to fill `target_programs`), and matrix units or vector units for the
+    scores (`mma`, module docstring). The defaults are the H200 sweep's fastest at 256 rows of 512 tokens (Qwen3-0.6B's
+    heads, pages of 16; benchmarks/results/profile-nvidia-h200-44b6a10-long-tail.md): small programs, many per
+    multiprocessor, beat deep pipelines; the vector units are not measured on a GPU yet, so `mma` stays on."""
 
     block_pages: int = 1
     num_warps: int = 1
     num_stages: int = 1
     splits: int = 0
+    mma: bool = True
     target_programs: int = 1024
 
 
@@ -55,9 +62,9 @@ def splits_for(rows: int, kv_heads: int, blocks: int, tuning: Tuning) -> int:
     return min(s, blocks)
 
 
-def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block_pages, blocks_per_split, scale_log2):
+def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block_pages, blocks_per_split, scale_log2, mma):
     length = len_ref[0]
-    q = q_ref[...]  # [Gp, D]
+    q = q_ref[...] if mma else q_ref[...].astype(jnp.float32) * scale_log2  # [Gp, D]
     page_size, d = k_ref.shape[-2:]
     block = block_pages * page_size
     lo = pl.program_id(2) * blocks_per_split
@@ -68,12 +75,19 @@ def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block_pages, blo
         pages = table_ref[pl.ds(b * block_pages, block_pages)]
         k = k_ref[pages].reshape(block, d)
         v = v_ref[pages].reshape(block, d)
-        s = plgpu.dot(q, k.T) * scale_log2  # [Gp, block] fp32, log2 units
+        if mma:
+            s = plgpu.dot(q, k.T) * scale_log2  # [Gp, block] fp32, log2 units
+        else:
+            s = jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None], axis=2)
         s = jnp.where((b * block + jnp.arange(block) < length)[None, :], s, MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
-        return corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v), m_new, corr * den + jnp.sum(p, axis=1)
+        if mma:
+            pv = plgpu.dot(p.astype(v.dtype), v)
+        else:
+            pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None], axis=1)
+        return corr[:, None] * o + pv, m_new, corr * den + jnp.sum(p, axis=1)
 
     gp = q.shape[0]
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32))
@@ -99,7 +113,7 @@ def paged_decode(q: Array, k_pages: Array, v_pages: Array, table: Array, lengths
                          f"in interpret mode), q's head dim the pool's and H a multiple of Hkv; got q {q.shape}, "
                          f"pages {k_pages.shape}")
     g = h // hkv
-    gp = max(MIN_TILE, pl.next_power_of_2(g))
+    gp = max(MIN_TILE if tuning.mma else 1, pl.next_power_of_2(g))
     bp = min(tuning.block_pages, pl.next_power_of_2(table.shape[1]))
     blocks = -(-table.shape[1] // bp)
     splits = splits_for(a, hkv, blocks, tuning)
@@ -107,7 +121,7 @@ def paged_decode(q: Array, k_pages: Array, v_pages: Array, table: Array, lengths
     table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, splits * per_split * bp - table.shape[1])))
     qg = jnp.pad(q.reshape(a, hkv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     kernel = functools.partial(_kernel, block_pages=bp, blocks_per_split=per_split,
-                               scale_log2=LOG2E / math.sqrt(d))
+                               scale_log2=LOG2E / math.sqrt(d), mma=tuning.mma)
     pool = pl.BlockSpec((None, num_pages, page_size, d), lambda r, j, s: (j, 0, 0, 0))  # the kv head's pages
     in_specs = [pl.BlockSpec((1,), lambda r, j, s: (r,)),
                 pl.BlockSpec((None, table.shape[1]), lambda r, j, s: (r, 0)),
@@ -128,7 +142,7 @@ def paged_decode(q: Array, k_pages: Array, v_pages: Array, table: Array, lengths
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
-        name=f"paged_decode_bp{bp}_s{splits}",
+        name=f"paged_decode_bp{bp}_s{splits}{'' if tuning.mma else '_vec'}",
     )(lengths.astype(jnp.int32), table, qg, k_pages, v_pages)
     if splits > 1:  # flash-decoding's combine of the splits' partial sums
         o, m, den = out
