@@ -1338,6 +1338,8 @@ def main() -> None:
         ap.error(f"unknown --stages {unknown}; expected some of {STAGES}")
     if bad := [v for v in filter(None, args.train_variants.split(",")) if v.count(":") != 1]:
         ap.error(f"--train-variants {bad}: each is attention:remat, e.g. pallas:save_dots")
+    if args.decode_rows < 0:
+        ap.error(f"--decode-rows={args.decode_rows}: expected a number of rows ≥ 1 (0: the size's)")
     parts = [p for p in (args.parts or ("" if args.profile else ",".join(PARTS))).split(",") if p]
     if unknown := sorted(set(parts) - set(PARTS)):
         ap.error(f"unknown parts {unknown}; expected some of {PARTS}")
