@@ -885,6 +885,26 @@ def paged_sweep(sweep: tuple, context: int, page: int, shape: dict, repeats: int
     return out
 
 
+def parse_sweep(text: str) -> list[tuple]:
+    """--sweep's grids, 'ROWS:BP:WARPS:STAGES:SPLITS[:MMA];...' with ','-separated values, as `paged_sweep` takes
+    them; a ValueError saying which grid and what was expected otherwise."""
+    grids = []
+    for grid in filter(None, text.split(";")):
+        fields = grid.split(":")
+        try:
+            rows, *knobs = int(fields[0]), *(tuple(int(x) for x in f.split(",")) for f in fields[1:])
+        except ValueError:
+            rows, knobs = 0, []
+        lowest = (1, 1, 1, 0, 0)  # block_pages, num_warps, num_stages, splits, mma
+        if (rows < 1 or len(knobs) not in (4, 5) or any(min(k) < lo for k, lo in zip(knobs, lowest))
+                or max(knobs[4] if len(knobs) == 5 else (0,)) > 1):
+            raise ValueError(f"--sweep grid '{grid}': expected ROWS:BLOCK_PAGES:NUM_WARPS:NUM_STAGES:SPLITS[:MMA], "
+                             "each a ','-separated list of integers (rows, pages, warps, stages ≥ 1; splits ≥ 0, "
+                             "0: chosen by rows; mma 1: matrix units, 0: vector units)")
+        grids.append((rows, *knobs))
+    return grids
+
+
 def paged_reference(q, k, v, table, lengths):
     """Decode attention in float32 XLA over pages gathered into rows: q [A, H, D], pools [Hkv, P, size, D], table
     [A, W], lengths [A] -> [A, H, D] float32 (what the sweep checks each kernel against)."""
@@ -1036,9 +1056,7 @@ def profile(size: dict, args, out: Path) -> dict:
         res["long_tail"] = rows
 
     def sweep():
-        grids = p["sweep"] if not args.sweep else [
-            (int(rows), *(tuple(int(x) for x in knob.split(",")) for knob in knobs))
-            for rows, *knobs in (grid.split(":") for grid in args.sweep.split(";"))]
+        grids = parse_sweep(args.sweep) if args.sweep else p["sweep"]
         res["paged_sweep"] = paged_sweep(grids, context, page, shape, size["step_repeats"])
         if tuning := best_tuning(res["paged_sweep"], p["full_rows"]):  # the decode stages' knobs
             held["tuning"] = tuning
@@ -1338,6 +1356,10 @@ def main() -> None:
         ap.error(f"unknown --stages {unknown}; expected some of {STAGES}")
     if bad := [v for v in filter(None, args.train_variants.split(",")) if v.count(":") != 1]:
         ap.error(f"--train-variants {bad}: each is attention:remat, e.g. pallas:save_dots")
+    try:
+        parse_sweep(args.sweep)
+    except ValueError as e:
+        ap.error(str(e))
     if args.decode_rows < 0:
         ap.error(f"--decode-rows={args.decode_rows}: expected a number of rows ≥ 1 (0: the size's)")
     parts = [p for p in (args.parts or ("" if args.profile else ",".join(PARTS))).split(",") if p]

@@ -120,8 +120,7 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
                  backward, and one forward more where the logits are chunked (a rematerialised scan)
       attention  4·H·hd per query–key pair scored (`attention_pairs`), backward ×2 (×2.5 where the kernel
                  recomputes the scores: flash, pallas, sparse), and one forward more under remat "full" or
-                 "offload", and under "save_dots" where it is not a Pallas kernel (whose outputs save_dots keeps;
-                 attention's dots, with batch dims, it does not)
+                 "offload", and under "save_dots" but for our GPU kernel's (`attention.forward_kept_by_save_dots`)
       passes     no-grad forwards: π_prox for every minibatch but the first (decoupled PPO; every one for M2PO),
                  the reference policy for all (a KL penalty)"""
     if tcfg.remat == "auto":
@@ -132,7 +131,8 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
     unit = shards if rows % shards == 0 else rows
     per_pos, head, attn_pair = 2 * layer_params(cfg), 2 * cfg.hidden_size * cfg.vocab_size, (
         4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
-    recomputed = tcfg.remat in ("full", "offload") or (tcfg.remat == "save_dots" and kind not in attn.PALLAS_KINDS)
+    recomputed = tcfg.remat in ("full", "offload") or (tcfg.remat == "save_dots"
+                                                       and not attn.forward_kept_by_save_dots(kind))
     attn_train = 1 + (2 if kind == "xla" else 2.5) + recomputed
     total = 0.0
     for i, trajectories in enumerate(split_minibatches(trajs, n_mb)):

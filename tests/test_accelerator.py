@@ -239,3 +239,17 @@ def test_generator_sizes_feed_every_slot_count_twice_over():
         check_requests(size["real_model"]["requests"], size["slots"])
     with pytest.raises(ValueError, match="at least 512"):
         check_requests(256, (64, 256))
+
+
+def test_sweep_grids_are_parsed_or_refused_with_what_was_expected():
+    """--sweep: grids of the paged kernel's knobs, mma optional (matrix units when left out); a grid with a field
+    too many or too few, a value that is not an integer or out of its range (an mma of 2, no pages) is refused
+    naming the grid, not swept as something else."""
+    from benchmarks.accelerator import parse_sweep
+
+    assert parse_sweep("256:1,2:1,4:1:0:1,0;64:2:4:3:0") == [(256, (1, 2), (1, 4), (1,), (0,), (1, 0)),
+                                                              (64, (2,), (4,), (3,), (0,))]
+    for bad in ("256:1:1:1:0:2", "256:1:1:1:0:1:7", "256:1:1:1", "x:1:1:1:0", "256:0:1:1:0", "256:1:1:1:-1",
+                "256:1,a:1:1:0"):
+        with pytest.raises(ValueError, match=f"--sweep grid '{bad}': expected ROWS:BLOCK_PAGES"):
+            parse_sweep(bad)

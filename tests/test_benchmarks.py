@@ -140,10 +140,9 @@ def test_hardware_flops_count_what_the_trainer_executes():
     """benchmarks/trainer.py: HFU's FLOPs for one trajectory of 200 prompt and 56 output tokens filling a row of 256,
     by hand: layers 3·2N per position, the head 3·2DV per slot it scores (the 56 loss positions' 128-slot bucket,
     where MFU counts every token), XLA attention (query blocks of 128 read every key up to their end, ×3); full
-    remat adds a forward of the layers and of attention, save_dots of attention only (not of a Pallas kernel, whose
-    outputs it keeps); a π_prox pass (second
-    minibatch) and a reference pass add forwards; chunked logits add the head's forward. And the pairs each
-    attention kernel scores on a packed row."""
+    remat adds a forward of the layers and of attention, save_dots of attention only (not of our GPU kernel, whose
+    outputs it keeps); a π_prox pass (second minibatch) and a reference pass add forwards; chunked logits add the
+    head's forward. And the pairs each attention kernel scores on a packed row."""
     import numpy as np
 
     from arealjax.models import ModelConfig
@@ -164,6 +163,7 @@ def test_hardware_flops_count_what_the_trainer_executes():
     assert hfu(remat="full") - hfu() == 256 * layers + pairs * pair
     assert hfu(remat="save_dots") - hfu() == pairs * pair
     assert hfu(remat="save_dots", attention="pallas") == hfu(attention="pallas")  # keeps the kernel's outputs
+    assert hfu(remat="save_dots", attention="pallas_mha") > hfu(attention="pallas_mha")  # JAX's: runs it again
     assert hfu(logits_chunk=100) == hfu() + 128 * head  # 128 slots in 2 chunks of 64, recomputed
     two = hfu((traj, traj), ppo_n_minibatches=2, ppo=PPOConfig(kl_coef=0.1))
     assert two == 2 * hfu() + 3 * (256 * layers + 128 * head + pairs * pair)  # π_prox once, the reference twice

@@ -33,7 +33,6 @@ from arealjax.models import flash_gpu
 
 Array = jax.Array
 KINDS = ("auto", "xla", "sparse", "flash", "pallas", "pallas_mha")
-PALLAS_KINDS = ("pallas", "pallas_mha")  # Pallas kernels: remat save_dots keeps their outputs (models/transformer.py)
 XLA_BLOCK = 128  # query block of the xla kind
 SPARSE_BLOCK = 64  # query and key block of the sparse kind (at least; a row has at most SPARSE_BLOCKS of them)
 SPARSE_BLOCKS = 16
@@ -47,6 +46,14 @@ def pick(kind: str) -> str:
     if kind == "auto":
         return "pallas" if jax.default_backend() in ("gpu", "tpu") else "sparse"
     return kind
+
+
+def forward_kept_by_save_dots(kind: str) -> bool:
+    """Whether remat save_dots keeps this (picked) kind's forward for the backward: our GPU kernel's forward is a
+    pallas_call in its custom VJP, whose outputs (the attention output and log-sum-exp) the policy keeps
+    (models/transformer.py); JAX's kernels (pallas_mha, the TPU kernel) hide theirs in a nested custom VJP the policy
+    does not see into, and the einsum kinds' dots have batch dims: those run again in the backward."""
+    return kind == "pallas" and jax.default_backend() != "tpu"
 
 
 def attend(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "xla") -> Array:

@@ -11,7 +11,7 @@ writes the normalised output itself.
 Scores and weighted values come from the matrix units (`mma`: the G heads padded to 16 rows, their smallest tile;
 compute is not what decode is short of) or, for the few heads per kv head of a grouped-query model, from
 multiply-and-sum on the vector units over the G heads as they are (padded to a power of two only): no padded query,
-no slice of a padded output, no layout change of K for the matrix units, at 2·G multiply-adds per element read.
+no slice of a padded output, no layout change of K for the matrix units, at G multiply-adds per element read.
 
 q [A, H, D] (unscaled; the scores are scaled in fp32 inside), pools [Hkv, P, page, D] of one layer as
 `models/paged.py` lays them out (the array itself: no slice of a larger pool, which would be copied out every step),

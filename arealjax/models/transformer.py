@@ -317,8 +317,8 @@ class Block(nnx.Module):
 
 def remat_policy(name: str):
     """jax.checkpoint policy of a scanned layer: none (keep every activation), full (keep only the layer input),
-    save_dots (keep matmul outputs and Pallas kernels' outputs, recompute the rest), offload (matmul outputs to host
-    memory; GPU/TPU)."""
+    save_dots (keep matmul outputs and our GPU attention kernel's outputs, recompute the rest), offload (matmul
+    outputs to host memory; GPU/TPU)."""
     if name not in REMAT:
         raise ValueError(f"remat '{name}' is unknown; expected one of {REMAT}")
     cp = jax.checkpoint_policies
@@ -327,9 +327,10 @@ def remat_policy(name: str):
 
 
 def _dots_and_kernels(prim, *args, **params) -> bool:
-    """Saveable: matmul outputs without batch dims, and Pallas kernels' outputs — the flash attention forward's
-    output and log-sum-exp, its backward's residuals, which would otherwise cost the kernel run again (on an H200,
-    ~4% of a Qwen3-0.6B train step) for ~2 bytes per head dim per token and layer."""
+    """Saveable: matmul outputs without batch dims, and outputs of Pallas kernels called in a custom VJP's forward —
+    our GPU flash attention's output and log-sum-exp, its backward's residuals, which would otherwise cost the
+    kernel run again (on an H200, ~4% of a Qwen3-0.6B train step) for ~2 bytes per head dim per token and layer
+    (`attention.forward_kept_by_save_dots` says which kinds)."""
     return prim.name == "pallas_call" or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
 
 
