@@ -13,7 +13,8 @@ no device (XLA:CPU), the XLA op events of the host threads, nested ones (a while
 leaves. Events are split by the host annotations of the regions (`jax.profiler.TraceAnnotation('decode')`; an
 event belongs to the region it starts in; none found: one region of everything) and each region gets a table: kernel
 name (with its program, where the trace names it), calls, total ms, mean µs, and share of the region's kernel time
-(summed over streams), its top --top kernels.
+(summed over streams), its top --top kernels; and the region's kernel time by kind of kernel (KINDS: attention,
+matmul, copy, scatter/gather, reduce, elementwise/other), read from the kernels' names.
 """
 
 from __future__ import annotations
@@ -131,6 +132,21 @@ def split(trace: dict, names: list[str]) -> tuple[dict[str, dict], str]:
     return out, source
 
 
+# What a kernel is, from its name (first match): a region's time by kind says at a glance what a step is made of
+# (a decode step should be its attention kernel and the weight matmuls; the rest is what to look into).
+KINDS = (("attention", ("paged_decode", "flash_segments", "mha", "paged_attention", "flash_attention")),
+         ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "ampere_", "cublas", "dot", "convolution")),
+         ("copy", ("memcpy", "copy", "memset")),
+         ("scatter/gather", ("scatter", "gather", "dynamic_update_slice", "dynamic-update-slice")),
+         ("reduce", ("reduce",)))
+
+
+def kind_of(kernel: str) -> str:
+    """The KINDS name a kernel's name falls under; 'elementwise/other' where none does."""
+    name = kernel.lower()
+    return next((kind for kind, marks in KINDS if any(m in name for m in marks)), "elementwise/other")
+
+
 def _short(name: str, width: int) -> str:
     name = name.replace("|", "\\|")
     return name if len(name) <= width else name[: width - 1] + "…"
@@ -153,6 +169,11 @@ def report(trace: dict, names: list[str] = ("decode", "train"), top: int = 20, w
         if named:
             lines += ["programs: " + ", ".join(f"{m or '?'} {t / (busy or 1):.0%}" for m, t in
                                                sorted(programs.items(), key=lambda x: -x[1])), ""]
+        kinds = defaultdict(float)
+        for r in rows:
+            kinds[kind_of(r["kernel"])] += r["total_us"]
+        lines += ["by kind: " + ", ".join(f"{k} {t / 1e3:.3f} ms ({t / (busy or 1):.0%})" for k, t in
+                                          sorted(kinds.items(), key=lambda x: -x[1])), ""]
         head = "| program " * named + "| kernel | calls | total ms | mean µs | share |"
         lines += [head, "|---" * head.count(" | ") + "|---|"]
         lines += ["| " + f"{r['program'] or '?'} | " * named + f"{_short(r['kernel'], width)} | {r['calls']} | "

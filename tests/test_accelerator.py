@@ -202,8 +202,9 @@ def test_pool_sized_copy_check_finds_a_copied_pool_and_passes_one_updated_in_pla
 
 def test_profile_table_reads_gpu_streams_by_region():
     """profile_table.py on a GPU trace's layout: kernels are the device's stream events (the derived 'XLA Ops' line
-    is not counted again), split by the host annotations they start in, with calls, totals and shares."""
-    from benchmarks.profile_table import report, split
+    is not counted again), split by the host annotations they start in, with calls, totals and shares, and each
+    region's time by kind of kernel."""
+    from benchmarks.profile_table import kind_of, report, split
 
     def meta(pid, tid, kind, name):
         return {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
@@ -228,6 +229,12 @@ def test_profile_table_reads_gpu_streams_by_region():
     assert "| jit__generate | fusion_1 | 2 | 0.040 | 20.0 | 50.0% |" in text
     assert "| jit__generate | MemcpyD2D | 1 | 0.040 | 40.0 | 50.0% |" in text
     assert "| jit_grad | gemm | 1 | 0.090 | 90.0 | 90.0% |" in text and "| jit_apply | fusion_1 | 1 |" in text
+    assert "by kind: elementwise/other 0.040 ms (50%), copy 0.040 ms (50%)" in text
+    assert "by kind: matmul 0.090 ms (90%), elementwise/other 0.010 ms (10%)" in text
+    assert [kind_of(k) for k in ("paged_decode_bp1_s1", "flash_segments_dkv", "nvjet_sm90_tst_128x128",
+                                 "gemm_fusion_dot_58", "input_scatter_fusion_54", "MemcpyD2D", "input_reduce_fusion",
+                                 "loop_multiply_fusion")] == [
+        "attention", "attention", "matmul", "matmul", "scatter/gather", "copy", "reduce", "elementwise/other"]
 
 
 def test_generator_sizes_feed_every_slot_count_twice_over():
