@@ -213,18 +213,19 @@ class RolloutController:
 
     def _on_scored(self, group: Group, results: list[Trajectory | list[Trajectory] | None]) -> None:
         """An episode gives one trajectory, several (an agent's chains: workflows/agent.py) or None (rejected)."""
-        longest = max((len(t) for r in results if r for t in (r if isinstance(r, list) else [r])), default=0)
+        episodes = [[] if r is None else r if isinstance(r, list) else [r] for r in results]
+        longest = max((len(t) for ts in episodes for t in ts), default=0)
         if self.max_tokens and longest > self.max_tokens:
             self._fail(ValueError(f"workflow {type(self.workflow).__name__} returned a trajectory of {longest} "
                                   f"tokens for prompt '{group.prompt.id}': the trainer's rows hold trainer.max_tokens"
                                   f" = {self.max_tokens} (keep an episode's tokens within generator.max_len)"))
             return
         group.trajectories = []
-        for j, r in enumerate(results):
-            for t in [] if r is None else r if isinstance(r, list) else [r]:
+        for j, ts in enumerate(episodes):
+            for t in ts:
                 t.group, t.info["episode"] = group.prompt.id, j  # one sample of the group (rl/advantages.py)
                 group.trajectories.append(t)
-        group.rejected = sum(not r for r in results)  # None, or an empty list
+        group.rejected = sum(not ts for ts in episodes)  # None, or an empty list
         rewards = group.episode_rewards()
         kept, _ = dynamic_filter([group.trajectories], self.advantage) if group.trajectories else ([], None)
         with self._cv:

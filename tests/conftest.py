@@ -185,6 +185,16 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+def equations(jaxpr, primitive: str) -> Iterator:
+    """The equations of `primitive` in a jaxpr and in every jaxpr nested in its equations' params (scans, jits,
+    remat, custom VJPs), in order."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == primitive:
+            yield eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from equations(sub, primitive)
+
+
 def scanned_equals_unrolled(value_and_grad, remat: str):
     """`value_and_grad(scan, remat)` -> ((loss, logits), grads): the layers scanned with `remat` == unrolled without
     remat, logits and gradients to 1e-5. Returns the scanned run's gradients."""

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import scanned_equals_unrolled
+from conftest import equations, scanned_equals_unrolled
 from flax import nnx
 from hf_models import HF_CONFIGS, hf_logits
 
@@ -232,20 +232,6 @@ def test_random_init_is_seeded_and_counted():
     np.testing.assert_array_equal(np.asarray(forward(a.graphdef, a.params, t)), np.asarray(a(t)))
 
 
-def _kernel_calls(jaxpr) -> list[str]:
-    """The names of the Pallas kernels a jaxpr runs, in its nested jaxprs (scan bodies, remat, custom VJPs) too."""
-    names = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            names.append(str(eqn.params["name"]))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    names += _kernel_calls(inner)
-    return names
-
-
 @pytest.mark.parametrize("kind,remat", [("pallas", "none"), ("pallas", "save_dots"), ("pallas", "full"),
                                          ("pallas_mha", "save_dots")])
 def test_remat_save_dots_keeps_the_attention_kernels_output(kind, remat):
@@ -268,7 +254,7 @@ def test_remat_save_dots_keeps_the_attention_kernels_output(kind, remat):
             return jnp.mean(jax.nn.log_softmax(logits)[..., 5])
         return jax.grad(loss)
 
-    calls = _kernel_calls(jax.make_jaxpr(grad(remat))(model.params).jaxpr)
+    calls = [str(e.params["name"]) for e in equations(jax.make_jaxpr(grad(remat))(model.params).jaxpr, "pallas_call")]
     forwards = [c for c in calls if c.endswith("forward")]
     kept = remat == "none" or (remat == "save_dots" and forward_kept_by_save_dots(kind))
     assert len(forwards) == (1 if kept else 2) and len(calls) - len(forwards) >= 2, calls

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import equations
 
 from arealjax.models import ModelConfig, forward, from_config
 from arealjax.rl.losses import OBJECTIVES, PPOConfig
@@ -355,16 +356,7 @@ def test_bf16_head_backward_runs_in_bf16_and_matches_fp32(eq):
 
     grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
     low = (hidden.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
-    jaxpr = jax.make_jaxpr(grad)(*low)
-
-    def dots(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "dot_general":
-                yield e
-            for sub in jax.core.jaxprs_in_params(e.params):
-                yield from dots(sub)
-
-    found = list(dots(jaxpr.jaxpr))
+    found = list(equations(jax.make_jaxpr(grad)(*low).jaxpr, "dot_general"))
     assert len(found) >= 3 and all(v.aval.dtype == jnp.bfloat16 for e in found for v in e.invars), [
         [v.aval.dtype for v in e.invars] for e in found]
     (_, out), g = jax.jit(grad)(*low)
