@@ -135,7 +135,13 @@ SIZES = {
                               sweep=((256, (1, 2), (1, 2, 4), (1, 2), (0,), (1, 0)),
                                      (64, (1, 2), (1, 2), (1,), (0, 1), (1, 0))),
                               attentions=("pallas", "pallas_mha"), decode_attentions=("auto", "pallas_jax"),
-                              long_tail=dict(requests=(64, 512), slots=(64, 256)))),
+                              long_tail=dict(requests=(64, 512), slots=(64, 256))),
+                 # --lower: the decode call's rows and context, the train step's micro-batch; a mixture of experts
+                 # beside the size's models (its experts through megablox on a TPU)
+                 lowering=dict(rows=256, max_len=1024, micro_rows=8, max_tokens=2048, moe={"qwen3-30b-a3b": dict(
+                     family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+                     num_heads=32, num_kv_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                     moe_intermediate_size=768, tie_word_embeddings=False)})),
     "smoke": dict(models={"tiny": dict(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
                                        tie_word_embeddings=True)},
@@ -148,7 +154,11 @@ SIZES = {
                   profile=dict(slots=16, rows=8, ratio_rows=4, ratio_slots=(4, 16), full_rows=16,
                                sweep=((16, (2,), (4,), (3,), (0, 2), (1, 0)), (4, (2,), (4,), (3,), (0,), (1,))),
                                attentions=("pallas_mha",), decode_attentions=("auto",),
-                               long_tail=dict(requests=(4, 8), slots=(4,)))),
+                               long_tail=dict(requests=(4, 8), slots=(4,))),
+                  lowering=dict(rows=8, max_len=128, micro_rows=2, max_tokens=128, moe={"tiny-moe": dict(
+                      family="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32)})),
 }
 # One colocated device: the trainer's mesh of one, the generator sharing it (cpu_devices only matters on CPU).
 ONE_DEVICE = ["--config.cpu_devices=1", "--config.mesh.trainer.devices=1", "--config.mesh.generator.devices=0"]
@@ -243,27 +253,29 @@ def packed_segments(rng, b: int, t: int):
     return seg
 
 
-def attention_check(dtype, dims: tuple[int, ...], kernel: Callable | None = None) -> dict:
-    """`kernel` (default: the Pallas flash attention) against `attend_xla` on packed rows, values and gradients."""
+def attention_check(dtype, dims: tuple[int, ...], kernel: Callable | None = None, kind: str = "pallas") -> dict:
+    """`kernel` (default: the Pallas flash attention `kind`) against `attend_xla` on packed rows, values and
+    gradients."""
     import jax.numpy as jnp
     import numpy as np
 
     from arealjax.models import attention as attn
 
-    kernel = kernel or attn.attend_pallas
+    kernel = kernel or functools.partial(attn.attend_pallas, kind=kind)
     b, t, h, hkv, d = dims
     rng = np.random.RandomState(0)
     q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32) for n in (h, hkv, hkv))
     seg = jnp.asarray(packed_segments(rng, b, t))
-    return {"kernel": f"attention.{getattr(kernel, '__name__', 'kernel')}", "shape": dict(b=b, t=t, h=h, hkv=hkv, d=d),
+    return {"kernel": f"attention.{getattr(kernel, '__name__', 'attend_pallas')}", "kind": kind,
+            "shape": dict(b=b, t=t, h=h, hkv=hkv, d=d),
             **compare(kernel, attn.attend_xla, [q, k, v, seg], dtype, ("out", "dq", "dk", "dv"))}
 
 
-def paged_pallas(q, pool, positions, index):
-    """The Pallas GPU paged attention over layer 0 of a heads-major pool."""
+def paged_pallas(q, pool, positions, index, kind: str = "pallas"):
+    """A Pallas paged attention (`kind`) over layer 0 of a heads-major pool."""
     from arealjax.models.paged import pallas_attention
 
-    return pallas_attention(q, pool.k[0], pool.v[0], positions, index)
+    return pallas_attention(q, pool.k[0], pool.v[0], positions, index, kind)
 
 
 def paged_ragged(q, pool, positions, index):
@@ -273,7 +285,7 @@ def paged_ragged(q, pool, positions, index):
     return ragged_attention(q, pool.k, pool.v, 0, positions, index)
 
 
-def paged_check(dtype, dims: tuple[int, ...], kernel: Callable = paged_pallas, layout: str = "pallas") -> dict:
+def paged_check(dtype, dims: tuple[int, ...], kernel: Callable | None = None, layout: str = "pallas") -> dict:
     """`kernel` (q, pool laid out for `layout`, positions, index) against `paged_ragged`: rows of ragged lengths
     (one of a single token, one at the longest) whose pages are scattered over the pool."""
     import jax.numpy as jnp
@@ -304,9 +316,11 @@ def paged_check(dtype, dims: tuple[int, ...], kernel: Callable = paged_pallas, l
             return fn(q, pool, positions, index)
         return f
 
+    kernel = kernel or functools.partial(paged_pallas, kind=layout)
     q = jnp.asarray(rng.normal(size=(rows, h, d)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(1, rows, max_pages * size, hkv, d)), jnp.float32) for _ in range(2))
-    return {"kernel": f"paged.{getattr(kernel, '__name__', 'kernel')}", "lengths": [int(n) for n in lengths],
+    return {"kernel": f"paged.{getattr(kernel, '__name__', 'paged_pallas')}", "kind": layout,
+            "lengths": [int(n) for n in lengths],
             "shape": dict(rows=rows, h=h, hkv=hkv, d=d, page=size),
             **compare(attend(kernel, layout), attend(paged_ragged, "ragged"), [q, k, v], dtype, ("out",),
                       grads=False)}
@@ -320,19 +334,19 @@ def kernels(size: dict, args) -> dict:
     from arealjax.models.paged import pick_attention
 
     backend = jax.default_backend()
-    expected = {"gpu": ("pallas", "pallas"), "tpu": ("pallas", "ragged")}.get(backend, ("sparse", "ragged"))
+    expected = {"gpu": ("pallas", "pallas"), "tpu": ("pallas_tpu", "pallas_tpu")}.get(backend, ("sparse", "ragged"))
     auto = {"training": attn.pick("auto"), "decode": pick_attention("auto"),
             "expected": dict(training=expected[0], decode=expected[1])}
     auto["passed"] = (auto["training"], auto["decode"]) == expected
+    # the kernels this platform runs; on CPU the GPU kernels, in interpret mode (the TPU ones: tests/test_tpu.py)
+    kinds = expected if backend in ("gpu", "tpu") else ("pallas", "pallas")
     checks = []
     for dtype in (jnp.float32, jnp.bfloat16):
-        for kernel, check, dims in (("attention.attend_pallas", attention_check, size["attention"]),
-                                    ("paged.paged_pallas", paged_check, size["paged"])):
+        for kernel, check, dims in (("attention.attend_pallas", functools.partial(attention_check, kind=kinds[0]),
+                                     size["attention"]),
+                                    ("paged.paged_pallas", functools.partial(paged_check, layout=kinds[1]),
+                                     size["paged"])):
             name = jnp.dtype(dtype).name
-            if check is paged_check and backend == "tpu":
-                checks.append({"kernel": kernel, "dtype": name, "passed": True,
-                               "skipped": "a GPU kernel: on TPU 'auto' decodes with the ragged attention"})
-                continue
             try:  # a kernel that does not compile here fails its check, not the others
                 checks.append(check(dtype, dims))
             except Exception as e:
@@ -946,10 +960,12 @@ def profile(size: dict, args, out: Path) -> dict:
     from benchmarks.trainer import hardware_flops, long_tail, model_flops
 
     p, k, page, context = size["profile"], size["decode_steps"], args.page_size, size["context"]
+    device = jax.devices()[0]
+    if device.platform == "tpu":  # the kernels compared on a TPU: ours and JAX's for training, JAX's and ragged
+        p = {**p, "attentions": ("pallas_tpu", "pallas_tpu_jax"), "decode_attentions": ("auto", "ragged")}
     max_len = size["max_prompt"] + size["long_tail"][-1]
     name, shape = next(iter(size["models"].items()))
     cfg = ModelConfig.make(**shape, max_position_embeddings=max_len)
-    device = jax.devices()[0]
     work = Path(args.work) / "profile"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -1056,6 +1072,8 @@ def profile(size: dict, args, out: Path) -> dict:
         res["long_tail"] = rows
 
     def sweep():
+        if device.platform == "tpu":
+            raise RuntimeError("the sweep times our GPU decode kernel's knobs: not on a TPU")
         grids = parse_sweep(args.sweep) if args.sweep else p["sweep"]
         res["paged_sweep"] = paged_sweep(grids, context, page, shape, size["step_repeats"])
         if tuning := best_tuning(res["paged_sweep"], p["full_rows"]):  # the decode stages' knobs
@@ -1204,6 +1222,75 @@ def profile_summary(res: dict) -> str:
 
 # ---- goals and report ----
 
+def lowering(size: dict, args, out: Path) -> list[str]:
+    """--lower=PLATFORM: benchmarks/lowering.py over the size's models; writes out/lowering.json. The programs that
+    failed to lower, or that run no Mosaic kernel where one is expected (decode and train on TPU)."""
+    from benchmarks.cells import commit, portable
+    from benchmarks.lowering import lower
+
+    lw = dict(size["lowering"])
+    models = {**size["models"], **lw.pop("moe")}
+    res = {"platform": args.lower, "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M"),
+           "command": " ".join(["python benchmarks/accelerator.py", *portable(sys.argv[1:])])}
+    failed = []
+    for name, shape in models.items():
+        try:
+            res[name] = lower({name: shape}, args.lower, **lw)[name]
+        except Exception as e:
+            traceback.print_exc()
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            failed.append(f"{name}: lowering")
+            continue
+        failed += [f"{name}: {p} runs no Mosaic kernel" for p in ("decode", "train")
+                   if not res[name][p]["mosaic_kernels"]]
+        print(name, json.dumps({p: r["mosaic_kernels"] for p, r in res[name].items()}), flush=True)
+    res["decode"], res["train"] = (res[next(iter(size["models"]))].get(p) for p in ("decode", "train"))  # the first
+    res["budget"] = budget(size)
+    res["train_pairs"] = train_pairs(size)
+    print("train_pairs", json.dumps(res["train_pairs"]), flush=True)
+    (out / "lowering.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(f"{out / 'lowering.json'}", flush=True)
+    return failed
+
+
+def budget(size: dict) -> dict:
+    """What the first model's decode step and train step must move and compute, and the least time each takes at
+    the TPU peaks (PEAKS): the decode step of the profile's full rows at its context (weights read once, bf16, plus
+    each row's KV: what decode_full divides by) and the useful FLOPs of the trainer part's long-tail step (the MFU
+    numerator, benchmarks/trainer.py `model_flops`)."""
+    from arealjax.models import ModelConfig
+    from benchmarks.trainer import layer_params, long_tail, model_flops
+
+    name, shape = next(iter(size["models"].items()))
+    cfg, p, tr = ModelConfig.make(**shape), size["profile"], size["trainer"]
+    rows, context, k = p["full_rows"], size["context"], size["decode_steps"]
+    params = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    kv = rows * (context + (k + 1) / 2) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    decode_flops = rows * (2 * (layer_params(cfg) + cfg.hidden_size * cfg.vocab_size)
+                           + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context)
+    trajs = long_tail(tr["trajectories"], tr["max_tokens"])
+    train_flops = model_flops(cfg, trajs)
+    tpus = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5"}
+    at_hbm = {f"ms_at_{t}_hbm": (params * 2 + kv) / peaks(kind)[0] * 1e3 for t, kind in tpus.items()}
+    return {"model": name, "decode": {"rows": rows, "context": context, "weight_bytes": params * 2, "kv_bytes": kv,
+                                      "flops": decode_flops, **at_hbm},
+            "train": {"trajectories": len(trajs), "tokens": sum(len(x) for x in trajs), "flops": train_flops,
+                      **{f"s_at_{t}_bf16": train_flops / peaks(kind)[1] for t, kind in tpus.items()}}}
+
+
+def train_pairs(size: dict) -> dict:
+    """The query–key pairs each TPU training attention kernel computes on the trainer part's packed long-tail
+    batch (benchmarks/lowering.py `computed_pairs`), at its first model's heads."""
+    from arealjax.rl.packing import pack
+    from benchmarks.lowering import computed_pairs
+    from benchmarks.trainer import long_tail
+
+    tr = size["trainer"]
+    batch = pack(long_tail(tr["trajectories"], tr["max_tokens"]), tr["max_tokens"], tr["micro_rows"])
+    return {"trajectories": tr["trajectories"],
+            **computed_pairs(batch.segment_ids, next(iter(size["models"].values()))["num_heads"])}
+
+
 def goals(parts: dict) -> list[dict]:
     """The issue's goals, each met / missed / unmeasured (its part not run, failed, or no peak known)."""
     def ok(part):
@@ -1330,6 +1417,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, interpret-mode Pallas (a minute)")
     ap.add_argument("--profile", action="store_true", help="after the parts, profile the decode program and the train "
                                                            "step into --out (module docstring)")
+    ap.add_argument("--lower", default="", choices=("", "tpu"), help="only lower the decode call, the prefill and the "
+                                                                     "train step of the size's models for this "
+                                                                     "platform, from this host, into "
+                                                                     "--out/lowering.json (module docstring)")
     ap.add_argument("--wheels", default="", help="a folder of wheels to install what is missing from, first")
     ap.add_argument("--out", default="", help="where the results go (default: benchmarks/results; --smoke or "
                                               "--profile: a temporary directory)")
@@ -1388,6 +1479,9 @@ def main() -> None:
         if unknown := sorted(set(names) - set(size["models"])):
             sys.exit(f"error: --models: unknown {unknown}; expected some of {sorted(size['models'])}")
         size = {**size, "models": {m: size["models"][m] for m in names}}
+    if args.lower:
+        failed = lowering(size, args, out)
+        sys.exit(f"failed: {', '.join(failed)}" if failed else 0)
     if args.requests:
         if args.requests < 2 * max(size["slots"]):
             ap.error(f"--requests={args.requests}: the most slots, {max(size['slots'])}, need at least twice that")

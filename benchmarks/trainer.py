@@ -86,26 +86,30 @@ def model_flops(cfg: ModelConfig, trajs: list[Trajectory]) -> float:
 def attention_pairs(segment_ids: np.ndarray, kind: str) -> int:
     """Query–key pairs the training attention kernel `kind` (models/attention.py, resolved) scores for a micro-batch
     of segment ids [R, T], padding included: `xla` query blocks of 128 read every key up to their end; `flash`
-    blocks of 512 below the diagonal; `pallas` (the GPU kernel) and `sparse` each block of queries from the block
-    of its earliest segment's first token (`sparse`: blocks of ≥ 64 tokens, the earliest over the micro-batch, the
-    lookback rounded up to a power of two)."""
+    blocks of 512 below the diagonal, `pallas_tpu_jax` of 128 (the row padded to them); `pallas` (the GPU kernel,
+    blocks of 64), `pallas_tpu` (the TPU kernel, 128; a block of padding, id ≤ 0, reads only itself) and `sparse`
+    each block of queries from the block of its earliest segment's first token (`sparse`: blocks of ≥ 64 tokens,
+    the earliest over the micro-batch, the lookback rounded up to a power of two)."""
     r, t = segment_ids.shape
-    if kind in ("xla", "flash"):
-        bs = min(128 if kind == "xla" else 512, t)
+    padded = kind in ("pallas", "pallas_tpu", "pallas_tpu_jax")  # the Pallas kernels pad the row to their blocks
+    if kind in ("xla", "flash", "pallas_tpu_jax"):
+        bs = min(512 if kind == "flash" else 128, t)
         n = -(-t // bs)
-        return r * sum(bs * min((i + 1) * bs, t) for i in range(n))
-    bs = 64 if kind == "pallas" else max(64, -(-t // 16))
+        return r * sum(bs * min((i + 1) * bs, n * bs if padded else t) for i in range(n))
+    bs = {"pallas": 64, "pallas_tpu": 128}.get(kind, max(64, -(-t // 16)))
     n = -(-t // bs)
     starts = np.full((r, n * bs), n * bs)  # per position, the first position of its segment in the row
     for row, ids in enumerate(segment_ids):
         _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
         starts[row, :t] = first[inverse]
+        if kind == "pallas_tpu":
+            starts[row, :t] = np.where(ids > 0, starts[row, :t], np.arange(t))
     first = starts.reshape(r, n, bs).min(2) // bs  # [R, n]: each query block's first key block
     if kind == "sparse":
         back = np.arange(n) - first.min(0)
         pow2 = np.where(back > 0, 2 ** np.ceil(np.log2(np.maximum(back, 1))), 0)
         first = np.broadcast_to(np.arange(n) - np.minimum(pow2, np.arange(n)), (r, n)).astype(int)
-    ends = np.minimum((np.arange(n) + 1) * bs, n * bs if kind == "pallas" else t)  # pallas pads the row to blocks
+    ends = np.minimum((np.arange(n) + 1) * bs, n * bs if padded else t)
     return int(np.sum(bs * (ends - first * bs)))
 
 
@@ -120,7 +124,7 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
                  backward, and one forward more where the logits are chunked (a rematerialised scan)
       attention  4·H·hd per query–key pair scored (`attention_pairs`), backward ×2 (×2.5 where the kernel
                  recomputes the scores: flash, pallas, sparse), and one forward more under remat "full" or
-                 "offload", and under "save_dots" but for our GPU kernel's (`attention.forward_kept_by_save_dots`)
+                 "offload", and under "save_dots" but for our kernels' (`attention.forward_kept_by_save_dots`)
       passes     no-grad forwards: π_prox for every minibatch but the first (decoupled PPO; every one for M2PO),
                  the reference policy for all (a KL penalty)"""
     if tcfg.remat == "auto":

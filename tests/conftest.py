@@ -204,3 +204,18 @@ def scanned_equals_unrolled(value_and_grad, remat: str):
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     return grads
+
+
+def paged_reference(q, k, v, table, lengths):
+    """Decode attention in float64 numpy: each row's first `lengths` tokens, gathered page by page."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    a, h, d = q.shape
+    g = h // k.shape[0]
+    out = np.zeros((a, h, d))
+    for r in range(a):
+        keys, vals = (np.concatenate([x[:, p] for p in table[r]], axis=1)[:, :lengths[r]] for x in (k, v))
+        for j in range(h):
+            s = keys[j // g] @ q[r, j] / np.sqrt(d)
+            w = np.exp(s - s.max())
+            out[r, j] = w / w.sum() @ vals[j // g]
+    return out

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import equations, scanned_equals_unrolled
+from conftest import equations, paged_reference, scanned_equals_unrolled
 from flax import nnx
 from hf_models import HF_CONFIGS, hf_logits
 
@@ -315,7 +315,7 @@ def _packed_segments(rng, b, t):
 
 @pytest.mark.parametrize("kind,t,block", [("flash", 40, 16), ("flash", 64, 64), ("sparse", 100, 16),
                                           ("sparse", 64, 64), ("pallas", 80, None), ("pallas", 48, None),
-                                          ("pallas_mha", 48, None), ("pallas_tpu", 100, None)])
+                                          ("pallas_mha", 48, None), ("pallas_tpu_jax", 100, None)])
 def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
     """Every attention kind == the XLA reference on packed rows (random segments, padding tail, GQA 2:1): outputs
     and gradients of q, k, v. flash at T not a multiple of its block pads; sparse at T not a multiple of its block
@@ -327,16 +327,15 @@ def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
     q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32) for n in (h, hkv, hkv))
     seg = jnp.asarray(_packed_segments(rng, b, t))
     ct = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
-    fn = {"flash": lambda *a: attn.attend_flash(*a, block=block), "pallas": attn.attend_pallas,
+    fn = {"flash": lambda *a: attn.attend_flash(*a, block=block),
           "sparse": lambda *a: attn.attend_sparse(*a, block=block),
-          "pallas_mha": lambda *a: attn.attend_pallas(*a, mha=True),
-          "pallas_tpu": lambda *a: attn.attend_pallas(*a, platform="tpu")}[kind]
+          **{k: functools.partial(attn.attend_pallas, kind=k) for k in attn.PLATFORMS}}[kind]
 
     def out_and_grads(f):
         return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v, seg) * ct), argnums=(0, 1, 2)))(q, k, v)
 
     interpret = contextlib.nullcontext()
-    if kind == "pallas_tpu":
+    if kind == "pallas_tpu_jax":
         from jax.experimental.pallas import tpu as pltpu
         interpret = pltpu.force_tpu_interpret_mode()
     with interpret:
@@ -346,21 +345,6 @@ def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
                                    atol=2e-5, rtol=0)
     for a, r in zip(g, ref_g):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=5e-5, rtol=0)
-
-
-def _paged_reference(q, k, v, table, lengths):
-    """Decode attention in float64 numpy: each row's first `lengths` tokens, gathered page by page."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    a, h, d = q.shape
-    g = h // k.shape[0]
-    out = np.zeros((a, h, d))
-    for r in range(a):
-        keys, vals = (np.concatenate([x[:, p] for p in table[r]], axis=1)[:, :lengths[r]] for x in (k, v))
-        for j in range(h):
-            s = keys[j // g] @ q[r, j] / np.sqrt(d)
-            w = np.exp(s - s.max())
-            out[r, j] = w / w.sum() @ vals[j // g]
-    return out
 
 
 @pytest.mark.parametrize("heads,kv_heads,dtype", [(6, 2, "float32"), (4, 2, "bfloat16"), (3, 1, "float32"),
@@ -380,7 +364,7 @@ def test_paged_gpu_kernel_equals_reference_at_every_split(heads, kv_heads, dtype
     k, v = rng.normal(size=(2, kv_heads, pool, size, d))
     table = np.stack([rng.permutation(pool)[:width] for _ in range(a)]).astype(np.int32)
     lengths = np.array([1, 8, 32, 45, 56, 9], np.int32)
-    want = _paged_reference(q, k, v, table, lengths)
+    want = paged_reference(q, k, v, table, lengths)
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     tol = 2e-2 if dtype == "bfloat16" else 1e-5
     for tuning in (Tuning(), Tuning(block_pages=1, splits=4), Tuning(block_pages=2, splits=3), Tuning(block_pages=8)):

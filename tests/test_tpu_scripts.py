@@ -4,7 +4,9 @@ would) and runs nothing; missing settings are refused before any command; shellc
 import os
 import shlex
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -130,11 +132,100 @@ def test_delete_removes_the_queued_resource(fake_gcloud):
 
 @pytest.mark.parametrize("script,unset,message", [
     ("create", "TPU_NAME", "set TPU_NAME"), ("launch", "ZONE", "set ZONE"),
-    ("create", "ACCELERATOR_TYPE", "set ACCELERATOR_TYPE"), ("stop", "TPU_NAME", "set TPU_NAME")])
+    ("create", "ACCELERATOR_TYPE", "set ACCELERATOR_TYPE"), ("stop", "TPU_NAME", "set TPU_NAME"),
+    ("profile", "TPU_NAME", "set TPU_NAME"), ("profile", "RUNTIME_VERSION", "set RUNTIME_VERSION")])
 def test_missing_settings_are_refused_before_any_command(fake_gcloud, script, unset, message):
     rc, cmds, err = dry_run(script, "--", "--config=configs/default.py", fake=fake_gcloud, **{unset: ""}) \
         if script == "launch" else dry_run(script, fake=fake_gcloud, **{unset: ""})
     assert rc != 0 and not cmds and message in err
+
+
+def test_profile_creates_installs_profiles_copies_back_and_deletes(fake_gcloud):
+    tricky = "--long-tail-requests=64 (it's \"many\")"
+    rc, cmds, err = dry_run("profile", "--spot", "--", "--decode-rows=32", tricky, fake=fake_gcloud)
+    assert rc == 0, err
+    create, describe, archive, scp, install, profile, mkdir, copy, delete = cmds
+    assert create[3:5] == ["queued-resources", "create"] and "--spot" in create and describe[4] == "describe"
+    assert archive[3] == "archive" and scp[3:5] == ["tpu-vm", "scp"] and flag(install, "worker") == "all"
+    assert "pip install -q -r requirements.txt 'jax[tpu]'" in flag(install, "command")
+    assert profile[3:6] == ["tpu-vm", "ssh", "my-pod"] and flag(profile, "worker") == "0"
+    remote = shlex.split(flag(profile, "command"))
+    assert remote[:3] == ["cd", "arealjax", "&&"] and remote[3:6] == [
+        ".venv/bin/python", "benchmarks/accelerator.py", "--profile"]
+    stages = "--stages=environment,decode,train,trace,decode_full,long_tail,train_attention"
+    assert remote[6:] == ["--out=profile-tpu", stages, "--decode-rows=32", tricky]
+    local = f"{ROOT}/benchmarks/results/profile-tpu-my-pod/"
+    assert mkdir == ["mkdir", "-p", local.rstrip("/")]
+    assert copy[3:8] == ["tpu-vm", "scp", "--recurse", "my-pod:arealjax/profile-tpu/*", local]
+    assert flag(copy, "worker") == "0" and flag(copy, "zone") == "us-east5-b"
+    assert delete[3:6] == ["queued-resources", "delete", "my-pod-qr"]
+
+    rc, cmds, _ = dry_run("profile", fake=fake_gcloud, PROFILE_STAGES="environment,trace")
+    assert "--stages=environment,trace" in shlex.split(flag(cmds[5], "command"))
+    for bad in (["--worker=1"], ["--decode-rows=32"]):  # accelerator.py's arguments go after --
+        rc, cmds, err = dry_run("profile", *bad, fake=fake_gcloud)
+        assert rc == 2 and not cmds, err
+
+
+def recording_gcloud(tmp_path: Path, **settings: str) -> dict[str, str]:
+    """The environment of a real profile.sh run against a fake gcloud that records its calls (one line each) in
+    tmp_path/calls, answers describe with DESCRIBE (ACTIVE at once), copies a profile.json back to the local
+    folder of `scp --recurse` and exits 3 on the call that contains FAIL_ON."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "gcloud").write_text(f"""#!/bin/sh
+echo "$*" >> {tmp_path / 'calls'}
+case "$*" in *"$FAIL_ON"*) [ -n "$FAIL_ON" ] && exit 3 ;; esac
+case "$*" in *"queued-resources describe"*) echo "$DESCRIBE" ;; esac
+if [ "$4 $5" = "scp --recurse" ]; then echo {{}} > "$7/profile.json"; fi
+""")
+    (tmp_path / "bin" / "gcloud").chmod(0o755)
+    (tmp_path / "calls").touch()
+    return {**os.environ, **SETTINGS, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAIL_ON": "",
+            "DESCRIBE": "ACTIVE", "LOCAL_OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path), **settings}
+
+
+EVERY_CALL = ["create", "describe", "scp", "ssh", "ssh", "scp --recurse", "delete"]
+
+
+@pytest.mark.parametrize("fail,match,calls", [
+    (None, "", EVERY_CALL), ("create", "queued-resources create", ["create", "delete"]),
+    ("install", "jax.device_count", ["create", "describe", "scp", "ssh", "delete"]),
+    ("profile", "accelerator.py", EVERY_CALL),  # what a failed profile wrote is still copied back
+    ("copy", "scp --recurse", EVERY_CALL), ("delete", "queued-resources delete", EVERY_CALL)])
+def test_profile_deletes_the_vm_whichever_step_fails(tmp_path, fail, match, calls):
+    env = recording_gcloud(tmp_path, FAIL_ON=match)
+    res = subprocess.run(["bash", str(SCRIPTS / "profile.sh")], env=env, capture_output=True, text=True, timeout=60)
+    recorded = (tmp_path / "calls").read_text().splitlines()
+    assert [c.split()[3] + " --recurse" * ("--recurse" in c) for c in recorded] == calls, recorded
+    assert recorded[-1].startswith("compute tpus queued-resources delete my-pod-qr")
+    copied = (tmp_path / "out" / "profile.json").exists()
+    if fail is None:
+        assert res.returncode == 0 and copied and "error" not in res.stderr, res.stderr
+        return
+    assert res.returncode == 3 and f"error: step '{fail}' failed (exit 3)" in res.stderr, res.stderr
+    assert copied == (fail in ("profile", "delete"))
+    if fail == "delete":  # loudly, with the command to delete it by hand
+        assert "DELETING my-pod FAILED" in res.stderr and "the VM was NOT deleted" in res.stderr
+        assert "gcloud compute tpus queued-resources delete my-pod-qr --zone=us-east5-b" in res.stderr
+    else:
+        assert "the VM was deleted" in res.stderr
+
+
+def test_profile_interrupted_while_queued_still_deletes(tmp_path):
+    env = recording_gcloud(tmp_path, DESCRIBE="WAITING_FOR_RESOURCES")
+    proc = subprocess.Popen(["bash", str(SCRIPTS / "profile.sh")], env=env, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "describe" not in (tmp_path / "calls").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "create.sh never polled"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, to the whole foreground group
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "error: step 'create' failed (exit 130); the VM was deleted" in err, err
+    assert (tmp_path / "calls").read_text().splitlines()[-1].startswith("compute tpus queued-resources delete")
 
 
 def test_scripts_are_shellcheck_clean():

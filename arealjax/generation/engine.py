@@ -40,7 +40,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from arealjax.api import MAX_STOP_IDS, SamplingParams
 from arealjax.models import DecodeIndex, KVCache, Model, PagedKV, init_pages, prefill_packed
 from arealjax.models import attention as attn
-from arealjax.models.paged import PER_LAYER, Tuning, pick_attention, pool_axes, pool_shapes, write_prefill
+from arealjax.models.paged import (
+    PER_LAYER,
+    Tuning,
+    pick_attention,
+    pool_axes,
+    pool_head_dim,
+    pool_shapes,
+    write_prefill,
+)
 from arealjax.models.transformer import unstack
 from arealjax.sharding import LogicalSharding
 
@@ -285,7 +293,8 @@ class Engine:
     def page_bytes(self) -> int:
         """Bytes of K and V one page holds across all layers."""
         c = self.cfg
-        return 2 * c.num_layers * c.num_kv_heads * self.page_size * c.head_dim * jnp.dtype(self.cache_dtype).itemsize
+        return (2 * c.num_layers * c.num_kv_heads * self.page_size * pool_head_dim(c.head_dim, self.attention)
+                * jnp.dtype(self.cache_dtype).itemsize)
 
     def init_decode_state(self) -> DecodeState:
         s = self.slots

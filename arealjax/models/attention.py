@@ -13,12 +13,18 @@ repeat_kv) and segment ids [B, T]; a token attends to tokens at or before its in
   flash   FlashAttention in pure JAX: online softmax over key blocks under lax.scan, fully masked blocks skipped,
           and a custom VJP that recomputes the scores block by block from the saved log-sum-exp. Memory
           O(T · block), compile time independent of T, any backend: what makes 32k-token rows fit.
-  pallas  Pallas flash-attention kernels with segment ids: on GPU our Triton kernel (`flash_gpu`: grouped kv heads
-          read in place, key blocks of other segments skipped as in sparse), on TPU Mosaic's
-          `ops.tpu.flash_attention`; interpret mode on CPU (tests only: slow).
+  pallas  on GPU, our Pallas Triton kernel (`flash_gpu`: grouped kv heads read in place, key blocks of other
+          segments skipped as in sparse).
   pallas_mha  on GPU, JAX's own Triton kernel (`ops.gpu.attention.mha`: skips only the causal triangle, kv heads
           repeated): the baseline the GPU benchmark compares `pallas` against.
-  auto    pallas on GPU and TPU, sparse on CPU.
+  pallas_tpu  on TPU, our Pallas Mosaic kernel (`flash_tpu`: each query block visits only the key blocks of its
+          segments, a list it is given as data; grouped kv heads read in place).
+  pallas_tpu_jax  on TPU, JAX's `ops.tpu.flash_attention` (skips only the causal triangle, kv heads repeated): the
+          baseline `pallas_tpu` is compared against.
+  auto    pallas on GPU, pallas_tpu on TPU, sparse elsewhere.
+The Pallas kinds belong to one platform (`PLATFORMS`): asked for on the other accelerator they are refused (a GPU
+kernel would otherwise run in interpret mode there). On CPU they run in interpret mode (tests only: slow), the TPU
+kinds inside `pltpu.force_tpu_interpret_mode()`.
 """
 
 from __future__ import annotations
@@ -29,31 +35,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arealjax.models import flash_gpu
+from arealjax.models import flash_gpu, flash_tpu
 
 Array = jax.Array
-KINDS = ("auto", "xla", "sparse", "flash", "pallas", "pallas_mha")
+KINDS = ("auto", "xla", "sparse", "flash", "pallas", "pallas_mha", "pallas_tpu", "pallas_tpu_jax")
+PLATFORMS = {"pallas": "gpu", "pallas_mha": "gpu", "pallas_tpu": "tpu", "pallas_tpu_jax": "tpu"}  # the rest: any
 XLA_BLOCK = 128  # query block of the xla kind
 SPARSE_BLOCK = 64  # query and key block of the sparse kind (at least; a row has at most SPARSE_BLOCKS of them)
 SPARSE_BLOCKS = 16
 FLASH_BLOCK = 512  # query and key block of the flash kind
 
 
-def pick(kind: str) -> str:
-    """Resolves 'auto' by backend; validates the name."""
-    if kind not in KINDS:
-        raise ValueError(f"attention '{kind}' is unknown; expected one of {KINDS}")
+def pick(kind: str, platform: str | None = None) -> str:
+    """The kind that runs for `kind` on `platform` (default: this backend; 'tpu' when lowering for a TPU from
+    here): 'auto' resolved, the name validated, a kernel of the other accelerator refused."""
+    return resolve(kind, platform, KINDS, PLATFORMS, {"gpu": "pallas", "tpu": "pallas_tpu"}, "sparse", "attention")
+
+
+def resolve(kind: str, platform: str | None, kinds: tuple[str, ...], platforms: dict[str, str],
+            auto: dict[str, str], fallback: str, what: str) -> str:
+    """`pick` for a set of kinds (also the generator's decode attention, models/paged.py)."""
+    if kind not in kinds:
+        raise ValueError(f"{what} '{kind}' is unknown; expected one of {kinds}")
+    platform = platform or jax.default_backend()
     if kind == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "sparse"
+        return auto.get(platform, fallback)
+    if platforms.get(kind, platform) != platform and platform != "cpu":
+        runs_anywhere = [k for k in kinds if k != "auto" and k not in platforms]
+        raise ValueError(f"{what} '{kind}' is a {platforms[kind].upper()} kernel and this is a {platform.upper()}: "
+                         f"use 'auto' (here '{auto.get(platform, fallback)}') or one of {runs_anywhere}")
     return kind
 
 
 def forward_kept_by_save_dots(kind: str) -> bool:
-    """Whether remat save_dots keeps this (picked) kind's forward for the backward: our GPU kernel's forward is a
-    pallas_call in its custom VJP, whose outputs (the attention output and log-sum-exp) the policy keeps
-    (models/transformer.py); JAX's kernels (pallas_mha, the TPU kernel) hide theirs in a nested custom VJP the policy
-    does not see into, and the einsum kinds' dots have batch dims: those run again in the backward."""
-    return kind == "pallas" and jax.default_backend() != "tpu"
+    """Whether remat save_dots keeps this (picked) kind's forward for the backward: our kernels' forward is a
+    pallas_call in their custom VJP, whose outputs (the output and log-sum-exp) the policy keeps
+    (models/transformer.py);
+    JAX's kernels (pallas_mha, pallas_tpu_jax) hide theirs in a nested custom VJP the policy does not see into, and
+    the einsum kinds' dots have batch dims: those run again in the backward."""
+    return kind in ("pallas", "pallas_tpu")
 
 
 def attend(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "xla") -> Array:
@@ -65,7 +85,7 @@ def attend(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "xla") 
         return attend_sparse(q, k, v, segment_ids)
     if kind == "flash":
         return attend_flash(q, k, v, segment_ids)
-    return attend_pallas(q, k, v, segment_ids, mha=kind == "pallas_mha")
+    return attend_pallas(q, k, v, segment_ids, kind)
 
 
 def _mask(segment_ids: Array, q_start, k_start, q_len: int, k_len: int) -> Array:
@@ -342,34 +362,32 @@ def padded_length(t: int, block: int, platform: str) -> int:
     return 1 << (t - 1).bit_length()
 
 
-def attend_pallas(q: Array, k: Array, v: Array, segment_ids: Array, platform: str | None = None,
-                  mha: bool = False) -> Array:
-    """The Pallas flash kernels for `platform` (default: this backend; 'tpu' or else the GPU kernel). Off their
-    hardware the GPU kernel runs in interpret mode; the TPU kernel needs `pltpu.force_tpu_interpret_mode()` around
-    the whole traced computation (tests). T is padded to the kernels' block multiple with a segment of its own. The
-    GPU kernel (`flash_gpu`) reads grouped kv heads itself and skips other segments' key blocks; for the TPU kernel,
-    which wants equal head counts and skips only the causal triangle, kv heads are repeated to the query heads;
-    `mha` runs JAX's GPU kernel instead of ours (the same repeat)."""
-    platform = platform or jax.default_backend()
+def attend_pallas(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "pallas") -> Array:
+    """The Pallas flash kernel `kind` (module docstring). T is padded to the kernel's block multiple with a
+    segment of its own. Off its hardware a GPU kernel runs in interpret mode; a TPU kernel needs
+    `pltpu.force_tpu_interpret_mode()` around the whole traced computation (tests). Our kernels read grouped kv heads
+    themselves and skip other segments' key blocks; for JAX's, kv heads are repeated to the query heads."""
+    platform = PLATFORMS[kind]
     t = q.shape[1]
     block = 128 if platform == "tpu" else 64
     pad = padded_length(t, block, platform) - t
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
         segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
-    interpret = jax.default_backend() != "gpu"
-    if platform != "tpu" and not mha:
-        return flash_gpu.attention(q, k, v, segment_ids, interpret=interpret)[:, :t]
+    if kind == "pallas":
+        return flash_gpu.attention(q, k, v, segment_ids, interpret=jax.default_backend() != "gpu")[:, :t]
+    if kind == "pallas_tpu":
+        return flash_tpu.attention(q, k, v, segment_ids)[:, :t]
     g = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
-    if platform != "tpu":
+    if kind == "pallas_mha":
         from jax.experimental.pallas.ops.gpu import attention as gpu
 
         bq, bk = min(block, t + pad), min(32, t + pad)
         blocks = gpu.BlockSizes(block_q=bq, block_k=bq, block_q_dkv=bk, block_kv_dkv=bk, block_q_dq=bk,
                                 block_kv_dq=bk)
         return gpu.mha(q, k, v, segment_ids, sm_scale=float(1.0 / np.sqrt(q.shape[-1])), causal=True,
-                       block_sizes=blocks, interpret=interpret)[:, :t]
+                       block_sizes=blocks, interpret=jax.default_backend() != "gpu")[:, :t]
     from jax.experimental.pallas.ops.tpu import flash_attention as tpu
 
     heads_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731

@@ -14,6 +14,14 @@ Decode attention reads, for each sequence, only its own pages; the pool layout f
            is handed the pool array itself. (A kernel's operand is a buffer of its own, so a layer's slice of one
            [layers, ...] pool would be copied out every step: the whole pool read and written once per decode step.)
   pallas_jax  JAX's Pallas GPU paged-attention kernel over the same pools: the baseline the GPU benchmark compares.
+  pallas_tpu  JAX's Pallas TPU paged-attention kernel (`ops.tpu.paged_attention`) over the same per-layer pools,
+           which it reads in place: each row's pages DMA'd from HBM by its page table, `pages_per_compute_block`
+           pages at a time (`tpu_blocks`), double-buffered. It holds its rows' page tables in scalar memory, so rows
+           are split over calls of at most TPU_TABLE entries (256 slots × 17k tokens in pages of 16 would be 1.1 MiB).
+           Its blocks need a head dim that is a multiple of 128, so a smaller head (SmolLM2's 64) is stored
+           zero-padded (`pool_head_dim`): the padded bytes are what it reads.
+'auto' picks pallas on GPU, pallas_tpu on TPU, ragged elsewhere; a GPU kernel asked for on a TPU (or the reverse) is
+refused. On CPU the Pallas kinds run in interpret mode (tests), the TPU one inside `pltpu.force_tpu_interpret_mode()`.
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arealjax.models import attention as attn
 from arealjax.models.config import ModelConfig
 from arealjax.models.paged_gpu import Tuning, paged_decode
 
 Array = jax.Array
-ATTENTION_KINDS = ("auto", "ragged", "pallas", "pallas_jax")
+ATTENTION_KINDS = ("auto", "ragged", "pallas", "pallas_jax", "pallas_tpu")
+PLATFORMS = {"pallas": "gpu", "pallas_jax": "gpu", "pallas_tpu": "tpu"}  # ragged: any
 
 
 class PagedKV(NamedTuple):
@@ -65,10 +75,11 @@ _HEADS_MAJOR = ("kv_heads", "pages", "page", "head_dim")
 LAYOUTS = {
     "pallas": (_HEADS_MAJOR, _HEADS_MAJOR),
     "pallas_jax": (_HEADS_MAJOR, _HEADS_MAJOR),
+    "pallas_tpu": (_HEADS_MAJOR, _HEADS_MAJOR),
     "ragged": (("layers", "pages", "kv_heads", "head_dim", "page"),
                ("layers", "pages", "kv_heads", "page", "head_dim")),
 }
-PER_LAYER = ("pallas", "pallas_jax")  # kinds whose pool is one array per layer, laid out without the layers axis
+PER_LAYER = ("pallas", "pallas_jax", "pallas_tpu")  # kinds whose pool is one array per layer, without the layers axis
 _BLOCK = ("layers", "pages", "page", "kv_heads", "head_dim")  # how prefill KV blocks come: [L, M, size, Hkv, D]
 
 
@@ -78,10 +89,16 @@ def pool_axes(attention: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return LAYOUTS[attention]
 
 
+def pool_head_dim(head_dim: int, attention: str) -> int:
+    """The head dim the pool stores for `attention`: the model's, or for JAX's TPU kernel the next multiple of 128
+    (the model's k and v are zero-padded into it, q likewise at the kernel: the scores are unchanged)."""
+    return -(-head_dim // 128) * 128 if attention == "pallas_tpu" else head_dim
+
+
 def pool_shapes(cfg: ModelConfig, num_pages: int, page_size: int, attention: str) -> tuple[tuple[int, ...], ...]:
     """Shapes of the (key, value) pool arrays (for a PER_LAYER kind, of each layer's array)."""
     sizes = {"layers": cfg.num_layers, "pages": num_pages, "kv_heads": cfg.num_kv_heads, "page": page_size,
-             "head_dim": cfg.head_dim}
+             "head_dim": pool_head_dim(cfg.head_dim, attention)}
     return tuple(tuple(sizes[a] for a in axes) for axes in LAYOUTS[attention])
 
 
@@ -114,7 +131,8 @@ def write_prefill(pool: PagedKV, k: Array, v: Array, page: Array, row: Array, bl
     pad = -k.shape[2] % size
 
     def put(dst, src, axes):
-        src = jnp.pad(src, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
+        width = (dst[0] if per_layer else dst).shape[axes.index("head_dim")] - src.shape[-1]  # `pool_head_dim`
+        src = jnp.pad(src, ((0, 0), (0, 0), (0, pad), (0, 0), (0, width)))
         layers, b, t, h, d = src.shape
         blocks = src.reshape(layers, b, t // size, size, h, d)[:, row, block]  # [L, M, size, Hkv, D]
         if per_layer:
@@ -140,6 +158,8 @@ def write_token(pool_k, pool_v, layer, k: Array, v: Array, table: Array, positio
     off = positions % size
 
     def put(dst, x, axes):
+        if width := (dst[layer] if per_layer else dst).shape[axes.index("head_dim")] - x.shape[-1]:  # `pool_head_dim`
+            x = jnp.pad(x, ((0, 0), (0, 0), (0, width)))
         if not per_layer:  # `layer`, `page` and `off` are never all adjacent: the indexed shape is [A, Hkv, D]
             return dst.at[_at(axes, layers=layer, pages=page, page=off)].set(x.astype(dst.dtype), mode="drop")
         # `page` and `off` adjacent: the indexed shape has [A] where they stand among the other axes
@@ -183,22 +203,44 @@ def ragged_attention(q: Array, k_pool: Array, v_pool: Array, layer: Array | int,
 def pallas_attention(q: Array, k_pages: Array, v_pages: Array, positions: Array, index: DecodeIndex,
                      kind: str = "pallas", tuning: Tuning | None = None, per_block: int = 8,
                      max_splits: int = 16) -> Array:
-    """The same attention through a Pallas GPU kernel over one layer's pool [Hkv, P, size, D]: ours ('pallas',
-    `tuning`: models/paged_gpu.py) or JAX's ('pallas_jax'; `per_block`, `max_splits`: see `kernel_blocks`). Off a GPU
-    it runs in Pallas interpret mode (slow: for tests)."""
+    """The same attention through a Pallas kernel over one layer's pool [Hkv, P, size, D]: our GPU kernel
+    ('pallas', `tuning`: models/paged_gpu.py), JAX's GPU kernel ('pallas_jax'; `per_block`, `max_splits`: see
+    `kernel_blocks`) or JAX's TPU kernel ('pallas_tpu', blocks: `tpu_blocks`). Off its hardware a GPU kernel runs in
+    Pallas interpret mode (slow: for tests)."""
     interpret = jax.default_backend() != "gpu"
     table = jnp.where(index.table < k_pages.shape[1], index.table, 0)  # unwritten entries: masked by the lengths
     if kind == "pallas":
         return paged_decode(q, k_pages, v_pages, table, positions + 1, tuning or Tuning(), interpret)
+    scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)  # neither JAX kernel scales the logits
+    scaled = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    if kind == "pallas_tpu":
+        from jax.experimental.pallas.ops.tpu import paged_attention as tpu
+
+        padded, per_block = tpu_blocks(table.shape[1], k_pages.shape[2])
+        table = jnp.pad(table, ((0, 0), (0, padded - table.shape[1])))  # padding pages: past every length
+        d = q.shape[-1]
+        scaled = jnp.pad(scaled, ((0, 0), (0, 0), (0, k_pages.shape[-1] - d)))  # the pool's padded head dim
+        rows = max(1, TPU_TABLE // padded)  # the kernel holds its rows' whole page table in scalar memory
+        return jnp.concatenate([tpu.paged_attention(scaled[r:r + rows], k_pages, v_pages, positions[r:r + rows] + 1,
+                                                    table[r:r + rows], pages_per_compute_block=per_block)
+                                for r in range(0, len(q), rows)])[..., :d].astype(q.dtype)
     from jax.experimental.pallas.ops.gpu import paged_attention as kernel
 
     padded, k_splits, per_block = kernel_blocks(index.table.shape[1], per_block, max_splits)
     table = jnp.pad(table, ((0, 0), (0, padded - table.shape[1])))  # so are the padding pages
-    scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)  # the kernel does not scale the logits
-    out = kernel.paged_attention((q.astype(jnp.float32) * scale).astype(q.dtype), k_pages, v_pages, table,
-                                 positions + 1, pages_per_compute_block=per_block, k_splits=k_splits,
-                                 interpret=interpret)
+    out = kernel.paged_attention(scaled, k_pages, v_pages, table, positions + 1, pages_per_compute_block=per_block,
+                                 k_splits=k_splits, interpret=interpret)
     return out.astype(q.dtype)
+
+
+TPU_TABLE = 1 << 16  # page-table entries of one call of JAX's TPU kernel (int32: 256 KiB of its 1 MiB scalar memory)
+
+
+def tpu_blocks(pages: int, page_size: int, tokens: int = 128) -> tuple[int, int]:
+    """(pages per row padded, pages per compute block) for JAX's TPU kernel: blocks of `tokens` keys (one lane
+    width of scores per block; fewer for a shorter table), the table padded to whole blocks."""
+    per_block = max(1, min(tokens // page_size, pages))
+    return -(-pages // per_block) * per_block, per_block
 
 
 def kernel_blocks(pages: int, per_block: int = 8, max_splits: int = 16) -> tuple[int, int, int]:
@@ -212,10 +254,8 @@ def kernel_blocks(pages: int, per_block: int = 8, max_splits: int = 16) -> tuple
     return k_splits * per_split * per_block, k_splits, per_block
 
 
-def pick_attention(kind: str) -> str:
-    """'auto' → the Pallas kernel on GPU, the ragged pure-JAX attention elsewhere."""
-    if kind not in ATTENTION_KINDS:
-        raise ValueError(f"generator attention '{kind}' is unknown; expected one of {ATTENTION_KINDS}")
-    if kind == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "ragged"
-    return kind
+def pick_attention(kind: str, platform: str | None = None) -> str:
+    """The decode attention that runs for `kind` on `platform` (default: this backend): 'auto' → the Pallas kernel
+    on GPU and TPU, the ragged pure-JAX attention elsewhere; a kernel of the other accelerator refused."""
+    return attn.resolve(kind, platform, ATTENTION_KINDS, PLATFORMS, {"gpu": "pallas", "tpu": "pallas_tpu"}, "ragged",
+                        "generator attention")

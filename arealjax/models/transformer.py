@@ -32,8 +32,10 @@ from flax import nnx
 
 from arealjax.models import attention as attn
 from arealjax.models.config import ModelConfig
+from arealjax.models.moe_tpu import grouped_experts_tpu
 from arealjax.models.paged import (
     PER_LAYER,
+    PLATFORMS,
     DecodeIndex,
     PagedKV,
     Tuning,
@@ -189,9 +191,11 @@ class MoE(nnx.Module):
     """Mixture of experts (Qwen3-MoE's sparse block): a softmax router over E SwiGLU experts; each token goes to
     its top k, weighted by their router probabilities (renormalised to sum to 1 iff `norm_topk_prob`).
 
-    Dropless: every token reaches its k experts whatever the load (`grouped_experts`), no capacity factor. The
-    router is `gate` (HF: mlp.gate.weight [E, D]); the experts are one MLP whose kernels are stacked on a leading
-    `expert` axis ([E, D, F] / [E, F, D]; HF: mlp.experts.{e}.gate_proj.weight ...)."""
+    Dropless: every token reaches its k experts whatever the load, no capacity factor: `grouped_experts` (a scan
+    over tiles, any backend), or for a TPU on one device JAX's Pallas grouped matmul (`moe_tpu`, megablox; a
+    Pallas call has no partitioning rule, so on a TPU mesh the scan runs). The router is `gate` (HF:
+    mlp.gate.weight [E, D]); the experts are one MLP whose kernels are stacked on a leading `expert` axis
+    ([E, D, F] / [E, F, D]; HF: mlp.experts.{e}.gate_proj.weight ...)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         d, e = cfg.hidden_size, cfg.num_experts
@@ -199,11 +203,13 @@ class MoE(nnx.Module):
         self.gate = Linear((d,), (e,), ("embed",), ("expert",), use_bias=False, dtype=dtype, rngs=rngs)
         self.experts = _stacked(e, "expert", lambda r: MLP(cfg, dtype, r, width=cfg.moe_intermediate_size), rngs)
 
-    def __call__(self, x: Array, routes: Array | None = None) -> tuple[Array, Routing]:
+    def __call__(self, x: Array, routes: Array | None = None, kernel: str = "scan") -> tuple[Array, Routing]:
         """x [..., D] -> (y [..., D], Routing(experts [..., k], logits [..., E])). With `routes` [..., k] (router
         replay) the tokens go to those experts instead of the top k, weighted by the router's probabilities of
         them: the router's output still carries its gradient. A token whose routes are negative (none recorded:
-        a sequence's last token, environment tokens) goes to its own top k."""
+        a sequence's last token, environment tokens) goes to its own top k. `kernel`: 'scan' (`grouped_experts`)
+        or 'megablox' (`moe_tpu.grouped_experts_tpu`)."""
+        grouped = grouped_experts_tpu if kernel == "megablox" else grouped_experts
         logits = self.gate(x)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # over all experts, in fp32 as HF
         weights, experts = jax.lax.top_k(probs, self.k)
@@ -214,13 +220,14 @@ class MoE(nnx.Module):
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         weights = weights.astype(x.dtype)
-        if x.ndim == 3 and x.shape[1] > 1:  # rows of tokens: each row's grouped on its own, so rows sharded over
-            # devices stay there (one group for the whole batch would make every device sort and run every token)
-            y = jax.vmap(lambda xr, er, wr: grouped_experts(xr, er, wr, self.experts))(x, experts, weights)
-        else:  # one token per row (decode): all rows as one group
+        if x.ndim == 3 and x.shape[1] > 1 and kernel == "scan":  # rows of tokens: each row's grouped on its own,
+            # so rows sharded over devices stay there (one group for the whole batch would make every device sort
+            # and run every token)
+            y = jax.vmap(lambda xr, er, wr: grouped(xr, er, wr, self.experts))(x, experts, weights)
+        else:  # one token per row (decode), or megablox (one device): all rows as one group
             d = x.shape[-1]
-            y = grouped_experts(x.reshape(-1, d), experts.reshape(-1, self.k), weights.reshape(-1, self.k),
-                                self.experts).reshape(x.shape)
+            y = grouped(x.reshape(-1, d), experts.reshape(-1, self.k), weights.reshape(-1, self.k),
+                        self.experts).reshape(x.shape)
         return y, Routing(experts, logits.astype(jnp.float32))
 
 
@@ -298,26 +305,26 @@ class Block(nnx.Module):
 
     def __call__(self, x: Array, positions: Array, inv_freq: np.ndarray, shard: LogicalSharding | None,
                  attend: Callable[[Array, Array, Array], tuple[Array, Any]],
-                 routes: Array | None = None) -> tuple[Array, Any, Routing | None]:
+                 routes: Array | None = None, experts: str = "scan") -> tuple[Array, Any, Routing | None]:
         """x [B, T, D] at `positions` [B, T] -> (x [B, T, D], what `attend` returned beside its output, the MoE's
         Routing or None when the MLP is dense).
 
         `attend(q, k, v)` -> (o [B, T, H, head_dim], extra) is the attention core, the only part that differs
         between the entry points: over the rows' own segments (forward, prefill; extra = (k, v)) or over the KV
         pages after writing the new token's k, v into them (decode; extra = the pages). `routes` [B, T, k]: the
-        experts to send the tokens to (MoE only; see MoE)."""
+        experts to send the tokens to, `experts` the MoE's kernel (MoE only; see MoE)."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, inv_freq, shard)
         o, extra = attend(q, k, v)
         x = constrain(x + self.self_attn.o_proj(o), shard, HIDDEN_AXES)
         h = self.post_attention_layernorm(x)
-        y, routing = self.mlp(h, routes) if isinstance(self.mlp, MoE) else (self.mlp(h), None)
+        y, routing = self.mlp(h, routes, experts) if isinstance(self.mlp, MoE) else (self.mlp(h), None)
         x = constrain(x + y, shard, HIDDEN_AXES)
         return x, extra, routing
 
 
 def remat_policy(name: str):
     """jax.checkpoint policy of a scanned layer: none (keep every activation), full (keep only the layer input),
-    save_dots (keep matmul outputs and our GPU attention kernel's outputs, recompute the rest), offload (matmul
+    save_dots (keep matmul outputs and our attention kernels' outputs, recompute the rest), offload (matmul
     outputs to host memory; GPU/TPU)."""
     if name not in REMAT:
         raise ValueError(f"remat '{name}' is unknown; expected one of {REMAT}")
@@ -328,7 +335,7 @@ def remat_policy(name: str):
 
 def _dots_and_kernels(prim, *args, **params) -> bool:
     """Saveable: matmul outputs without batch dims, and outputs of Pallas kernels called in a custom VJP's forward —
-    our GPU flash attention's output and log-sum-exp, its backward's residuals, which would otherwise cost the
+    our attention kernels' output and log-sum-exp, their backward's residuals, which would otherwise cost the
     kernel run again (on an H200, ~4% of a Qwen3-0.6B train step) for ~2 bytes per head dim per token and layer
     (`attention.forward_kept_by_save_dots` says which kinds)."""
     return prim.name == "pallas_call" or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
@@ -394,6 +401,12 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         return self.forward(tokens, positions, segment_ids)[0]
 
+    def _experts(self, platform: str | None) -> str:
+        """The MoE kernel for a program built for `platform` (its attention kind's, else this backend's):
+        megablox for a TPU when the model is on one device or none, the scan otherwise (see MoE)."""
+        one_device = self.shard is None or self.shard.mesh.size == 1
+        return "megablox" if (platform or jax.default_backend()) == "tpu" and one_device else "scan"
+
     def hidden(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None, *,
                attention: str = "xla", scan: bool = True, remat: str = "none", routes: Array | None = None,
                with_routes: bool = False) -> tuple[Array, KVCache] | tuple[Array, KVCache, Routing]:
@@ -418,7 +431,8 @@ class Transformer(nnx.Module):
             return attn.attend(q, k, v, segment_ids, kind), (k, v)
 
         def layer(block, x, xs):  # xs: this layer's routes [B, T, k] when replaying, else its index
-            x, kv, routing = block(x, positions, inv_freq, self.shard, attend, None if routes is None else xs)
+            x, kv, routing = block(x, positions, inv_freq, self.shard, attend, None if routes is None else xs,
+                                   self._experts(attn.PLATFORMS.get(kind)))
             return x, (kv, routing if with_routes else None)
 
         x = self._act(jnp.take(self.embed_tokens[...], tokens, axis=0))
@@ -462,7 +476,8 @@ class Transformer(nnx.Module):
                     o = ragged_attention(q[:, 0], pk_i, pv_i, i, positions, index)
                 return o[:, None], (pk_i, pv_i)
 
-            x, (pk, pv), routing = block(x, positions[:, None], inv_freq, self.shard, attend)
+            x, (pk, pv), routing = block(x, positions[:, None], inv_freq, self.shard, attend,
+                                         experts=self._experts(PLATFORMS.get(attention)))
             routes = routing.experts[:, 0] if with_routes else None
             if per_layer_pool:
                 pk, pv = (tuple(constrain(a, self.shard, axes) for a in pool) for pool, axes in
