@@ -1249,8 +1249,37 @@ def lowering(size: dict, args, out: Path) -> list[str]:
     res["train_pairs"] = train_pairs(size)
     print("train_pairs", json.dumps(res["train_pairs"]), flush=True)
     (out / "lowering.json").write_text(json.dumps(res, indent=1) + "\n")
-    print(f"{out / 'lowering.json'}", flush=True)
+    (out / "lowering.md").write_text(lowering_markdown(res, list(models)))
+    print(f"{out / 'lowering.json'}, .md", flush=True)
     return failed
+
+
+def lowering_markdown(res: dict, models: list[str]) -> str:
+    """lowering.md: the kernels each lowered program calls, the computed pairs and the step budgets."""
+    kernels = lambda r: ", ".join(f"{n} × {k}" for k, n in r["mosaic_kernels"].items()) or "none"  # noqa: E731
+    lines = [f"# Lowered for {res['platform'].upper()} from this host", "",
+             f"`{res['command']}` at `{res['commit']}`, {res['date']}: each program's Mosaic kernels, one run "
+             "(docs/accelerator.md, \"On a TPU\").", "", "| model | program | attention | Mosaic kernels |",
+             "|---|---|---|---|"]
+    lines += [f"| {m} | {p} | {r['attention']} | {kernels(r)} |" for m in models if "error" not in res[m]
+              for p, r in res[m].items()]
+    lines += [f"| {m} | failed | | {res[m]['error'][:200]} |" for m in models if "error" in res[m]]
+    pairs, b = res["train_pairs"], res["budget"]
+    lines += ["", f"Query–key pairs one training attention pass computes on {pairs['trajectories']} long-tail "
+              f"trajectories packed into {pairs['rows']} rows of {pairs['tokens_per_row']} tokens, "
+              f"{pairs['heads']} heads (needed: {pairs['needed']:,}):", "", "| kernel | pairs | × needed |",
+              "|---|---|---|"]
+    lines += [f"| {k} | {pairs[k]:,} | {pairs[k + '_over_needed']} |"
+              for k in ("pallas_tpu", "pallas_tpu_jax", "splash")]
+    d, t = b["decode"], b["train"]
+    lines += ["", f"{b['model']}: a decode step of {d['rows']} rows at {d['context']} tokens reads "
+              f"{(d['weight_bytes'] + d['kv_bytes']) / 1e9:.2f} GB (at least "
+              + ", ".join(f"{d[f'ms_at_{c}_hbm']:.1f} ms on a {c}" for c in ("v5e", "v6e", "v5p"))
+              + f"); the PPO step on {t['trajectories']} trajectories ({t['tokens']:,} tokens) is "
+              f"{t['flops'] / 1e12:.1f} TFLOP of useful work ("
+              + ", ".join(f"{t[f's_at_{c}_bf16']:.2f} s on a {c}" for c in ("v5e", "v6e", "v5p"))
+              + " at 100% MFU).", ""]
+    return "\n".join(lines)
 
 
 def budget(size: dict) -> dict:

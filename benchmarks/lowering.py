@@ -129,7 +129,8 @@ def computed_pairs(segment_ids: np.ndarray, heads: int, block: int = flash_tpu.B
 
     from benchmarks.trainer import attention_pairs
 
-    rows, t = segment_ids.shape
+    segment_ids = np.pad(segment_ids, ((0, 0), (0, -segment_ids.shape[1] % block)), constant_values=-1)  # as
+    rows, t = segment_ids.shape  # attention.attend_pallas pads a row
     seg = jnp.asarray(segment_ids)
     q = jnp.zeros((rows, t, 1, 128), jnp.bfloat16)
     with pltpu.force_tpu_interpret_mode():

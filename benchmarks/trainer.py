@@ -122,9 +122,10 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
                  more under remat "full" (8N instead of 6N)
       head       2·D·V per position scored (`trainer.loss_positions`' slots, or every position), ×3 with the
                  backward, and one forward more where the logits are chunked (a rematerialised scan)
-      attention  4·H·hd per query–key pair scored (`attention_pairs`), backward ×2 (×2.5 where the kernel
-                 recomputes the scores: flash, pallas, sparse), and one forward more under remat "full" or
-                 "offload", and under "save_dots" but for our kernels' (`attention.forward_kept_by_save_dots`)
+      attention  4·H·hd per query–key pair scored (`attention_pairs`), backward ×2 (XLA's: the scores kept),
+                 ×2.5 where one backward recomputes them (sparse, JAX's Pallas kernels), ×3.5 where a dq and a
+                 dk/dv pass each do (flash, pallas, pallas_tpu: 3 and 4 matmuls), and one forward more under remat
+                 "full" or "offload", and under "save_dots" but for our kernels' (`attention.forward_kept_by_save_dots`)
       passes     no-grad forwards: π_prox for every minibatch but the first (decoupled PPO; every one for M2PO),
                  the reference policy for all (a KL penalty)"""
     if tcfg.remat == "auto":
@@ -137,7 +138,7 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
         4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
     recomputed = tcfg.remat in ("full", "offload") or (tcfg.remat == "save_dots"
                                                        and not attn.forward_kept_by_save_dots(kind))
-    attn_train = 1 + (2 if kind == "xla" else 2.5) + recomputed
+    attn_train = 1 + {"xla": 2, "flash": 3.5, "pallas": 3.5, "pallas_tpu": 3.5}.get(kind, 2.5) + recomputed
     total = 0.0
     for i, trajectories in enumerate(split_minibatches(trajs, n_mb)):
         batch = pack(trajectories, t, rows, packed=tcfg.packing, unit=unit)

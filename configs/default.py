@@ -156,10 +156,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                               kl_estimator="k3", drift_warning=0.05)
     config.trainer.optim = dict(lr=5e-4, warmup_steps=5, grad_clip=1.0)
     config.trainer.max_skipped_in_a_row = 3  # steps skipped for a non-finite loss/gradient before the run stops
-    # Memory and speed (the numbers stay within float tolerance): attention kernel ("auto": Pallas flash on GPU/TPU,
-    # block-sparse einsums on CPU; "flash": pure-JAX flash for long rows anywhere), per-layer remat (none | full |
-    # save_dots | offload | auto: the least recomputation that fits the device's memory), layers under lax.scan,
-    # logits computed logits_chunk tokens of a row at a time, and the matmul dtype ("bfloat16" on fp32 master params).
+    # Memory and speed (the numbers stay within float tolerance): attention kernel ("auto": our Pallas flash
+    # kernel on GPU / TPU, block-sparse einsums on CPU; "flash": pure-JAX flash for long rows anywhere), per-layer
+    # remat (none | full | save_dots | offload | auto: the least recomputation that fits the device's memory),
+    # layers under lax.scan, logits computed logits_chunk tokens of a row at a time, and the matmul dtype
+    # ("bfloat16" on fp32 master params).
     config.trainer.attention = "auto"
     config.trainer.remat = "none"
     config.trainer.scan_layers = True
@@ -208,7 +209,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # preemption), fewer pages hold less memory and preempt (re-prefill later) when a decode step runs out.
     config.generator.page_size = 16
     config.generator.kv_pages = 0
-    config.generator.attention = "auto"  # "auto": the Pallas paged kernel on GPU, "ragged" (pure JAX) elsewhere
+    config.generator.attention = "auto"  # "auto": a Pallas paged kernel on GPU / TPU, "ragged" (pure JAX) elsewhere
     config.generator.prefill_attention = "auto"  # prompt attention, as trainer.attention
     config.generator.dtype = "float32"  # params and KV cache; "bfloat16" halves both (the weight sync casts)
 

@@ -163,6 +163,11 @@ def test_hardware_flops_count_what_the_trainer_executes():
     assert hfu(remat="full") - hfu() == 256 * layers + pairs * pair
     assert hfu(remat="save_dots") - hfu() == pairs * pair
     assert hfu(remat="save_dots", attention="pallas") == hfu(attention="pallas")  # keeps the kernel's outputs
+    # our kernels' backward is two kernels, each scoring the pairs again: dq 3 matmuls, dk/dv 4 (the forward's 2)
+    blocks = 64 * 64 * (1 + 2 + 3 + 4)  # one segment of 256 tokens: every block to the diagonal
+    assert hfu(attention="pallas") == 3 * (256 * layers + 128 * head) + (1 + 3.5) * blocks * pair
+    one = attention_pairs(np.ones((1, 256), int), "sparse")  # sparse's one backward scores them once
+    assert hfu(attention="sparse") == 3 * (256 * layers + 128 * head) + (1 + 2.5) * one * pair
     assert hfu(remat="save_dots", attention="pallas_mha") > hfu(attention="pallas_mha")  # JAX's: runs it again
     assert hfu(logits_chunk=100) == hfu() + 128 * head  # 128 slots in 2 chunks of 64, recomputed
     two = hfu((traj, traj), ppo_n_minibatches=2, ppo=PPOConfig(kl_coef=0.1))

@@ -4,6 +4,7 @@ tokens over the TPU kernel equal the ragged attention's, kinds chosen by the tar
 lowered for TPU to Mosaic kernels (benchmarks/lowering.py, `accelerator.py --lower=tpu`)."""
 
 import collections
+import functools
 import json
 import subprocess
 import sys
@@ -179,18 +180,19 @@ def test_flash_tpu_computes_only_the_blocks_it_is_given():
     tokens the forward computes the 8 diagonal blocks of the causal triangle's 36; on a row of random segments and a
     padding tail of 4 blocks, every block pair a real segment needs, the padding blocks their diagonal only. Given
     `visits` as data (here the whole causal triangle, as a tree of shared prefixes would give its ancestors' blocks),
-    it computes those and its output is unchanged."""
+    it computes those — and each block's diagonal, given or not — and its output is unchanged."""
     t = 1024
     rows = np.concatenate([np.repeat(np.arange(1, 9), 128)[None], _segments("random", 1, t)])
     rows[1, 512:] = 0
     seg = jnp.asarray(rows)
     q = jnp.asarray(np.random.RandomState(0).normal(size=(2, t, 1, 128)), jnp.float32)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((8, 8), bool)), (2, 8, 8))
+    below = causal & ~jnp.eye(8, dtype=bool)  # without the diagonal: added, so each block is written
     with interpret():
         visited = np.asarray(flash_tpu.computed_pairs(q, q, q, seg))[:, 0].astype(bool)
-        given = np.asarray(flash_tpu.computed_pairs(q, q, q, seg, causal))[:, 0].astype(bool)
+        given = np.asarray(flash_tpu.computed_pairs(q, q, q, seg, below))[:, 0].astype(bool)
         out = flash_tpu.attention(q, q, q, seg)
-        out_given = flash_tpu.attention(q, q, q, seg, causal)
+        out_given = flash_tpu.attention(q, q, q, seg, below)
     np.testing.assert_array_equal(visited, np.asarray(flash_tpu.segment_visits(seg)))
     np.testing.assert_array_equal(visited[0], np.eye(8, dtype=bool))
     assert (visited >= _causal_pairs(rows, 128)).all() and visited[1].sum() < 36
@@ -198,6 +200,11 @@ def test_flash_tpu_computes_only_the_blocks_it_is_given():
     np.testing.assert_array_equal(given, np.asarray(causal))
     real = rows > 0
     np.testing.assert_allclose(np.asarray(out_given)[real], np.asarray(out)[real], atol=1e-6, rtol=0)
+    assert np.isfinite(np.asarray(out_given)).all()
+    with pytest.raises(ValueError, match=r"visits of shape \(8, 8\): expected \(rows, query blocks, key blocks\)"):
+        flash_tpu.attention(q, q, q, seg, causal[0])
+    with pytest.raises(RuntimeError, match="force_tpu_interpret_mode"):
+        flash_tpu.computed_pairs(q, q, q, seg)
 
 
 @pytest.mark.parametrize("remat,forwards", [("none", 1), ("save_dots", 1), ("full", 2)])
@@ -220,6 +227,68 @@ def test_remat_save_dots_keeps_the_tpu_kernels_forward(remat, forwards):
         model.params).jaxpr, "pallas_call"))
     assert calls == {"flash_segments_tpu_forward": forwards, "flash_segments_tpu_dq": 1, "flash_segments_tpu_dkv": 1}
     assert attn.forward_kept_by_save_dots("pallas_tpu") and not attn.forward_kept_by_save_dots("pallas_tpu_jax")
+
+
+def test_on_a_mesh_the_kernel_runs_per_device():
+    """On a mesh (fsdp 2 × tensor 2) the model's attention runs our kernel inside shard_map, on each device's rows
+    and heads (a Pallas call has no partitioning rule: XLA would gather q, k, v to every device): loss and
+    gradients equal the one-device run's; save_dots still keeps the forward (once in the gradient); kv heads that do
+    not split as the query heads do (1 kv head on a 2-way tensor axis) split rows only."""
+    from arealjax.sharding import make_mesh
+
+    mesh = make_mesh({"fsdp": 2, "tensor": 2}, jax.devices()[:4])
+    x = jnp.asarray(np.arange(256, dtype=np.int32).reshape(2, 128) % 64)
+    segments = jnp.asarray(np.repeat([[1, 2], [3, 0]], 64, axis=1))
+    for kv_heads in (2, 1):
+        cfg = ModelConfig.make(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                               num_heads=4, num_kv_heads=kv_heads, head_dim=16)
+        runs = {}
+        for name, m in (("one", None), ("mesh", mesh)):
+            model = from_config(cfg, mesh=m)
+
+            def loss(params, remat, graphdef=model.graphdef):
+                logits = nnx.merge(graphdef, params).forward(x, segment_ids=segments, attention="pallas_tpu",
+                                                             remat=remat)[0]
+                return jnp.mean(jax.nn.log_softmax(logits)[..., 5] * (segments > 0))
+
+            grad = jax.value_and_grad(loss)
+            jaxpr = jax.make_jaxpr(grad, static_argnums=1)(model.params, "save_dots").jaxpr  # traced only: the
+            calls = [str(e.params["name"]) for e in equations(jaxpr, "pallas_call")]  # interpreter's callbacks
+            assert calls.count("flash_segments_tpu_forward") == 1, calls  # do not go through remat
+            assert (m is None) != any(True for _ in equations(jaxpr, "shard_map")), name
+            with interpret():
+                runs[name] = jax.jit(grad, static_argnums=1)(model.params, "none")
+        (a, ga), (b, gb) = runs["one"], runs["mesh"]
+        np.testing.assert_allclose(float(b), float(a), rtol=1e-5)
+        for u, w in zip(jax.tree.leaves(gb), jax.tree.leaves(ga)):
+            np.testing.assert_allclose(np.asarray(u), np.asarray(w), atol=1e-6, rtol=1e-4)
+
+
+def test_on_a_mesh_the_decode_kernel_runs_on_each_devices_kv_heads():
+    """The decode kernel over a pool whose kv heads are split over a 2-way tensor axis, as the query heads are,
+    runs inside shard_map on each device's heads (a gather of the pool every step otherwise) and equals the
+    one-device result; with one kv head (not split) it runs as it is."""
+    from arealjax.models.paged import pallas_attention
+    from arealjax.sharding import LogicalSharding, make_mesh
+
+    shard = LogicalSharding(make_mesh({"tensor": 2}, jax.devices()[:2]))
+    rng = np.random.default_rng(0)
+    for heads, kv_heads in ((4, 2), (2, 1)):
+        size, width, rows, num_pages = 16, 4, 3, 16
+        q = jnp.asarray(rng.normal(size=(rows, heads, 128)), jnp.float32)
+        k, v = (jnp.asarray(x, jnp.bfloat16) for x in rng.normal(size=(2, kv_heads, num_pages, size, 128)))
+        table = rng.permutation(num_pages)[:rows * width].reshape(rows, width)
+        lengths = np.array([1, 17, 64])
+        index = decode_index(table.tolist(), list(lengths - 1), rows, width, num_pages, size)
+        call = functools.partial(pallas_attention, kind="pallas_tpu", shard=shard)
+        placed = [jax.device_put(x, shard.named(axes, x.shape)) for x, axes in (
+            (q, (None, "heads", None)), (k, ("kv_heads", None, None, None)), (v, ("kv_heads", None, None, None)))]
+        jaxpr = jax.make_jaxpr(call)(*placed, jnp.asarray(lengths - 1), index).jaxpr
+        assert any(True for _ in equations(jaxpr, "shard_map")) == (kv_heads == 2)
+        with interpret():
+            want = pallas_attention(q, k, v, jnp.asarray(lengths - 1), index, "pallas_tpu")
+            got = jax.jit(call)(*placed, jnp.asarray(lengths - 1), index)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
 
 
 # ---- kinds by target platform ----
@@ -362,13 +431,13 @@ def test_custom_calls_follow_every_function_a_program_calls():
 
 def test_accelerator_lower_writes_lowering_json(tmp_path):
     """`benchmarks/accelerator.py --smoke --lower=tpu --out=DIR` runs nothing else and writes DIR/lowering.json with
-    a Mosaic kernel in the decode call and the train step."""
+    a Mosaic kernel in the decode call and the train step (and lowering.md, its summary)."""
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, "benchmarks/accelerator.py", "--smoke", "--lower=tpu", f"--out={out}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lowering = json.loads((out / "lowering.json").read_text())
-    assert lowering["platform"] == "tpu" and sorted(p.name for p in out.iterdir()) == ["lowering.json"]
+    assert lowering["platform"] == "tpu" and sorted(p.name for p in out.iterdir()) == ["lowering.json", "lowering.md"]
     assert lowering["decode"]["mosaic_kernels"] and lowering["train"]["mosaic_kernels"]
     assert lowering["tiny-moe"]["train"]["mosaic_kernels"]["kernel"] == 9
 

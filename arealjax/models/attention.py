@@ -24,7 +24,8 @@ repeat_kv) and segment ids [B, T]; a token attends to tokens at or before its in
   auto    pallas on GPU, pallas_tpu on TPU, sparse elsewhere.
 The Pallas kinds belong to one platform (`PLATFORMS`): asked for on the other accelerator they are refused (a GPU
 kernel would otherwise run in interpret mode there). On CPU they run in interpret mode (tests only: slow), the TPU
-kinds inside `pltpu.force_tpu_interpret_mode()`.
+kinds inside `pltpu.force_tpu_interpret_mode()`. On a mesh a Pallas kernel runs per device (`per_device`): a kernel
+has no partitioning rule, and XLA would gather its operands to every device and run it whole there.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from arealjax.models import flash_gpu, flash_tpu
+from arealjax.sharding import LogicalSharding
 
 Array = jax.Array
 KINDS = ("auto", "xla", "sparse", "flash", "pallas", "pallas_mha", "pallas_tpu", "pallas_tpu_jax")
@@ -76,8 +79,10 @@ def forward_kept_by_save_dots(kind: str) -> bool:
     return kind in ("pallas", "pallas_tpu")
 
 
-def attend(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "xla") -> Array:
-    """Causal attention within segments, [B, T, H, D] out, by `kind` (see the module docstring)."""
+def attend(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "xla",
+           shard: LogicalSharding | None = None) -> Array:
+    """Causal attention within segments, [B, T, H, D] out, by `kind` (see the module docstring); `shard`: the
+    activations' mesh and rules, over which a Pallas kernel runs per device."""
     kind = pick(kind)
     if kind == "xla":
         return attend_xla(q, k, v, segment_ids)
@@ -85,7 +90,22 @@ def attend(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "xla") 
         return attend_sparse(q, k, v, segment_ids)
     if kind == "flash":
         return attend_flash(q, k, v, segment_ids)
+    if shard is not None and shard.mesh.size > 1:
+        return per_device(q, k, v, segment_ids, kind, shard)
     return attend_pallas(q, k, v, segment_ids, kind)
+
+
+def per_device(q: Array, k: Array, v: Array, segment_ids: Array, kind: str, shard: LogicalSharding) -> Array:
+    """The Pallas kernel `kind` on each device's own rows and heads (shard_map): rows split as the batch rule
+    splits them, heads as the heads rules do where query and kv heads split alike (a kv head's G query heads then
+    share its device), else each device takes all heads of its rows; whole rows and heads, whatever the rules say
+    of length and head dim."""
+    rows = shard.spec(("batch",), q.shape[:1])[0]
+    heads, kv_heads = shard.spec(("heads",), q.shape[2:3])[0], shard.spec(("kv_heads",), k.shape[2:3])[0]
+    q_spec = kv_spec = PartitionSpec(rows, None, heads if heads == kv_heads else None, None)  # whole rows
+    return jax.shard_map(functools.partial(attend_pallas, kind=kind), mesh=shard.mesh,
+                         in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0], None)), out_specs=q_spec,
+                         check_vma=False)(q, k, v, segment_ids)
 
 
 def _mask(segment_ids: Array, q_start, k_start, q_len: int, k_len: int) -> Array:

@@ -68,13 +68,11 @@ def pair_list(visits: Array) -> tuple[Array, Array]:
 
 def attention(q: Array, k: Array, v: Array, segment_ids: Array, visits: Array | None = None) -> Array:
     """Causal attention within segments [B, T, H, D] over the block pairs `visits` names (default:
-    `segment_visits`), rows split over calls of at most MAX_PAIRS pairs."""
+    `segment_visits`; every block's diagonal is added: each query reads itself, and every output block is written),
+    rows split over calls of at most MAX_PAIRS pairs."""
     b, t = segment_ids.shape
-    if t > MAX_ROW or t % BLOCK:
-        raise ValueError(f"the TPU attention kernel takes rows of a multiple of {BLOCK} tokens up to {MAX_ROW}, "
-                         f"got {t}: use trainer.attention='flash' for longer rows")
+    visits = _visits(segment_ids, visits)
     seg = segment_ids.astype(jnp.int32)
-    visits = segment_visits(seg) if visits is None else visits
     rows = max(1, MAX_PAIRS // (t // BLOCK) ** 2)
     chunks = [slice(r, r + rows) for r in range(0, b, rows)]
     return jnp.concatenate([_attention(q[c], k[c], v[c], seg[c], *_plan(visits[c])) for c in chunks])
@@ -82,9 +80,12 @@ def attention(q: Array, k: Array, v: Array, segment_ids: Array, visits: Array | 
 
 def computed_pairs(q: Array, k: Array, v: Array, segment_ids: Array, visits: Array | None = None) -> Array:
     """[B, H, nq, nk] int32: 1 where the forward kernel computed query block i against key block j, as it decoded
-    the pair it was at (interpret mode: what the kernel did; one call, rows within MAX_PAIRS)."""
-    seg = segment_ids.astype(jnp.int32)
-    visits = segment_visits(seg) if visits is None else visits
+    the pair it was at (interpret mode only: what the kernel did; one call, rows within MAX_PAIRS)."""
+    from jax._src import config
+
+    if config.pallas_tpu_interpret_mode_context_manager.value is None:
+        raise RuntimeError("computed_pairs records into scalar memory: run it in pltpu.force_tpu_interpret_mode()")
+    seg, visits = segment_ids.astype(jnp.int32), _visits(segment_ids, visits)
     pairs, count, _, _ = _plan(visits)
     qh, kh, vh = _heads_major(q, k, v)
     done = _forward(qh, kh, vh, _layouts(seg), pairs, count, record=True)[2]  # [H, size]: pair per grid step
@@ -92,6 +93,20 @@ def computed_pairs(q: Array, k: Array, v: Array, segment_ids: Array, visits: Arr
     at = jnp.where(jnp.arange(pairs.size) < count[0], done, b * n * n)  # steps past the list: dropped
     return jnp.zeros((h, b * n * n), jnp.int32).at[jnp.arange(h)[:, None], at].set(1, mode="drop").reshape(
         h, b, n, n).transpose(1, 0, 2, 3)
+
+
+def _visits(segment_ids: Array, visits: Array | None) -> Array:
+    """`visits` checked and with every diagonal block, or `segment_visits` of the segment ids."""
+    b, t = segment_ids.shape
+    if t > MAX_ROW or t % BLOCK:
+        raise ValueError(f"the TPU attention kernel takes rows of a multiple of {BLOCK} tokens up to {MAX_ROW}, "
+                         f"got {t}: use trainer.attention='flash' for longer rows")
+    n = t // BLOCK
+    if visits is None:
+        return segment_visits(segment_ids.astype(jnp.int32))
+    if visits.shape != (b, n, n):
+        raise ValueError(f"visits of shape {visits.shape}: expected (rows, query blocks, key blocks) = {(b, n, n)}")
+    return visits.astype(bool) | jnp.eye(n, dtype=bool)
 
 
 def _plan(visits: Array) -> tuple[Array, Array, Array, Array]:
@@ -111,8 +126,9 @@ def _layouts(seg: Array) -> tuple[Array, Array]:
 
 
 def _mask(q_ids, k_ids, q_pos, k_pos):
-    """Same segment, key at or before the query; padding (id ≤ 0) only itself."""
-    return (q_ids == k_ids) & (q_pos >= k_pos) & ((q_ids > 0) | (q_pos == k_pos))
+    """Same segment, key at or before the query; padding (id ≤ 0) only itself. (Ids compared at full shape, as
+    splash does: no boolean broadcast.)"""
+    return (q_ids == k_ids) & (q_pos >= k_pos) & ((jnp.maximum(q_ids, k_ids) > 0) | (q_pos == k_pos))
 
 
 def _at(pairs, count, p, n: int):

@@ -33,10 +33,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from arealjax.models import attention as attn
 from arealjax.models.config import ModelConfig
 from arealjax.models.paged_gpu import Tuning, paged_decode
+from arealjax.sharding import LogicalSharding
 
 Array = jax.Array
 ATTENTION_KINDS = ("auto", "ragged", "pallas", "pallas_jax", "pallas_tpu")
@@ -202,11 +204,23 @@ def ragged_attention(q: Array, k_pool: Array, v_pool: Array, layer: Array | int,
 
 def pallas_attention(q: Array, k_pages: Array, v_pages: Array, positions: Array, index: DecodeIndex,
                      kind: str = "pallas", tuning: Tuning | None = None, per_block: int = 8,
-                     max_splits: int = 16) -> Array:
+                     max_splits: int = 16, shard: LogicalSharding | None = None) -> Array:
     """The same attention through a Pallas kernel over one layer's pool [Hkv, P, size, D]: our GPU kernel
     ('pallas', `tuning`: models/paged_gpu.py), JAX's GPU kernel ('pallas_jax'; `per_block`, `max_splits`: see
     `kernel_blocks`) or JAX's TPU kernel ('pallas_tpu', blocks: `tpu_blocks`). Off its hardware a GPU kernel runs in
-    Pallas interpret mode (slow: for tests)."""
+    Pallas interpret mode (slow: for tests). `shard`: where the pool's kv heads are split over a mesh as the query
+    heads are, the kernel runs on each device's heads (shard_map; a Pallas call has no partitioning rule, and XLA
+    would gather the whole pool to every device every step)."""
+    if shard is not None and shard.mesh.size > 1:
+        heads = shard.spec(("heads",), q.shape[1:2])[0]
+        if heads is not None and heads == shard.spec(("kv_heads",), k_pages.shape[:1])[0]:
+            one = functools.partial(pallas_attention, kind=kind, tuning=tuning, per_block=per_block,
+                                    max_splits=max_splits)
+            pool = PartitionSpec(heads, None, None, None)
+            return jax.shard_map(one, mesh=shard.mesh, in_specs=(PartitionSpec(None, heads, None), pool, pool,
+                                                                 PartitionSpec(), PartitionSpec()),
+                                 out_specs=PartitionSpec(None, heads, None), check_vma=False)(
+                q, k_pages, v_pages, positions, index)
     interpret = jax.default_backend() != "gpu"
     table = jnp.where(index.table < k_pages.shape[1], index.table, 0)  # unwritten entries: masked by the lengths
     if kind == "pallas":

@@ -428,7 +428,7 @@ class Transformer(nnx.Module):
         kind = attn.pick(attention)
 
         def attend(q, k, v):  # within each row's own segments; the layer's k, v come back (prefill caches them)
-            return attn.attend(q, k, v, segment_ids, kind), (k, v)
+            return attn.attend(q, k, v, segment_ids, kind, self.shard), (k, v)
 
         def layer(block, x, xs):  # xs: this layer's routes [B, T, k] when replaying, else its index
             x, kv, routing = block(x, positions, inv_freq, self.shard, attend, None if routes is None else xs,
@@ -471,7 +471,8 @@ class Transformer(nnx.Module):
             def attend(q, k, v):  # one token per row: [A, 1, ...]
                 pk_i, pv_i = write_token(pk, pv, i, k[:, 0], v[:, 0], index.table, positions, attention)
                 if per_layer_pool:
-                    o = pallas_attention(q[:, 0], pk_i[i], pv_i[i], positions, index, attention, tuning)
+                    o = pallas_attention(q[:, 0], pk_i[i], pv_i[i], positions, index, attention, tuning,
+                                         shard=self.shard)
                 else:
                     o = ragged_attention(q[:, 0], pk_i, pv_i, i, positions, index)
                 return o[:, None], (pk_i, pv_i)
