@@ -73,9 +73,8 @@ def resolve(kind: str, platform: str | None, kinds: tuple[str, ...], platforms: 
 def forward_kept_by_save_dots(kind: str) -> bool:
     """Whether remat save_dots keeps this (picked) kind's forward for the backward: our kernels' forward is a
     pallas_call in their custom VJP, whose outputs (the output and log-sum-exp) the policy keeps
-    (models/transformer.py);
-    JAX's kernels (pallas_mha, pallas_tpu_jax) hide theirs in a nested custom VJP the policy does not see into, and
-    the einsum kinds' dots have batch dims: those run again in the backward."""
+    (models/transformer.py); JAX's kernels (pallas_mha, pallas_tpu_jax) hide theirs in a nested custom VJP the
+    policy does not see into, and the einsum kinds' dots have batch dims: those run again in the backward."""
     return kind in ("pallas", "pallas_tpu")
 
 
