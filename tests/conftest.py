@@ -219,3 +219,52 @@ def paged_reference(q, k, v, table, lengths):
             w = np.exp(s - s.max())
             out[r, j] = w / w.sum() @ vals[j // g]
     return out
+
+
+def shared_batch(seed: int = 0, vocab: int = 40, routes: tuple[int, int] | None = None) -> list:
+    """Trajectories that share prefixes every way a batch does: GRPO groups (a prompt, samples that agree on their
+    first tokens, two identical samples, each sampled at its own temperature), and an agent episode whose calls
+    extend one another, branch (a retry with the same history), edit the history (a token changed mid-way) and run
+    concurrently (two calls on one history); a trajectory of one token, and one that shares nothing."""
+    from arealjax.api import Routes
+    from arealjax.rl.trajectory import Trajectory
+
+    rng = np.random.RandomState(seed)
+    toks = lambda n: rng.randint(3, vocab, n)  # noqa: E731
+    out = []
+
+    def add(context, sampled, group, **kw):
+        n, m = len(context), len(sampled)
+        out.append(Trajectory(np.concatenate([context, sampled]).astype(np.int32),
+                              np.concatenate([np.zeros(n, bool), np.ones(m, bool)]),
+                              np.concatenate([np.zeros(n), rng.normal(-1, 0.5, m)]).astype(np.float32),
+                              np.concatenate([np.full(n, -1), rng.randint(0, 4, m)]).astype(np.int32),
+                              advantage=float(rng.normal()), temperature=float(rng.choice([1.0, 0.7, 1.3])),
+                              group=group, **kw))
+
+    for g in range(2):  # groups
+        prompt, stem = toks(int(rng.randint(6, 14))), toks(3)
+        for i in range(5):
+            add(prompt, np.concatenate([stem[: i % 4], toks(int(rng.randint(1, 9)))]), f"g{g}")
+        add(prompt, out[-1].tokens[len(prompt):], f"g{g}")  # identical to the previous sample
+    history, episode = toks(10), []
+    for call in range(3):  # an agent: each call's prompt is the history so far
+        reply = toks(int(rng.randint(2, 6)))
+        add(history, reply, "agent")
+        if call == 1:
+            add(history, toks(3), "agent")  # a retry of this call
+            edited = history.copy()
+            edited[4] = (edited[4] + 1) % vocab
+            add(edited, toks(4), "agent")  # the history edited mid-way
+            add(history, toks(2), "agent")  # a concurrent call on the same history
+        history = np.concatenate([history, reply, toks(3)])  # + the tool's result
+    add(np.array([7]), np.zeros(0, np.int32), "lone")  # one token: nothing to predict
+    add(toks(5), toks(4), "other")
+    if routes is not None:
+        for i, t in enumerate(out):  # routes of a token by its value, but two of group g0 prefilled otherwise
+            layers, k = routes
+            r = (t.tokens[:, None, None] * 7 + np.arange(layers)[:, None] + np.arange(k)) % 16
+            if t.group == "g0" and i in (1, 3):
+                r[2] = (r[2] + 1) % 16
+            t.routes = Routes(r.astype(np.int16))
+    return out

@@ -389,7 +389,7 @@ def test_gpu_kernels_lower_to_triton(heads, kv_heads):
     """Our GPU kernels lower to Triton (what interpret mode never checks: an op or block shape Pallas's Triton
     lowering refuses fails here, on CI's CPU, not minutes into a GPU lease): the paged decode kernel at every kind of
     knob (matrix or vector units, one split or several) at Qwen3-0.6B's heads and others, bf16, head dim 128; the
-    training attention forward and its gradient."""
+    training attention forward and its gradient, on segments and on a tree."""
     from arealjax.models import flash_gpu
     from arealjax.models.paged_gpu import Tuning, paged_decode
 
@@ -403,6 +403,9 @@ def test_gpu_kernels_lower_to_triton(heads, kv_heads):
     assert _lowers_to_triton(flash_gpu.attention, q, kv, kv, seg) == 1
     loss = lambda q, k, v, seg: jnp.sum(flash_gpu.attention(q, k, v, seg).astype(jnp.float32))  # noqa: E731
     assert _lowers_to_triton(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, seg) == 3
+    tree = lambda q, k, v, seg, ends: jnp.sum(flash_gpu.attention(q, k, v, seg, ends=ends).astype(jnp.float32))  # noqa: E731
+    assert _lowers_to_triton(tree, q, kv, kv, seg, seg) == 1  # a tree's key loops skip blocks under lax.cond
+    assert _lowers_to_triton(jax.grad(tree, argnums=(0, 1, 2)), q, kv, kv, seg, seg) == 3
 
 
 def test_paged_gpu_kernel_splits_only_rows_that_do_not_fill_the_device():
@@ -579,3 +582,70 @@ def test_a_new_family_is_one_record(tokens, tmp_path, monkeypatch):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "sliding_window": 4096}))
     with pytest.raises(ValueError, match="sliding_window=4096 is not supported"):
         load_pretrained(tmp_path / "hf")
+
+
+def _tree_reference(q, k, v, seg, ends):
+    """float64 attention under the tree mask: key j read by queries i of its segment with j ≤ i < ends[j]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    t = q.shape[1]
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    mask = (seg[:, :, None] == seg[:, None, :]) & (j <= i) & (i < ends[:, None, :])  # [B, Tq, Tk]
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(mask[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("kind,block", [("xla", None), ("sparse", 64), ("flash", 64), ("pallas", None),
+                                         ("pallas_tpu", None)])
+def test_attention_kinds_read_a_tree_of_shared_prefixes(kind, block):
+    """Every kind in attention.TREES, on rows packed as trees (rl/prefix_tree.py: groups and an agent's calls,
+    pieces cut to fit), equals float64 attention under the tree mask, and its gradients equal the XLA kind's; the
+    kinds that skip blocks (flash, pallas_tpu) skip the key blocks no query of a block reads. JAX's kernels refuse
+    a tree by name."""
+    from arealjax.models import attention as attn
+    from arealjax.models import flash_tpu
+    from arealjax.rl.packing import pack
+    from conftest import shared_batch
+
+    from arealjax.rl.trajectory import Trajectory
+
+    rng = np.random.RandomState(0)
+    prompt = rng.randint(3, 40, 130)  # a group whose samples span blocks: a sample's blocks are skipped by the next
+    group = [Trajectory.from_completion(prompt, rng.randint(3, 40, 300), np.zeros(300), np.zeros(300))
+             for _ in range(2)]
+    batch = pack(shared_batch(2) + group, 768, 2, share_prefixes=True)
+    seg, ends = batch.segment_ids[:2], batch.ends[:2]
+    b, t, h, hkv, d = *seg.shape, 4, 2, 16
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32) for n in (h, hkv, hkv))
+    ct = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    fn = {"xla": attn.attend_xla, "sparse": functools.partial(attn.attend_sparse, block=block),
+          "flash": functools.partial(attn.attend_flash, block=block),
+          **{k: functools.partial(attn.attend_pallas, kind=k) for k in attn.PLATFORMS}}[kind]
+    seg_j, ends_j = jnp.asarray(seg), jnp.asarray(ends)
+
+    def out_and_grads(f):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v, seg_j, ends=ends_j) * ct),
+                                          argnums=(0, 1, 2)))(q, k, v)
+
+    interpret = contextlib.nullcontext()
+    if kind == "pallas_tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        interpret = pltpu.force_tpu_interpret_mode()
+    with interpret:
+        out = jax.jit(lambda q, k, v: fn(q, k, v, seg_j, ends=ends_j))(q, k, v)
+        (_, ref_g), (_, g) = out_and_grads(attn.attend_xla), out_and_grads(fn)
+        if kind == "pallas_tpu":  # query blocks visit only their ancestors' key blocks
+            pairs = np.asarray(flash_tpu.computed_pairs(q, k, v, seg_j, ends=ends_j))[:, 0]
+            flat = np.asarray(flash_tpu.segment_visits(seg_j))
+            assert pairs.sum() < flat.sum() and (pairs <= flat).all()
+    real = seg > 0
+    np.testing.assert_allclose(np.asarray(out)[real], _tree_reference(q, k, v, seg, ends)[real], atol=2e-5)
+    for a, r in zip(g, ref_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=5e-5, rtol=0)
+    if kind == "xla":
+        for refused in ("pallas_mha", "pallas_tpu_jax"):
+            with pytest.raises(ValueError, match="cannot read a tree"):
+                attn.attend(q, k, v, seg_j, refused, ends=ends_j)

@@ -129,3 +129,77 @@ def test_trajectory_validation():
         Trajectory(tokens=[1, 2], loss_mask=[1, 1], logprobs=[0, 0], versions=[0, 0])
     t = Trajectory.from_completion([5, 6], [7, 8, 9], [-1, -2, -3], [3, 2, 4])
     assert t.oldest_version == 2 and t.n_model_tokens == 3 and len(t) == 5
+
+
+def visible(batch, row: int, i: int) -> np.ndarray:
+    """The row indices query i reads: its segment's keys j with j ≤ i < ends[j]."""
+    j = np.arange(batch.tokens.shape[1])
+    seg = batch.segment_ids[row]
+    return j[(seg == seg[i]) & (j <= i) & (i < batch.ends[row])]
+
+
+def check_every_target_once(batch, trajs):
+    """Each trained target of each trajectory is at exactly one position, with its own behaviour logprob,
+    version, advantage, temperature and sequence, and that position reads exactly the trajectory's prefix: the
+    same tokens at the same positions, in order."""
+    seen = {}
+    for row, i in zip(*np.nonzero(batch.loss_mask)):
+        a = batch.sequences[row, i] - 1
+        t, p = trajs[a], batch.positions[row, i]
+        assert t.loss_mask[p + 1] and batch.targets[row, i] == t.tokens[p + 1], (a, p)
+        assert (a, p) not in seen
+        seen[a, p] = True
+        keys = visible(batch, row, i)
+        np.testing.assert_array_equal(batch.positions[row, keys], np.arange(p + 1))
+        np.testing.assert_array_equal(batch.tokens[row, keys], t.tokens[:p + 1])
+        assert batch.behav_logp[row, i] == t.logprobs[p + 1] and batch.versions[row, i] == t.versions[p + 1]
+        assert batch.advantages[row, i] == np.float32(t.advantage)
+        assert batch.temperature[row, i] == np.float32(t.temperature)
+    assert len(seen) == sum(t.n_model_tokens for t in trajs)
+
+
+@pytest.mark.parametrize("tight", [False, True])  # True: rows as long as the longest trajectory, trees cut
+@pytest.mark.parametrize("seed", range(4))
+def test_shared_prefixes_train_every_target_once_reading_its_own_prefix(seed, tight):
+    from conftest import shared_batch
+
+    trajs = shared_batch(seed)
+    max_tokens = max(len(t) for t in trajs) if tight else 128
+    tree, flat = pack(trajs, max_tokens, 4, share_prefixes=True), pack(trajs, max_tokens, 4)
+    check_every_target_once(tree, trajs)
+    check_every_target_once(flat, trajs)
+    assert tree.n_loss_tokens == flat.n_loss_tokens and tree.n_represented == flat.n_represented == flat.n_tokens
+    assert tree.n_tokens < 0.8 * flat.n_tokens  # the shared prompts and histories, laid once
+    pad = tree.segment_ids == 0
+    assert not tree.loss_mask[pad].any() and (tree.ends[pad] == np.nonzero(pad)[1] + 1).all()  # padding: itself
+    assert (tree.ends > np.arange(max_tokens)).all()  # every token reads itself
+
+
+def test_a_sampled_token_shared_by_two_samples_is_trained_in_each():
+    """Two samples of a prompt that agree on their first tokens share the prompt but not those tokens (each is
+    trained with its own logprob and advantage); a later call that reads a reply as history shares it."""
+    prompt, reply = np.array([3, 4, 5, 6]), np.array([9, 10, 11])
+    a = Trajectory.from_completion(prompt, reply, [-1., -2., -3.], [0, 0, 0], advantage=1.0)
+    b = Trajectory.from_completion(prompt, reply, [-.5, -.6, -.7], [1, 1, 1], advantage=-1.0)
+    c = Trajectory.from_completion(np.concatenate([prompt, reply, [12]]), [13], [-.1], [2], advantage=0.5)
+    batch = pack([a, b, c], 32, 1, share_prefixes=True)
+    check_every_target_once(batch, [a, b, c])
+    # a's prompt positions 0-2 shared by all three; the branch token (6) laid once per branch: a (with c), b
+    assert batch.n_tokens == 3 + (1 + 2) + (1 + 2) + 2 and batch.n_represented == 7 + 7 + 9
+
+
+def test_tree_routes_are_shared_only_where_they_agree():
+    """Tokens routed differently (prefilled by another version) are not shared: every trained position's context
+    carries exactly its own trajectory's routes."""
+    from conftest import shared_batch
+
+    trajs = shared_batch(1, routes=(2, 2))
+    tree = pack(trajs, 128, 4, routes=True, share_prefixes=True)
+    check_every_target_once(tree, trajs)
+    for row, i in zip(*np.nonzero(tree.loss_mask)):
+        t = trajs[tree.sequences[row, i] - 1]
+        np.testing.assert_array_equal(tree.routes[row, visible(tree, row, i)], t.routes.experts[:tree.positions[row, i] + 1])
+    assert (tree.routes[tree.segment_ids == 0] == -1).all()
+    for t in trajs:
+        t.routes = None
+    assert pack(trajs, 128, 4, share_prefixes=True).n_tokens < tree.n_tokens  # the prompt shared by all six

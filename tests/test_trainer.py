@@ -75,12 +75,12 @@ def test_on_policy_gradient_is_the_policy_gradient(model, objective):
     # per-token logprobs at the loss positions (0 elsewhere): packed rows (segment ids, restarted positions) == one
     # trajectory per row
     packed_logp = np.concatenate([np.asarray(x) for x in trainer.logprobs(trainer.params, batch)]).reshape(-1, T)
-    seg, loss_mask = batch.segment_ids.reshape(-1, T), batch.loss_mask.reshape(-1, T)
+    loss_mask = batch.loss_mask.reshape(-1, T)
     assert not packed_logp[~loss_mask].any()
-    for i, t in enumerate(trajs):
-        row, cols = np.nonzero(seg == i + 1)
-        scored = t.loss_mask[1:]
-        np.testing.assert_allclose(packed_logp[row[0], cols[:-1]][scored], ref_logp[i, :len(t) - 1][scored], atol=2e-5)
+    got = {(batch.sequences[r, c] - 1, batch.positions[r, c]): packed_logp[r, c] for r, c in zip(*np.nonzero(loss_mask))}
+    want = {(i, p): ref_logp[i, p] for i, t in enumerate(trajs) for p in np.nonzero(t.loss_mask[1:])[0]}
+    assert got.keys() == want.keys()
+    np.testing.assert_allclose([got[k] for k in want], list(want.values()), atol=2e-5)
 
     grads, loss, sums = trainer.gradients(batch)
     mask, adv = masks(trajs)
@@ -469,7 +469,7 @@ def test_drift_by_staleness_lag_is_reported_and_warned_about_once(model, caplog)
     batch = trainer.pack(trajs)[0]
     prox = np.concatenate([np.asarray(x) for x in trainer.logprobs(trainer.params, batch)]).reshape(-1, T)
     behav, mask = batch.behav_logp.reshape(-1, T), batch.loss_mask.reshape(-1, T)
-    stale = np.isin(batch.segment_ids.reshape(-1, T), [i + 1 for i in range(1, len(trajs), 2)])
+    stale = np.isin(batch.sequences.reshape(-1, T), [i + 1 for i in range(1, len(trajs), 2)])
     with caplog.at_level("WARNING"):
         m = trainer.train_step(trajs)
         trainer.train_step(trajectories(seed=1, stale=0.8))
@@ -530,3 +530,52 @@ def test_auto_remat_picks_the_least_recomputation_that_fits(model, caplog):
     assert sum("trainer.remat = auto" in r.getMessage() for r in caplog.records) == 2
     m = trainer.train_step(trajectories())
     assert np.isfinite(m["loss"])
+
+
+def per_target(batches, values):
+    """{(minibatch, trajectory, position): value} of per-position arrays laid out as `batches`' micro-batches."""
+    out = {}
+    for n, (b, vs) in enumerate(zip(batches, values)):
+        for i, v in enumerate(vs):
+            m = b.micro(i)
+            for r, c in zip(*np.nonzero(m["loss_mask"])):
+                out[n, int(m["sequences"][r, c]), int(m["positions"][r, c])] = float(np.asarray(v)[r, c])
+    return out
+
+
+@pytest.mark.parametrize("attention,ppo", [
+    ("sparse", PPOConfig(kl_coef=0.1)),
+    ("xla", PPOConfig(objective="gspo")),
+    ("flash", PPOConfig(objective="m2po", behaviour_weight="sequence_mask"))], ids=["sparse-kl", "xla-gspo", "flash-m2po"])
+def test_shared_prefixes_leave_the_step_unchanged(model, attention, ppo):
+    """Groups (samples agreeing on their first tokens, identical samples, each at its own temperature) and an
+    agent episode (calls extending one another, a retry, an edited history, concurrent calls), packed as a tree of
+    shared prefixes or flat: the same per-token logprobs, the same loss, gradient norm, entropy and every objective
+    statistic over two steps of two minibatches each (a π_prox pass; KL to the reference; a sequence-level and a
+    minibatch-level correction), the same params after — with fewer tokens computed."""
+    from conftest import shared_batch
+
+    cfg = TrainerConfig(max_tokens=48, micro_rows=2, ppo_n_minibatches=2, optim=OptimConfig(lr=1e-2), ppo=ppo,
+                        attention=attention)
+    tree, flat = Trainer(model, cfg), Trainer(model, dataclasses.replace(cfg, share_prefixes=False))
+    acted = []
+    for step in range(2):
+        trajs = shared_batch(step)
+        rng = np.random.RandomState(step)
+        for t in trajs:  # stale behaviour: the corrections act
+            t.logprobs = np.where(t.loss_mask, rng.normal(-4.2, 1.5, len(t)), 0.0).astype(np.float32)
+        batches = [tree.pack(trajs), flat.pack(trajs)]
+        lp = [per_target(b, [tr.logprobs(tr.params, x) for x in b]) for tr, b in zip((tree, flat), batches)]
+        assert lp[0].keys() == lp[1].keys() and len(lp[0]) == sum(t.n_model_tokens for t in trajs)
+        np.testing.assert_allclose([lp[0][k] for k in lp[1]], list(lp[1].values()), atol=2e-5)
+        m_tree, m_flat = tree.train_step(trajs), flat.train_step(trajs)
+        assert m_tree["tokens"] < 0.85 * m_flat["tokens"] and m_tree["shared_fraction"] > 0.15
+        assert m_flat["shared_fraction"] == 0 and m_tree["trained_tokens"] == m_flat["trained_tokens"]
+        for key, value in m_flat.items():
+            if key in ("tokens", "shared_fraction", "non_padding_fraction", "micro_batches") or "per_s" in key or \
+                    "seconds" in key:
+                continue
+            assert m_tree[key] == pytest.approx(value, rel=1e-4, abs=2e-6), key
+        acted.append(m_flat["masked_fraction"] + m_flat["clip_fraction"] > 0)
+    assert any(acted)
+    assert_trees_close(tree.params, flat.params, 2e-5)

@@ -2,7 +2,9 @@
 
 All kinds take q [B, T, H, D], k / v [B, T, Hkv, D] (grouped-query: query head j·G+g reads kv head j, as HF's
 repeat_kv) and segment ids [B, T]; a token attends to tokens at or before its index with the same segment id
-(0 marks padding). They agree to float tolerance (tests/test_models.py).
+(0 marks padding). The kinds in TREES also take `ends` [B, T], which packs a tree of shared prefixes
+(rl/prefix_tree.py): key j is then read only by the queries i < ends[j] (those of its subtree), and a query block
+skips the key blocks none of whose keys it reads. They agree to float tolerance (tests/test_models.py).
 
   xla     block-causal einsums (each block of queries reads the keys up to its end, heads-major). The scores of a
           layer live in full ([B, H, T, T/2] on average), so memory grows with T².
@@ -43,6 +45,7 @@ from arealjax.sharding import LogicalSharding
 Array = jax.Array
 KINDS = ("auto", "xla", "sparse", "flash", "pallas", "pallas_mha", "pallas_tpu", "pallas_tpu_jax")
 PLATFORMS = {"pallas": "gpu", "pallas_mha": "gpu", "pallas_tpu": "tpu", "pallas_tpu_jax": "tpu"}  # the rest: any
+TREES = ("xla", "sparse", "flash", "pallas", "pallas_tpu")  # JAX's kernels take segment ids only
 XLA_BLOCK = 128  # query block of the xla kind
 SPARSE_BLOCK = 64  # query and key block of the sparse kind (at least; a row has at most SPARSE_BLOCKS of them)
 SPARSE_BLOCKS = 16
@@ -79,22 +82,25 @@ def forward_kept_by_save_dots(kind: str) -> bool:
 
 
 def attend(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "xla",
-           shard: LogicalSharding | None = None) -> Array:
-    """Causal attention within segments, [B, T, H, D] out, by `kind` (see the module docstring); `shard`: the
-    activations' mesh and rules, over which a Pallas kernel runs per device."""
+           shard: LogicalSharding | None = None, ends: Array | None = None) -> Array:
+    """Causal attention within segments (and with `ends`, within a tree's paths), [B, T, H, D] out, by `kind` (see
+    the module docstring); `shard`: the activations' mesh and rules, over which a Pallas kernel runs per device."""
     kind = pick(kind)
+    if ends is not None and kind not in TREES:
+        raise ValueError(f"attention '{kind}' cannot read a tree of shared prefixes (kinds that can: {TREES})")
     if kind == "xla":
-        return attend_xla(q, k, v, segment_ids)
+        return attend_xla(q, k, v, segment_ids, ends=ends)
     if kind == "sparse":
-        return attend_sparse(q, k, v, segment_ids)
+        return attend_sparse(q, k, v, segment_ids, ends=ends)
     if kind == "flash":
-        return attend_flash(q, k, v, segment_ids)
+        return attend_flash(q, k, v, segment_ids, ends=ends)
     if shard is not None and shard.mesh.size > 1:
-        return per_device(q, k, v, segment_ids, kind, shard)
-    return attend_pallas(q, k, v, segment_ids, kind)
+        return per_device(q, k, v, segment_ids, kind, shard, ends)
+    return attend_pallas(q, k, v, segment_ids, kind, ends)
 
 
-def per_device(q: Array, k: Array, v: Array, segment_ids: Array, kind: str, shard: LogicalSharding) -> Array:
+def per_device(q: Array, k: Array, v: Array, segment_ids: Array, kind: str, shard: LogicalSharding,
+               ends: Array | None = None) -> Array:
     """The Pallas kernel `kind` on each device's own rows and heads (shard_map): rows split as the batch rule
     splits them, heads as the heads rules do where query and kv heads split alike (a kv head's G query heads then
     share its device), else each device takes all heads of its rows; whole rows and heads, whatever the rules say
@@ -102,21 +108,34 @@ def per_device(q: Array, k: Array, v: Array, segment_ids: Array, kind: str, shar
     rows = shard.spec(("batch",), q.shape[:1])[0]
     heads, kv_heads = shard.spec(("heads",), q.shape[2:3])[0], shard.spec(("kv_heads",), k.shape[2:3])[0]
     q_spec = kv_spec = PartitionSpec(rows, None, heads if heads == kv_heads else None, None)  # whole rows
-    return jax.shard_map(functools.partial(attend_pallas, kind=kind), mesh=shard.mesh,
-                         in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0], None)), out_specs=q_spec,
-                         check_vma=False)(q, k, v, segment_ids)
+    per_row = PartitionSpec(q_spec[0], None)
+    return jax.shard_map(lambda q, k, v, seg, ends: attend_pallas(q, k, v, seg, kind, ends), mesh=shard.mesh,
+                         in_specs=(q_spec, kv_spec, kv_spec, per_row, None if ends is None else per_row),
+                         out_specs=q_spec, check_vma=False)(q, k, v, segment_ids, ends)
 
 
-def _mask(segment_ids: Array, q_start, k_start, q_len: int, k_len: int) -> Array:
-    """[B, q_len, k_len]: same segment and key index ≤ query index, for blocks starting at q_start / k_start."""
+def _mask(segment_ids: Array, q_start, k_start, q_len: int, k_len: int, ends: Array | None = None) -> Array:
+    """[B, q_len, k_len]: same segment and key index ≤ query index (< the key's end, with `ends`), for blocks
+    starting at q_start / k_start."""
     qi = q_start + jnp.arange(q_len)
     ki = k_start + jnp.arange(k_len)
     q_seg = jax.lax.dynamic_slice_in_dim(segment_ids, q_start, q_len, axis=1)
     k_seg = jax.lax.dynamic_slice_in_dim(segment_ids, k_start, k_len, axis=1)
-    return (q_seg[:, :, None] == k_seg[:, None, :]) & (qi[:, None] >= ki[None, :])[None]
+    mask = (q_seg[:, :, None] == k_seg[:, None, :]) & (qi[:, None] >= ki[None, :])[None]
+    if ends is None:
+        return mask
+    return mask & (qi[None, :, None] < jax.lax.dynamic_slice_in_dim(ends, k_start, k_len, axis=1)[:, None, :])
 
 
-def attend_xla(q: Array, k: Array, v: Array, segment_ids: Array, block: int = XLA_BLOCK) -> Array:
+def block_reach(ends: Array, block: int) -> Array:
+    """[nk]: per key block, the end of the queries any of its keys is read by, over the batch: query block i
+    reads key block j < i only if reach[j] > i·block."""
+    b, t = ends.shape
+    return jnp.max(ends.reshape(b, t // block, block), axis=(0, 2))
+
+
+def attend_xla(q: Array, k: Array, v: Array, segment_ids: Array, block: int = XLA_BLOCK,
+               ends: Array | None = None) -> Array:
     """Query blocks read only the keys up to their last index, heads-major: on CPU 2-3× faster than one block for
     T ≥ 256 (a block's scores stay in cache and the masked upper triangle is skipped)."""
     b, t, h, d = q.shape
@@ -127,14 +146,15 @@ def attend_xla(q: Array, k: Array, v: Array, segment_ids: Array, block: int = XL
     for i in range(0, t, block):
         j = min(i + block, t)
         s = jnp.einsum("bhgqd,bhkd->bhgqk", qh[:, :, :, i:j], kh[:, :, :j], preferred_element_type=jnp.float32)
-        mask = _mask(segment_ids, i, 0, j - i, j)
+        mask = _mask(segment_ids, i, 0, j - i, j, ends)
         s = jnp.where(mask[:, None, None], s / np.sqrt(d).astype(np.float32), jnp.finfo(jnp.float32).min)
         p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
         outs.append(jnp.einsum("bhgqk,bhkd->bhgqd", p, vh[:, :, :j]))
     return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
-def attend_sparse(q: Array, k: Array, v: Array, segment_ids: Array, block: int | None = None) -> Array:
+def attend_sparse(q: Array, k: Array, v: Array, segment_ids: Array, block: int | None = None,
+                  ends: Array | None = None) -> Array:
     """Causal attention within segments where query block i reads keys from key block `first[i]` on (the block of
     the earliest first token of a segment it holds, over the batch) to its own end: exact for any segment ids. The
     branch taken reads back a power of two of blocks (or all of them), so a row of n blocks compiles O(n log n)
@@ -147,7 +167,7 @@ def attend_sparse(q: Array, k: Array, v: Array, segment_ids: Array, block: int |
     first = first_key_blocks(segment_ids, block)
     choice = jnp.stack([jnp.searchsorted(jnp.asarray(back), i - first[i])  # the shortest lookback that reaches
                         for i, back in enumerate(_lookbacks(t, block))])
-    o = _sparse(qh, kh, vh, segment_ids, choice.astype(jnp.int32), block)
+    o = _sparse(qh, kh, vh, segment_ids, ends, choice.astype(jnp.int32), block)
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
@@ -164,12 +184,12 @@ def _lookbacks(t: int, block: int) -> list[list[int]]:
     return [sorted({0, i} | {1 << j for j in range(i.bit_length()) if 1 << j < i}) for i in range(n)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _sparse(q: Array, k: Array, v: Array, seg: Array, choice: Array, block: int) -> Array:
-    return _sparse_fwd(q, k, v, seg, choice, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _sparse(q: Array, k: Array, v: Array, seg: Array, ends: Array | None, choice: Array, block: int) -> Array:
+    return _sparse_fwd(q, k, v, seg, ends, choice, block)[0]
 
 
-def _sparse_fwd(q, k, v, seg, choice, block):
+def _sparse_fwd(q, k, v, seg, ends, choice, block):
     t = q.shape[3]
     scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)
     outs, lses = [], []
@@ -178,7 +198,7 @@ def _sparse_fwd(q, k, v, seg, choice, block):
 
         def branch(k0, qi, lo=lo, hi=hi):
             sc = jnp.einsum("bhgqd,bhkd->bhgqk", qi, k[:, :, k0:hi], preferred_element_type=jnp.float32) * scale
-            sc = jnp.where(_mask(seg, lo, k0, hi - lo, hi - k0)[:, None, None], sc, -jnp.inf)
+            sc = jnp.where(_mask(seg, lo, k0, hi - lo, hi - k0, ends)[:, None, None], sc, -jnp.inf)
             m = jnp.max(sc, axis=-1)  # finite: every token reads itself
             p = jnp.exp(sc - m[..., None])
             den = jnp.sum(p, axis=-1)
@@ -191,11 +211,11 @@ def _sparse_fwd(q, k, v, seg, choice, block):
         outs.append(o)
         lses.append(lse)
     o = jnp.concatenate(outs, axis=3)
-    return o, (q, k, v, seg, choice, o, jnp.concatenate(lses, axis=3))
+    return o, (q, k, v, seg, ends, choice, o, jnp.concatenate(lses, axis=3))
 
 
 def _sparse_bwd(block, res, do):
-    q, k, v, seg, choice, o, lse = res
+    q, k, v, seg, ends, choice, o, lse = res
     t = q.shape[3]
     scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, Hkv, G, T]
@@ -206,7 +226,7 @@ def _sparse_bwd(block, res, do):
         def branch(k0, dk, dv, lo=lo, hi=hi):
             qi, doi, ks, vs = q[:, :, :, lo:hi], do[:, :, :, lo:hi], k[:, :, k0:hi], v[:, :, k0:hi]
             sc = jnp.einsum("bhgqd,bhkd->bhgqk", qi, ks, preferred_element_type=jnp.float32) * scale
-            mask = _mask(seg, lo, k0, hi - lo, hi - k0)[:, None, None]
+            mask = _mask(seg, lo, k0, hi - lo, hi - k0, ends)[:, None, None]
             p = jnp.where(mask, jnp.exp(sc - lse[:, :, :, lo:hi, None]), 0.0)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vs, preferred_element_type=jnp.float32)
             ds = p * (dp - delta[:, :, :, lo:hi, None])
@@ -220,13 +240,14 @@ def _sparse_bwd(block, res, do):
         branches = [functools.partial(branch, (i - j) * block) for j in back]
         dq, dk, dv = jax.lax.switch(choice[i], branches, dk, dv)
         dqs.append(dq)
-    return jnp.concatenate(dqs, axis=3), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return jnp.concatenate(dqs, axis=3), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _sparse.defvjp(_sparse_fwd, _sparse_bwd)
 
 
-def attend_flash(q: Array, k: Array, v: Array, segment_ids: Array, block: int = FLASH_BLOCK) -> Array:
+def attend_flash(q: Array, k: Array, v: Array, segment_ids: Array, block: int = FLASH_BLOCK,
+                 ends: Array | None = None) -> Array:
     b, t, h, d = q.shape
     hkv, g = k.shape[2], h // k.shape[2]
     bs = min(block, t)
@@ -234,9 +255,10 @@ def attend_flash(q: Array, k: Array, v: Array, segment_ids: Array, block: int = 
     if pad:  # padded tokens get their own segment (-1): they attend only to each other and are cut off below
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
         segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
+        ends = None if ends is None else jnp.pad(ends, ((0, 0), (0, pad)), constant_values=t + pad)
     qh = q.reshape(b, t + pad, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
-    o = _flash(qh, kh, vh, segment_ids, bs)
+    o = _flash(qh, kh, vh, segment_ids, ends, bs)
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t + pad, h, d)[:, :t]
 
 
@@ -251,21 +273,28 @@ def _unblocks(x: Array, axis: int) -> Array:
     return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def _scores(qi, kj, seg, i, j, bs):
+def _scores(qi, kj, seg, ends, i, j, bs):
     """Scaled scores of query block i and key block j [B, Hkv, G, bs, bs] fp32, and their mask."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32)
     s = s / np.sqrt(qi.shape[-1]).astype(np.float32)
-    return s, _mask(seg, i * bs, j * bs, bs, bs)[:, None, None]
+    return s, _mask(seg, i * bs, j * bs, bs, bs, ends)[:, None, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q: Array, k: Array, v: Array, seg: Array, bs: int) -> Array:
-    return _flash_fwd(q, k, v, seg, bs)[0]
+def _visits(ends: Array | None, bs: int):
+    """(i, j) -> whether query block i reads key block j: causally, and with `ends` only where a key of j reaches."""
+    reach = None if ends is None else block_reach(ends, bs)
+    return lambda i, j: (j <= i) if reach is None else (j <= i) & (reach[j] > i * bs)
 
 
-def _flash_fwd(q, k, v, seg, bs):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q: Array, k: Array, v: Array, seg: Array, ends: Array | None, bs: int) -> Array:
+    return _flash_fwd(q, k, v, seg, ends, bs)[0]
+
+
+def _flash_fwd(q, k, v, seg, ends, bs):
     n = q.shape[3] // bs
     qb, kb, vb = _blocks(q, 3, bs), _blocks(k, 2, bs), _blocks(v, 2, bs)
+    visits = _visits(ends, bs)
 
     def q_block(_, xs):
         i, qi = xs
@@ -275,7 +304,7 @@ def _flash_fwd(q, k, v, seg, bs):
 
             def update(carry):
                 m, den, acc = carry
-                s, mask = _scores(qi, kj, seg, i, j, bs)
+                s, mask = _scores(qi, kj, seg, ends, i, j, bs)
                 s = jnp.where(mask, s, -jnp.inf)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet in this block
@@ -285,7 +314,7 @@ def _flash_fwd(q, k, v, seg, bs):
                                                          preferred_element_type=jnp.float32)
                 return m_new, den * corr + jnp.sum(p, axis=-1), acc
 
-            return jax.lax.cond(j <= i, update, lambda c: c, carry), None  # blocks above the diagonal: skipped
+            return jax.lax.cond(visits(i, j), update, lambda c: c, carry), None  # blocks no query reads: skipped
 
         stats = qi.shape[:-1]
         init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
@@ -295,7 +324,7 @@ def _flash_fwd(q, k, v, seg, bs):
 
     _, (o, lse) = _loop(q_block, None, (jnp.arange(n), qb))
     o, lse = _unblocks(o, 3), _unblocks(lse, 3)
-    return o, (q, k, v, seg, o, lse)
+    return o, (q, k, v, seg, ends, o, lse)
 
 
 def _loop(body, carry, xs):
@@ -316,15 +345,16 @@ def _loop(body, carry, xs):
 
 
 def _flash_bwd(bs, res, do):
-    q, k, v, seg, o, lse = res
+    q, k, v, seg, ends, o, lse = res
     n = q.shape[3] // bs
+    visits = _visits(ends, bs)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, Hkv, G, T]
     qb, kb, vb, dob = _blocks(q, 3, bs), _blocks(k, 2, bs), _blocks(v, 2, bs), _blocks(do, 3, bs)
     lseb, deltab = _blocks(lse, 3, bs), _blocks(delta, 3, bs)
     scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)
 
     def probs(qi, kj, vj, doi, lse_i, delta_i, i, j):
-        s, mask = _scores(qi, kj, seg, i, j, bs)
+        s, mask = _scores(qi, kj, seg, ends, i, j, bs)
         p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
         dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
         return p, p * (dp - delta_i[..., None])
@@ -340,7 +370,7 @@ def _flash_bwd(bs, res, do):
                 return dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(kj.dtype), kj,
                                        preferred_element_type=jnp.float32) * scale
 
-            return jax.lax.cond(j <= i, update, lambda x: x, dq), None
+            return jax.lax.cond(visits(i, j), update, lambda x: x, dq), None
 
         dq, _ = jax.lax.scan(k_block, jnp.zeros(qi.shape, jnp.float32), (jnp.arange(n), kb, vb))
         return None, dq.astype(q.dtype)
@@ -359,7 +389,7 @@ def _flash_bwd(bs, res, do):
                                      preferred_element_type=jnp.float32) * scale
                 return dk, dv
 
-            return jax.lax.cond(i >= j, update, lambda c: c, carry), None
+            return jax.lax.cond(visits(i, j), update, lambda c: c, carry), None
 
         zeros = jnp.zeros(kj.shape, jnp.float32)
         (dk, dv), _ = jax.lax.scan(q_block, (zeros, zeros), (jnp.arange(n), qb, dob, lseb, deltab))
@@ -367,7 +397,7 @@ def _flash_bwd(bs, res, do):
 
     _, dq = jax.lax.scan(dq_block, None, (jnp.arange(n), qb, dob, lseb, deltab))
     _, (dk, dv) = jax.lax.scan(dkv_block, None, (jnp.arange(n), kb, vb))
-    return _unblocks(dq, 3), _unblocks(dk, 2), _unblocks(dv, 2), None
+    return _unblocks(dq, 3), _unblocks(dk, 2), _unblocks(dv, 2), None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -381,7 +411,8 @@ def padded_length(t: int, block: int, platform: str) -> int:
     return 1 << (t - 1).bit_length()
 
 
-def attend_pallas(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "pallas") -> Array:
+def attend_pallas(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "pallas",
+                  ends: Array | None = None) -> Array:
     """The Pallas flash kernel `kind` (module docstring). T is padded to the kernel's block multiple with a
     segment of its own. Off its hardware a GPU kernel runs in interpret mode; a TPU kernel needs
     `pltpu.force_tpu_interpret_mode()` around the whole traced computation (tests). Our kernels read grouped kv heads
@@ -393,10 +424,13 @@ def attend_pallas(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = 
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
         segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
+        ends = None if ends is None else jnp.pad(ends, ((0, 0), (0, pad)), constant_values=t + pad)
     if kind == "pallas":
-        return flash_gpu.attention(q, k, v, segment_ids, interpret=jax.default_backend() != "gpu")[:, :t]
+        return flash_gpu.attention(q, k, v, segment_ids, interpret=jax.default_backend() != "gpu", ends=ends)[:, :t]
     if kind == "pallas_tpu":
-        return flash_tpu.attention(q, k, v, segment_ids)[:, :t]
+        return flash_tpu.attention(q, k, v, segment_ids, ends=ends)[:, :t]
+    if ends is not None:
+        raise ValueError(f"attention '{kind}' cannot read a tree of shared prefixes (kinds that can: {TREES})")
     g = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
     if kind == "pallas_mha":

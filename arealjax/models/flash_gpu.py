@@ -6,6 +6,8 @@ the block of the first token of its earliest segment, and the dk/dv kernel of a 
 blocks whose key loops reach it. Both loop bounds are computed per row from the segment ids outside the kernels
 (`key_loops`, `query_loops`) and are conservative, so the result is exact for any ids (recurring, not increasing);
 within a block a token attends to tokens at or before it with the same segment id, as `attention.attend_xla`.
+Given a tree's `ends` (rl/prefix_tree.py), a key is also read only by the queries before its end: the query loops
+stop at the last query a key block's keys reach, and a key loop skips (lax.cond) the blocks that do not reach it.
 
 q [B, T, H, D], k / v [B, T, Hkv, D] (grouped-query: query head h reads kv head h // G, no repeat; the dk/dv kernel
 runs per kv head and sums its G query heads). T is a multiple of the blocks (`attention.padded_length`). Blocks:
@@ -63,23 +65,33 @@ def key_loops(segment_ids: Array, block_q: int, block_k: int) -> Array:
     return jnp.stack([first, jnp.broadcast_to(end, first.shape).astype(jnp.int32)], axis=-1)
 
 
-def query_loops(segment_ids: Array, block_q: int, block_k: int) -> Array:
+def query_loops(segment_ids: Array, block_q: int, block_k: int, ends: Array | None = None) -> Array:
     """[B, T / block_k, 2] int32: per row and key block j, the query blocks [lo, hi) its dk/dv loop visits: from
-    the first whose causal end passes j to the last whose key loop (`key_loops`) visits j. Query blocks in between
-    whose loops skip j (first key blocks need not increase: an id may recur) are visited too, fully masked."""
+    the first whose causal end passes j to the last whose key loop (`key_loops`) visits j, and with a tree's
+    `ends`, before the first its keys do not reach. Query blocks in between whose loops skip j (first key blocks
+    need not increase: an id may recur) are visited too, fully masked."""
     loops = key_loops(segment_ids, block_q, block_k)  # [B, nq, 2]
     nq, nk = loops.shape[1], segment_ids.shape[1] // block_k
     j = jnp.arange(nk)
     reads = (loops[:, :, None, 0] <= j) & (j < loops[:, :, None, 1])  # [B, nq, nk]
     last = jnp.max(jnp.where(reads, jnp.arange(nq)[:, None], -1), axis=1)
     lo = jnp.broadcast_to(j * block_k // block_q, last.shape)
-    return jnp.stack([lo, last + 1], axis=-1).astype(jnp.int32)
+    hi = last + 1 if ends is None else jnp.minimum(last + 1, -(-reach(ends, block_k) // block_q))
+    return jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
 
 
-def attention(q: Array, k: Array, v: Array, segment_ids: Array, interpret: bool = False) -> Array:
-    """Causal attention within segments [B, T, H, D] (module docstring); `interpret` runs the kernels in Pallas's
-    interpreter (off GPU: tests)."""
-    return _attention(q, k, v, segment_ids.astype(jnp.int32), interpret)
+def reach(ends: Array, block: int) -> Array:
+    """[B, T / block] int32: per row and key block, the end of the queries any of its keys is read by."""
+    b, t = ends.shape
+    return jnp.max(ends.reshape(b, t // block, block), axis=2).astype(jnp.int32)
+
+
+def attention(q: Array, k: Array, v: Array, segment_ids: Array, interpret: bool = False,
+              ends: Array | None = None) -> Array:
+    """Causal attention within segments [B, T, H, D] (and within a tree's paths, given its `ends`; module
+    docstring); `interpret` runs the kernels in Pallas's interpreter (off GPU: tests)."""
+    ends = None if ends is None else ends.astype(jnp.int32)
+    return _attention(q, k, v, segment_ids.astype(jnp.int32), ends, interpret)
 
 
 def _blocks(t: int) -> tuple[int, int]:
@@ -91,31 +103,48 @@ def _head_mask(dp: int, d: int) -> Array:
     return (jnp.arange(dp) < d)[None, :]
 
 
-def _scores(q, k, q_seg, k_seg, q_start, k_start, scale):
-    """Scores in log2 units [len q, len k], masked to same segment and key ≤ query."""
+def _scores(q, k, q_seg, k_seg, q_start, k_start, scale, k_end=None):
+    """Scores in log2 units [len q, len k], masked to same segment and key ≤ query (< the key's end)."""
     s = plgpu.dot(q, k.T) * (scale * LOG2E)
     q_pos = q_start + jnp.arange(q.shape[0])
     k_pos = k_start + jnp.arange(k.shape[0])
     mask = (q_seg[:, None] == k_seg[None, :]) & (q_pos[:, None] >= k_pos[None, :])
+    if k_end is not None:
+        mask &= q_pos[:, None] < k_end[None, :]
     return jnp.where(mask, s, MASKED)
 
 
-def _forward_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, block, head_dim):
+def _tree(tree_refs, keys):
+    """(the keys' ends, or None without a tree) and a wrapper that skips a key block its keys do not reach."""
+    if not tree_refs:
+        return None, lambda j, first_query, body, carry: body(carry)
+    end_ref, reach_ref = tree_refs
+    return end_ref[keys], lambda j, first_query, body, carry: jax.lax.cond(
+        reach_ref[j] > first_query, body, lambda c: c, carry)
+
+
+def _forward_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, *refs, scale, block, head_dim):
+    *tree_refs, o_ref, lse_ref = refs
     i = pl.program_id(0)
     head = _head_mask(q_ref.shape[-1], head_dim)
     q = plgpu.load(q_ref, mask=head, other=0.0)
     q_seg = seg_ref[pl.ds(i * block, block)]
 
     def body(j, carry):  # online softmax over key block j
-        o, m, den = carry
         keys = pl.ds(j * block, block)
-        k = plgpu.load(k_ref.at[keys, :], mask=head, other=0.0)
-        s = _scores(q, k, q_seg, seg_ref[keys], i * block, j * block, scale)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        corr = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        v = plgpu.load(v_ref.at[keys, :], mask=head, other=0.0)
-        return corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v), m_new, corr * den + jnp.sum(p, axis=1)
+        k_end, visit = _tree(tree_refs, keys)
+
+        def update(carry):
+            o, m, den = carry
+            k = plgpu.load(k_ref.at[keys, :], mask=head, other=0.0)
+            s = _scores(q, k, q_seg, seg_ref[keys], i * block, j * block, scale, k_end)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            corr = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            v = plgpu.load(v_ref.at[keys, :], mask=head, other=0.0)
+            return corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v), m_new, corr * den + jnp.sum(p, axis=1)
+
+        return visit(j, i * block, update, carry)
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block,), -jnp.inf, jnp.float32),
             jnp.zeros((block,), jnp.float32))
@@ -124,8 +153,9 @@ def _forward_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, s
     plgpu.store(o_ref, (o / den[:, None]).astype(o_ref.dtype), mask=head)
 
 
-def _dq_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, block,
+def _dq_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, *refs, scale, block,
                loop_block, head_dim):
+    *tree_refs, dq_ref = refs
     i = pl.program_id(0)
     head = _head_mask(q_ref.shape[-1], head_dim)
     q = plgpu.load(q_ref, mask=head, other=0.0)
@@ -135,23 +165,30 @@ def _dq_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_re
 
     def body(j, dq):  # dq_i += ds_ij k_j
         keys = pl.ds(j * loop_block, loop_block)
-        k = plgpu.load(k_ref.at[keys, :], mask=head, other=0.0)
-        v = plgpu.load(v_ref.at[keys, :], mask=head, other=0.0)
-        p = jnp.exp2(_scores(q, k, q_seg, seg_ref[keys], i * block, j * loop_block, scale) - lse[:, None])
-        ds = p * (plgpu.dot(do, v.T) - delta[:, None]) * scale
-        return dq + plgpu.dot(ds.astype(k.dtype), k)
+        k_end, visit = _tree(tree_refs, keys)
+
+        def update(dq):
+            k = plgpu.load(k_ref.at[keys, :], mask=head, other=0.0)
+            v = plgpu.load(v_ref.at[keys, :], mask=head, other=0.0)
+            p = jnp.exp2(_scores(q, k, q_seg, seg_ref[keys], i * block, j * loop_block, scale, k_end) - lse[:, None])
+            ds = p * (plgpu.dot(do, v.T) - delta[:, None]) * scale
+            return dq + plgpu.dot(ds.astype(k.dtype), k)
+
+        return visit(j, i * block, update, dq)
 
     dq = jax.lax.fori_loop(loop_ref[0], loop_ref[1], body, jnp.zeros(q.shape, jnp.float32))
     plgpu.store(dq_ref, dq.astype(dq_ref.dtype), mask=head)
 
 
-def _dkv_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale,
+def _dkv_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, *refs, scale,
                 block, loop_block, head_dim, groups):
+    *tree_refs, dk_ref, dv_ref = refs
     j = pl.program_id(0)
     head = _head_mask(k_ref.shape[-1], head_dim)
     k = plgpu.load(k_ref, mask=head, other=0.0)
     v = plgpu.load(v_ref, mask=head, other=0.0)
     k_seg = seg_ref[pl.ds(j * block, block)]
+    k_end = tree_refs[0][pl.ds(j * block, block)] if tree_refs else None  # (its query loop stops at its reach)
 
     def query_head(g, carry):  # the G query heads that read this kv head
         def body(i, carry):  # dv_j += p_ijᵀ do_i, dk_j += ds_ijᵀ q_i
@@ -159,7 +196,7 @@ def _dkv_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_r
             queries = pl.ds(i * loop_block, loop_block)
             q = plgpu.load(q_ref.at[queries, g, :], mask=head, other=0.0)
             do = plgpu.load(do_ref.at[queries, g, :], mask=head, other=0.0)
-            s = _scores(q, k, seg_ref[queries], k_seg, i * loop_block, j * block, scale)
+            s = _scores(q, k, seg_ref[queries], k_seg, i * loop_block, j * block, scale, k_end)
             p = jnp.exp2(s - lse_ref[g, queries][:, None])
             ds = p * (plgpu.dot(do, v.T) - delta_ref[g, queries][:, None]) * scale
             return dk + plgpu.dot(ds.astype(q.dtype).T, q), dv + plgpu.dot(p.astype(do.dtype).T, do)
@@ -172,36 +209,46 @@ def _dkv_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_r
     plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=head)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, seg, interpret):
-    return _forward(q, k, v, seg, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, seg, ends, interpret):
+    return _forward(q, k, v, seg, ends, interpret)[0]
 
 
-def _forward(q, k, v, seg, interpret):
+def _tree_inputs(ends: Array | None, block: int) -> tuple[list, list]:
+    """The kernels' extra inputs for a tree (its ends row, and each key block's reach) and their block specs."""
+    if ends is None:
+        return [], []
+    b, t = ends.shape
+    return [ends, reach(ends, block)], [pl.BlockSpec((None, t), lambda i, b, h: (b, 0)),
+                                        pl.BlockSpec((None, t // block), lambda i, b, h: (b, 0))]
+
+
+def _forward(q, k, v, seg, ends, interpret):
     b, t, h, d = q.shape
     g, dp = h // k.shape[2], pl.next_power_of_2(d)
     block, _ = _blocks(t)
     kernel = functools.partial(_forward_kernel, scale=1.0 / math.sqrt(d), block=block, head_dim=d)
     whole = pl.BlockSpec((None, t, None, dp), lambda i, b, h: (b, 0, jax.lax.div(h, g), 0))  # the kv head's row
+    tree, tree_specs = _tree_inputs(ends, block)
     o, lse = pl.pallas_call(
         kernel,
         grid=(t // block, b, h),
         in_specs=[pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0)),
                   pl.BlockSpec((None, block, None, dp), lambda i, b, h: (b, i, h, 0)),
                   whole, whole,
-                  pl.BlockSpec((None, t), lambda i, b, h: (b, 0))],
+                  pl.BlockSpec((None, t), lambda i, b, h: (b, 0)), *tree_specs],
         out_specs=[pl.BlockSpec((None, block, None, dp), lambda i, b, h: (b, i, h, 0)),
                    pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
         interpret=interpret,
         name="flash_segments_forward",
-    )(key_loops(seg, block, block), q, k, v, seg)
-    return o, (q, k, v, seg, o, lse)
+    )(key_loops(seg, block, block), q, k, v, seg, *tree)
+    return o, (q, k, v, seg, ends, o, lse)
 
 
 def _backward(interpret, res, do):
-    q, k, v, seg, o, lse = res
+    q, k, v, seg, ends, o, lse = res
     b, t, h, d = q.shape
     hkv = k.shape[2]
     g, dp = h // hkv, pl.next_power_of_2(d)
@@ -214,17 +261,18 @@ def _backward(interpret, res, do):
     kv_row = pl.BlockSpec((None, t, None, dp), lambda i, b, h: (b, 0, jax.lax.div(h, g), 0))
     q_block = pl.BlockSpec((None, block, None, dp), lambda i, b, h: (b, i, h, 0))
     stat = pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
+    tree, tree_specs = _tree_inputs(ends, loop_block)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, **params),
         grid=(t // block, b, h),
         in_specs=[pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0)), q_block, kv_row, kv_row, row,
-                  q_block, stat, stat],
+                  q_block, stat, stat, *tree_specs],
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=compiler,
         interpret=interpret,
         name="flash_segments_dq",
-    )(key_loops(seg, block, loop_block), q, k, v, seg, do, lse, delta)
+    )(key_loops(seg, block, loop_block), q, k, v, seg, do, lse, delta, *tree)
 
     # per kv head: its G query heads' rows, [B, T, Hkv, G, D] and [B, Hkv, G, T]
     q_rows = pl.BlockSpec((None, t, None, g, dp), lambda j, b, h: (b, 0, h, 0, 0))
@@ -234,15 +282,15 @@ def _backward(interpret, res, do):
         functools.partial(_dkv_kernel, groups=g, **params),
         grid=(t // block, b, hkv),
         in_specs=[pl.BlockSpec((None, None, 2), lambda j, b, h: (b, j, 0)), q_rows, kv_block, kv_block, row,
-                  q_rows, stat_rows, stat_rows],
+                  q_rows, stat_rows, stat_rows, *([] if ends is None else [row])],
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=compiler,
         interpret=interpret,
         name="flash_segments_dkv",
-    )(query_loops(seg, loop_block, block), q.reshape(b, t, hkv, g, d), k, v, seg, do.reshape(b, t, hkv, g, d),
-      lse.reshape(b, hkv, g, t), delta.reshape(b, hkv, g, t))
-    return dq, dk, dv, None
+    )(query_loops(seg, loop_block, block, ends), q.reshape(b, t, hkv, g, d), k, v, seg, do.reshape(b, t, hkv, g, d),
+      lse.reshape(b, hkv, g, t), delta.reshape(b, hkv, g, t), *([] if ends is None else [ends]))
+    return dq, dk, dv, None, None
 
 
 _attention.defvjp(_forward, _backward)

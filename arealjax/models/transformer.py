@@ -409,10 +409,12 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None, *,
                attention: str = "xla", scan: bool = True, remat: str = "none", routes: Array | None = None,
-               with_routes: bool = False) -> tuple[Array, KVCache] | tuple[Array, KVCache, Routing]:
+               with_routes: bool = False, ends: Array | None = None
+               ) -> tuple[Array, KVCache] | tuple[Array, KVCache, Routing]:
         """Final hidden states [B,T,D] (after the final norm) and per-layer KV [L,B,T,Hkv,D] over rows of one or
         more packed sequences. A token attends to earlier tokens of its own segment only; segment id 0 marks
-        padding. `attention` picks the kernel (models/attention.py).
+        padding; `ends` [B,T] packs a tree of shared prefixes (rl/prefix_tree.py: a token is read only by the
+        queries before its end). `attention` picks the kernel (models/attention.py).
 
         Mixture-of-experts models only: `routes` [B,T,L,k] int replays routing (each token of each layer goes to
         the experts given, e.g. those the generator's forward chose); `with_routes` adds a third output, the
@@ -428,7 +430,7 @@ class Transformer(nnx.Module):
         kind = attn.pick(attention)
 
         def attend(q, k, v):  # within each row's own segments; the layer's k, v come back (prefill caches them)
-            return attn.attend(q, k, v, segment_ids, kind, self.shard), (k, v)
+            return attn.attend(q, k, v, segment_ids, kind, self.shard, ends), (k, v)
 
         def layer(block, x, xs):  # xs: this layer's routes [B, T, k] when replaying, else its index
             x, kv, routing = block(x, positions, inv_freq, self.shard, attend, None if routes is None else xs,

@@ -126,6 +126,9 @@ class TrainerConfig:
     micro_rows: int = 8  # R: rows per micro-batch (a multiple of the data-parallel size)
     ppo_n_minibatches: int = 1  # optimizer steps per RL step
     packing: bool = True  # False: one trajectory per row (the naive baseline)
+    # A group's prompt and an agent's history computed once, as a tree (rl/prefix_tree.py), where the attention
+    # kind reads trees (models/attention.TREES; otherwise packed flat, said at start-up). Same values either way.
+    share_prefixes: bool = True
     router_replay: bool = False  # MoE: route every token through the experts the generator chose (its `routes`)
     # Memory / speed knobs; none changes the numbers beyond float tolerance.
     attention: str = "auto"  # training attention kernel (models/attention.py)
@@ -160,6 +163,7 @@ def check(config: Any, problems: Problems) -> None:
          f"not 'offload' on {jax.default_backend()} (host offload needs a GPU or TPU)")
     need(isinstance(t.scan_layers, bool), "trainer.scan_layers", "True or False")
     need(isinstance(t.router_replay, bool), "trainer.router_replay", "True or False")
+    need(isinstance(t.share_prefixes, bool), "trainer.share_prefixes", "True or False")
     need(t.compute_dtype in COMPUTE_DTYPES, "trainer.compute_dtype", f"one of {sorted(COMPUTE_DTYPES)}")
     accepts(problems, "trainer.ppo", PPOConfig, t.ppo)
     accepts(problems, "trainer.optim", OptimConfig, t.optim)
@@ -170,6 +174,11 @@ def check(config: Any, problems: Problems) -> None:
     if ints(t.ppo_n_minibatches, rl.batch_size):
         need(t.ppo_n_minibatches <= rl.batch_size, "trainer.ppo_n_minibatches",
              f"≤ rl.batch_size = {rl.batch_size} (every minibatch needs a trajectory)")
+
+
+def shares_prefixes(cfg: TrainerConfig) -> bool:
+    """Whether the trainer packs trees of shared prefixes: asked for, packed, and an attention kind that reads them."""
+    return cfg.share_prefixes and cfg.packing and attn.pick(cfg.attention) in attn.TREES
 
 
 def loss_positions(mask: np.ndarray, shards: int = 1) -> int | None:
@@ -351,7 +360,8 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
         model = nnx.merge(graphdef, params, frozen)
         routes = mb.get("routes") if cfg.router_replay else None
         hidden, _, *routed = model.hidden(mb["tokens"], mb["positions"], mb["segment_ids"], attention=cfg.attention,
-                                          scan=cfg.scan_layers, remat=cfg.remat, routes=routes, with_routes=routing)
+                                          scan=cfg.scan_layers, remat=cfg.remat, routes=routes, with_routes=routing,
+                                          ends=mb["ends"] if shares_prefixes(cfg) else None)
         return *loss_logprobs(hidden, model.head(), mb["targets"], mb["temperature"], mb["loss_mask"], size,
                               cfg.logits_chunk, shards, act_shard), *routed
 
@@ -376,7 +386,7 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
         else:
             prox = jax.lax.stop_gradient(logp) if prox is None else prox  # one minibatch: π_prox = π_θ now
             value, metrics = ppo_loss(logp, prox, mb["behav_logp"], mb["advantages"], mask, cfg.ppo,
-                                      scalars["n_tokens"], seq_ids=mb["segment_ids"], ref_logp=ref,
+                                      scalars["n_tokens"], seq_ids=mb["sequences"], ref_logp=ref,
                                       minibatch_stat=scalars["minibatch_stat"], lag=scalars["version"] - mb["versions"])
         metrics["entropy_sum"] = jnp.sum(jnp.where(mask, jax.lax.stop_gradient(entropy), 0.0))
         if "routes" in mb:  # of the positions with recorded routes: the share of experts the router would not pick
@@ -509,6 +519,10 @@ class Trainer:
             model = model.to_mesh(mesh, rules)
         self.cfg, self.model_cfg, self.graphdef, self.lora = cfg, model.cfg, model.graphdef, model.lora
         self.processes = processes
+        if cfg.share_prefixes and cfg.packing and not shares_prefixes(cfg):
+            logging.warning("trainer.attention '%s' cannot read a tree of shared prefixes (kinds that can: %s): "
+                            "trajectories are packed whole (trainer.share_prefixes has no effect)", cfg.attention,
+                            attn.TREES)
         count = processes.count if processes else 1
         if cfg.micro_rows % count:
             raise ValueError(f"trainer.micro_rows = {cfg.micro_rows} must be a multiple of the {count} processes")
@@ -566,7 +580,7 @@ class Trainer:
         cfg = self.cfg
         n = cfg.ppo_n_minibatches if cfg.loss == "ppo" else 1
         return [pack(mb, cfg.max_tokens, self._rows, packed=cfg.packing, routes=bool(self.model_cfg.num_experts),
-                     unit=self._unit) for mb in split_minibatches(trajectories, n)]
+                     unit=self._unit, share_prefixes=shares_prefixes(cfg)) for mb in split_minibatches(trajectories, n)]
 
     def _loss_sizes(self, batch: PackedBatch) -> list[int | None]:
         """Per micro-batch, the positions per shard its head scores (`loss_positions`; this process's rows)."""
@@ -577,8 +591,9 @@ class Trainer:
     def _agree(self, batches: list[PackedBatch]) -> tuple[list[PackedBatch], np.ndarray, list[list[int | None]]]:
         """Every process's minibatches padded to the same micro-batch shapes (those of the most rows among them),
         per minibatch the counts over all processes: [rows (all processes', padding included), loss tokens,
-        tokens, sequences], and per micro-batch the positions per shard its head scores (the most any needs)."""
-        local = [[b.n_rows, b.n_loss_tokens, b.n_tokens, b.n_sequences] for b in batches]
+        tokens computed, sequences, tokens represented], and per micro-batch the positions per shard its head scores
+        (the most any needs)."""
+        local = [[b.n_rows, b.n_loss_tokens, b.n_tokens, b.n_sequences, b.n_represented] for b in batches]
         rows = np.array(self.processes.allgather("pack", local) if self.processes else [local], np.int64)
         totals = rows.sum(0)
         batches = [b.padded(micro_sizes(int(n), self._rows, self._unit)) for b, n in zip(batches, rows[:, :, 0].max(0))]
@@ -656,7 +671,8 @@ class Trainer:
         out.update(loss=float(np.mean([s[0] for s in step_stats])), grad_norm=float(np.max([s[1] for s in step_stats])),
                    lr=float(step_stats[-1][3]), skipped_steps=skipped, version=self.version,
                    step_seconds=time.perf_counter() - t0)
-        out["trained_tokens_per_s"] = out["tokens"] / out["step_seconds"]
+        out["tokens_per_s"] = out["tokens"] / out["step_seconds"]
+        out["trained_tokens_per_s"] = out["trained_tokens"] / out["step_seconds"]
         self._warn_drift(out)
         return out
 
@@ -681,8 +697,9 @@ class Trainer:
     def _report(self, sums: dict[str, float], totals: np.ndarray, n_micro: int) -> dict[str, float]:
         """Step metrics over the whole batch (every process's share); `totals` as `_agree` returns them."""
         tokens = max(float(sums.get("tokens", 0.0)), 1.0)
-        rows, _, n_tokens, n_sequences = totals.sum(0)
+        rows, _, n_tokens, n_sequences, represented = totals.sum(0)
         out = {"tokens": float(n_tokens), "trained_tokens": float(sums.get("tokens", 0.0)),
+               "shared_fraction": float(1 - n_tokens / max(represented, 1)),
                "sequences": float(n_sequences), "non_padding_fraction": float(n_tokens / (rows * self.cfg.max_tokens)),
                "micro_batches": float(n_micro),
                "entropy": float(sums["entropy_sum"]) / tokens}
