@@ -94,7 +94,7 @@ def trainer_config(c: Any, loss: str = "ppo", steps: int = 0, knobs: Any = None)
                          micro_rows=c.micro_rows, ppo_n_minibatches=c.ppo_n_minibatches if loss == "ppo" else 1,
                          router_replay=loss == "ppo" and c.router_replay,
                          **{k: knobs[k] for k in ("attention", "remat", "scan_layers", "logits_chunk",
-                                                  "compute_dtype") if k in knobs})
+                                                  "compute_dtype", "share_prefixes") if k in knobs})
 
 
 def make_backend(config: Any, model: models.Model, version: int, meshes: dict[str, jax.sharding.Mesh],

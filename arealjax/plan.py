@@ -13,7 +13,8 @@ What it simulates, one generator decode step at a time (the same rules as the re
     applied between two steps and, in `recompute` mode, re-prefills every in-flight sample's prompt and tokens so
     far (AReaL), in `keep` mode costs nothing (PipelineRL);
   - the trainer: takes the B earliest-admitted finished groups once B are queued, trains for train_step_s +
-    train_token_s × (prompt + output tokens), then syncs the weights (sync_s) and bumps v;
+    train_token_s × (the tokens it computes: each sample's prompt and output, or with `share_prefixes` a group's
+    prompt once and each sample's output), then syncs the weights (sync_s) and bumps v;
   - `shared` > 1 models a trainer and generator that share the same compute (this machine's 2 CPU cores): while
     both run, each progresses `shared` times slower (processor sharing);
   - dynamic filtering drops a finished group with probability `filtered` (its budget goes back).
@@ -63,6 +64,7 @@ class Workload:
     mode: str = "recompute"  # weight swaps: "recompute" | "keep"
     filtered: float = 0.0  # share of finished groups dropped by dynamic filtering (all rewards equal)
     sample: tuple[int, ...] = ()  # output lengths to draw from instead of the lognormal (a run's)
+    share_prefixes: bool = False  # the trainer computes a group's prompt once (trainer.share_prefixes)
     steps: int = 20
     warmup: int = 3  # steps left out of the averages
 
@@ -148,7 +150,8 @@ def simulate(w: Workload, c: Costs, seed: int = 0) -> Result:
                 start_sum -= started
                 grp = groups[g]
                 grp["left"] -= 1
-                grp["tokens"] += w.prompt_tokens + step - started
+                shared = w.share_prefixes and grp["left"] < n - 1  # the group's prompt is computed already
+                grp["tokens"] += (0 if shared else w.prompt_tokens) + step - started
                 if grp["left"] == 0:
                     del groups[g]
                     done[g] = grp["tokens"], grp["admitted"]
@@ -322,8 +325,8 @@ def calibrate(workdirs: list[str | Path], warmup: int = 5) -> tuple[Costs, dict]
     rows = steps[first]
     last = rows[-1]
     trained_groups = last["step"] * config["rl"]["batch_size"]
-    facts = {"prompt_tokens": float(np.mean((col(rows, "tokens") - col(rows, "trained_tokens")) /
-                                            col(rows, "sequences"))),
+    represented = col(rows, "tokens") / (1 - np.array([float(r.get("shared_fraction", 0.0)) for r in rows]))
+    facts = {"prompt_tokens": float(np.mean((represented - col(rows, "trained_tokens")) / col(rows, "sequences"))),
              "filtered": last["filtered_groups"] / (last["filtered_groups"] + trained_groups),
              "sample": tuple(int(x) for f in sorted((Path(first) / "eval").glob("*.jsonl"))
                              for line in f.read_text().splitlines() if line for x in json.loads(line)["lengths"])}
@@ -336,7 +339,8 @@ def run_workload(config: dict, facts: dict, steps: int = 40, warmup: int = 5) ->
     return Workload(batch_size=rl["batch_size"], group_size=rl["group_size"], eta=rl["max_staleness"],
                     slots=g["slots"], prompt_tokens=round(facts["prompt_tokens"]), median_tokens=1, sigma=0,
                     max_new_tokens=rl["max_new_tokens"], max_concurrent=rl["max_concurrent"], mode=g["mode"],
-                    filtered=facts["filtered"], sample=facts["sample"], steps=steps, warmup=warmup)
+                    filtered=facts["filtered"], sample=facts["sample"],
+                    share_prefixes=config.get("trainer", {}).get("share_prefixes", False), steps=steps, warmup=warmup)
 
 
 def measured(workdir: str | Path, warmup: int = 5) -> dict:

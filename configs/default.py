@@ -166,6 +166,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.trainer.scan_layers = True
     config.trainer.logits_chunk = 1024
     config.trainer.compute_dtype = "float32"
+    # A group's prompt and an agent's history computed once per step: trajectories packed as a tree of shared
+    # prefixes (docs/trainer.md; same values as packed flat, fewer tokens; where the attention kind cannot read a
+    # tree, flat, said at start-up).
+    config.trainer.share_prefixes = True
     # LoRA (arealjax/models/lora.py): rank > 0 trains low-rank adapters on `targets` of every layer (scaled by
     # alpha / rank) and freezes the rest; the optimizer state and the weight sync are the adapters' only. The
     # generator serves base + adapters "merged" (W + (α/r)·A·B once per version) or "on_the_fly" (two thin

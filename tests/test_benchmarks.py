@@ -44,6 +44,7 @@ SMOKE_RESULTS = {
                               [f"arealjax_ablation/smoke/staleness_ablation.{x}" for x in ("json", "md", "png")]),
     "suite.py": (["| test_advantages.py | ", "passed; ", " cores ("], []),  # its row (any count of tests)
     "trainer.py": (['"packed_over_naive"'], []),
+    "tree.py": (["| default | 8 (timed 8) | 32 |"], ["arealjax_tree/smoke/tree.json", "arealjax_tree/smoke/tree.md"]),
     "tunix_grpo.py": ([], ["arealjax_tunix_grpo/smoke/rows.json"]),
     "weights.py": (["| default | 0.6M | float32 | 1 |", "Default job on 1 server(s)"], []),
     "wire.py": (["| reads | ", "| reads + never reads | "], []),

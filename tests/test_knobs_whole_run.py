@@ -1,8 +1,9 @@
 """The trainer's speed/memory knobs leave a whole run unchanged, not only each op: the default job's code path
 (`train.run`, what main.py calls: SFT warm start, then synchronous RL with evaluations), run three times from the
 same seeds — every knob on (layers under lax.scan, chunked-vocabulary logprobs, the pure-JAX flash attention with
-its custom VJP, full remat), every knob off (unrolled layers, whole logits, XLA einsum attention, no remat), and the
-knobs off but the block-sparse attention (what `auto` picks on CPU, with its custom VJP); LoRA off in all. The
+its custom VJP, full remat, shared prefixes packed as a tree), every knob off (unrolled layers, whole logits, XLA
+einsum attention, no remat, trajectories packed whole), and the knobs off but the block-sparse attention (what
+`auto` picks on CPU, with its custom VJP) over trees; LoRA off in all. The
 optimizer must not amplify the knobs' float noise into different params, different sampled tokens or different
 metrics: after SFT and after RL the params agree to a few ULPs, the runs train the same prompts and their
 evaluations generate the same completions token for token."""
@@ -20,16 +21,17 @@ from arealjax.models import attention
 from arealjax.rl import trainer
 from configs.default import get_config
 
-ON = dict(scan_layers=True, logits_chunk=48, attention="flash", remat="full")  # 48: 3 chunks of 128, one padded
-OFF = dict(scan_layers=False, logits_chunk=0, attention="xla", remat="none")
-SPARSE = {**OFF, "attention": "sparse"}
+ON = dict(scan_layers=True, logits_chunk=48, attention="flash", remat="full",  # 48: 3 chunks of 128, one padded
+          share_prefixes=True)
+OFF = dict(scan_layers=False, logits_chunk=0, attention="xla", remat="none", share_prefixes=False)
+SPARSE = {**OFF, "attention": "sparse", "share_prefixes": True}
 RL_STEPS = 3
 # Measured |on − off|: 1.2e-7 after SFT (1 ULP of the ~1.0 norm scales), 2–4e-7 after RL (Adam turns gradient noise
 # on near-zero gradients into update noise, up to lr / eps = 50× it). Each param tensor moves ≥ 1.1e-3 during RL, and
 # a knob broken by 0.1% (flash scores or its dk × 1.001) puts the runs ≥ 6e-5 apart already after SFT.
 PARAM_ATOL = 5e-6
 # Metrics that depend on the params and the sampled tokens only (not on timing or on thread interleaving).
-EXACT = ("reward", "accuracy", "reward_mean", "reward_std", "tokens", "trained_tokens", "sequences", "micro_batches",
+EXACT = ("reward", "accuracy", "reward_mean", "reward_std", "trained_tokens", "sequences",
          "skipped_steps", "lr", "version", "eval_accuracy", "eval_greedy_accuracy", "eval_length_max")
 CLOSE = ("loss", "grad_norm", "entropy", "approx_kl", "kl_behaviour_prox", "clip_fraction", "masked_fraction",
          "behaviour_weight_mean", "advantage_abs_mean")
@@ -104,6 +106,8 @@ def assert_same_run(on: Path, off: Path) -> None:
     m_on, m_off = rows(on / "metrics.jsonl"), rows(off / "metrics.jsonl")
     assert [r["step"] for r in m_on] == [r["step"] for r in m_off] == list(range(RL_STEPS + 1))
     assert 0 < m_off[1]["reward_std"] and 0 < m_off[1]["grad_norm"]  # the RL steps had a signal to follow
+    shared = [r["tokens"] < 0.9 * r_off["tokens"] for r, r_off in zip(m_on, m_off) if r.get("shared_fraction")]
+    assert len(shared) >= RL_STEPS and all(shared)  # the same RL steps from fewer tokens computed
     for a, b in zip(m_on, m_off):
         for k in EXACT:
             assert a.get(k) == b.get(k), (a["step"], k, a.get(k), b.get(k))

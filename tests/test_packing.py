@@ -203,3 +203,14 @@ def test_tree_routes_are_shared_only_where_they_agree():
     for t in trajs:
         t.routes = None
     assert pack(trajs, 128, 4, share_prefixes=True).n_tokens < tree.n_tokens  # the prompt shared by all six
+
+
+def test_split_minibatches_keeps_groups_whole_where_there_are_enough():
+    trajs = random_trajectories(40)
+    for i, t in enumerate(trajs):
+        t.group = f"g{i % 10}"
+    mbs = split_minibatches(trajs, 4)
+    assert sorted(id(t) for m in mbs for t in m) == sorted(id(t) for t in trajs)
+    owner = {t.group: k for k, m in enumerate(mbs) for t in m}
+    assert all(owner[t.group] == k for k, m in enumerate(mbs) for t in m)  # a group in one minibatch only
+    assert len(split_minibatches(trajs[:12], 4)) == 4 and all(split_minibatches(trajs[:12], 4))  # 3 groups < 4

@@ -29,6 +29,12 @@ def test_synchronous_step_is_generation_then_training_then_sync_exactly():
     assert r.generator_idle_share == pytest.approx((0.5 + 0.002 * tokens + 0.2) / expected)
 
 
+def test_a_trainer_that_shares_prefixes_computes_a_groups_prompt_once():
+    """share_prefixes: the synchronous step trains each group's prompt once (4 groups × (10 + 2 × 50) tokens)."""
+    flat, shared = simulate(fixed(0), COSTS), simulate(fixed(0, share_prefixes=True), COSTS)
+    assert flat.seconds_per_step - shared.seconds_per_step == pytest.approx(0.002 * 4 * 10, rel=1e-9)
+
+
 def test_async_step_is_bounded_by_the_slower_side():
     """With room to run ahead (η = 4) the step takes max(generation of a batch, train + sync): here the trainer is
     the slower side (generation of a batch ~0.6 s, train + sync 1.66 s) and the generator's idle share is large."""
@@ -114,6 +120,11 @@ def test_calibration_recovers_the_costs_of_a_synchronous_run(tmp_path):
     for k, v in truth.items():
         assert getattr(costs, k) == pytest.approx(v, rel=0.1), k
     assert facts["prompt_tokens"] == pytest.approx(20) and facts["sample"] == (10, 20, 30)
+    shared = [{**r, "tokens": r["tokens"] - 12 * 20, "shared_fraction": 12 * 20 / r["tokens"]} if "tokens" in r
+              else r for r in rows]  # the same steps, each group's prompt computed once
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shared))
+    assert plan.calibrate([tmp_path])[1]["prompt_tokens"] == pytest.approx(20)  # tokens represented, not computed
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert facts["filtered"] == pytest.approx(30 / (30 + 30 * 4))
     assert plan.measured(tmp_path)["seconds_per_step"] == pytest.approx(2.0)
     config["rl"]["max_staleness"] = 4

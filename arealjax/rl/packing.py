@@ -200,13 +200,19 @@ def _train_once(laid: list) -> list:
 
 
 def split_minibatches(trajectories: Sequence[Trajectory], n: int) -> list[list[Trajectory]]:
-    """n minibatches with balanced numbers of trained tokens (longest first onto the lightest), order kept within."""
+    """n minibatches with balanced numbers of trained tokens (longest first onto the lightest), order kept within.
+    A group's trajectories stay together where there are at least n groups: its prompt is then shared within one
+    minibatch (`share_prefixes`), and every minibatch holds whole groups."""
     if n < 1 or n > len(trajectories):
         raise ValueError(f"ppo_n_minibatches = {n}; must be between 1 and the batch's {len(trajectories)} trajectories")
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(trajectories):
+        groups.setdefault(t.group or f"\0{i}", []).append(i)  # no group: a unit of its own
+    units = list(groups.values()) if len(groups) >= n else [[i] for i in range(len(trajectories))]
     load = [0] * n
     members: list[list[int]] = [[] for _ in range(n)]
-    for i in sorted(range(len(trajectories)), key=lambda i: -len(trajectories[i])):
+    for unit in sorted(units, key=lambda u: -sum(len(trajectories[i]) for i in u)):
         j = min(range(n), key=lambda j: (load[j], len(members[j])))
-        members[j].append(i)
-        load[j] += max(trajectories[i].n_model_tokens, 1)
+        members[j].extend(unit)
+        load[j] += sum(max(trajectories[i].n_model_tokens, 1) for i in unit)
     return [[trajectories[i] for i in sorted(m)] for m in members]
