@@ -517,7 +517,7 @@ def trainer(size: dict, args) -> dict:
             jax.block_until_ready(train.params)
 
         t = best_of(step, size["repeats"])
-        flops = model_flops(cfg, trajs)
+        flops = model_flops(cfg, trajs, train.cfg)
         out["models"][name] = {"params_m": cfg.num_params() / 1e6, "attention": pick("auto"), "seconds": t,
                                "remat": train.cfg.remat, "tokens_per_s": tokens / t,
                                "model_tflops_per_s": flops / t / 1e12, "mfu": flops / t / peak,
@@ -1099,7 +1099,7 @@ def profile(size: dict, args, out: Path) -> dict:
                         "micro_batches": int(metrics["micro_batches"]), "seconds": time.perf_counter() - t0,
                         "attention": t.cfg.attention, "remat": t.cfg.remat}
         if peak := peaks(device.device_kind)[1]:
-            res["train"].update(mfu=model_flops(t.model_cfg, trajs) / res["train"]["seconds"] / peak,
+            res["train"].update(mfu=model_flops(t.model_cfg, trajs, t.cfg) / res["train"]["seconds"] / peak,
                                 hfu=hardware_flops(t.model_cfg, trajs, t.cfg) / res["train"]["seconds"] / peak)
         held["train"], held["trajectories"] = t, trajs  # traced only once it ran
 
@@ -1135,7 +1135,7 @@ def profile(size: dict, args, out: Path) -> dict:
                 peak = peaks(device.device_kind)[1]
                 res["train_attention"][kind] = {"seconds": sec, "remat": t.cfg.remat, **{  # same numbers per kernel
                     x: float(metrics[x]) for x in ("loss", "grad_norm", "entropy")}, **({} if not peak else {
-                    "mfu": model_flops(t.model_cfg, trajs) / sec / peak,
+                    "mfu": model_flops(t.model_cfg, trajs, t.cfg) / sec / peak,
                     "hfu": hardware_flops(t.model_cfg, trajs, t.cfg) / sec / peak})}
             except Exception as e:
                 res["train_attention"][kind] = {"error": f"{type(e).__name__}: {e}"[:300]}

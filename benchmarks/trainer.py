@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arealjax.models import ModelConfig, from_config  # noqa: E402
 from arealjax.models import attention as attn  # noqa: E402
 from arealjax.rl.packing import pack, split_minibatches  # noqa: E402
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, loss_positions  # noqa: E402
+from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, loss_positions, shares_prefixes  # noqa: E402
 from arealjax.rl.trajectory import Trajectory  # noqa: E402
 
 
@@ -74,27 +74,41 @@ def layer_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * (d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f)
 
 
-def model_flops(cfg: ModelConfig, trajs: list[Trajectory]) -> float:
-    """Training FLOPs of the useful work: 6·N_matmul per token + causal attention per trajectory, ×3 for bwd."""
+def model_flops(cfg: ModelConfig, trajs: list[Trajectory], tcfg: TrainerConfig | None = None) -> float:
+    """Training FLOPs of the useful work: 6·N_matmul per token + causal attention per trajectory, ×3 for bwd. The
+    tokens are those the trainer computes: under `tcfg` sharing prefixes (`trainer.shares_prefixes`), each laid
+    position once, reading its path's keys (its position + 1), never the tokens the trajectories represent."""
     h, hd = cfg.num_heads, cfg.head_dim
     matmul_params = layer_params(cfg) + cfg.hidden_size * cfg.vocab_size  # the head is a matmul; the embedding is not
-    tokens = sum(len(t) for t in trajs)
-    attn_fwd = sum(cfg.num_layers * 2 * 2 * h * hd * len(t) * (len(t) + 1) / 2 for t in trajs)
-    return 6 * matmul_params * tokens + 3 * attn_fwd
+    if tcfg is not None and shares_prefixes(tcfg):
+        n_mb = tcfg.ppo_n_minibatches if tcfg.loss == "ppo" else 1
+        laid = [pack(mb, tcfg.max_tokens, tcfg.micro_rows, share_prefixes=True) for mb in split_minibatches(trajs, n_mb)]
+        tokens = sum(b.n_tokens for b in laid)
+        keys = sum(float(np.sum((b.positions + 1) * (b.segment_ids > 0))) for b in laid)
+    else:
+        tokens = sum(len(t) for t in trajs)
+        keys = sum(len(t) * (len(t) + 1) / 2 for t in trajs)
+    return 6 * matmul_params * tokens + 3 * cfg.num_layers * 2 * 2 * h * hd * keys
 
 
-def attention_pairs(segment_ids: np.ndarray, kind: str) -> int:
+def attention_pairs(segment_ids: np.ndarray, kind: str, ends: np.ndarray | None = None) -> int:
     """Query–key pairs the training attention kernel `kind` (models/attention.py, resolved) scores for a micro-batch
     of segment ids [R, T], padding included: `xla` query blocks of 128 read every key up to their end; `flash`
     blocks of 512 below the diagonal, `pallas_tpu_jax` of 128 (the row padded to them); `pallas` (the GPU kernel,
     blocks of 64), `pallas_tpu` (the TPU kernel, 128; a block of padding, id ≤ 0, reads only itself) and `sparse`
     each block of queries from the block of its earliest segment's first token (`sparse`: blocks of ≥ 64 tokens,
-    the earliest over the micro-batch, the lookback rounded up to a power of two)."""
+    the earliest over the micro-batch, the lookback rounded up to a power of two). With a tree's `ends`, `flash`,
+    `pallas` and `pallas_tpu` skip the key blocks below the diagonal whose keys reach no query of the block (`flash`
+    over the micro-batch, the others per row)."""
     r, t = segment_ids.shape
     padded = kind in ("pallas", "pallas_tpu", "pallas_tpu_jax")  # the Pallas kernels pad the row to their blocks
     if kind in ("xla", "flash", "pallas_tpu_jax"):
         bs = min(512 if kind == "flash" else 128, t)
         n = -(-t // bs)
+        if kind == "flash" and ends is not None:
+            reach = _reach(ends, bs, n).max(0)
+            return r * sum(bs * min(bs, t - j * bs) for i in range(n) for j in range(i + 1)
+                           if j == i or reach[j] > i * bs)
         return r * sum(bs * min((i + 1) * bs, n * bs if padded else t) for i in range(n))
     bs = {"pallas": 64, "pallas_tpu": 128}.get(kind, max(64, -(-t // 16)))
     n = -(-t // bs)
@@ -109,8 +123,19 @@ def attention_pairs(segment_ids: np.ndarray, kind: str) -> int:
         back = np.arange(n) - first.min(0)
         pow2 = np.where(back > 0, 2 ** np.ceil(np.log2(np.maximum(back, 1))), 0)
         first = np.broadcast_to(np.arange(n) - np.minimum(pow2, np.arange(n)), (r, n)).astype(int)
-    ends = np.minimum((np.arange(n) + 1) * bs, n * bs if padded else t)
-    return int(np.sum(bs * (ends - first * bs)))
+    if ends is not None and kind in ("pallas", "pallas_tpu"):
+        reach = _reach(ends, bs, n)  # [R, n]
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+        visits = (first[:, :, None] <= j) & (j <= i) & ((reach[:, None, :] > i * bs) | (i == j))
+        return int(visits.sum()) * bs * bs
+    last = np.minimum((np.arange(n) + 1) * bs, n * bs if padded else t)
+    return int(np.sum(bs * (last - first * bs)))
+
+
+def _reach(ends: np.ndarray, bs: int, n: int) -> np.ndarray:
+    """[R, n]: per key block, the end of the queries its keys are read by (the row padded with keys read by all)."""
+    r, t = ends.shape
+    return np.pad(ends, ((0, 0), (0, n * bs - t)), constant_values=n * bs).reshape(r, n, bs).max(2)
 
 
 def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerConfig, shards: int = 1) -> float:
@@ -141,7 +166,7 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
     attn_train = 1 + {"xla": 2, "flash": 3.5, "pallas": 3.5, "pallas_tpu": 3.5}.get(kind, 2.5) + recomputed
     total = 0.0
     for i, trajectories in enumerate(split_minibatches(trajs, n_mb)):
-        batch = pack(trajectories, t, rows, packed=tcfg.packing, unit=unit)
+        batch = pack(trajectories, t, rows, packed=tcfg.packing, unit=unit, share_prefixes=shares_prefixes(tcfg))
         passes = 0
         if tcfg.loss == "ppo":
             spec = tcfg.ppo.spec
@@ -153,7 +178,7 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
             slots = r * t // shards if size is None else size
             steps = 1 if tcfg.logits_chunk <= 0 else -(-slots // max(tcfg.logits_chunk * r // shards, 1))
             scored = shards * steps * -(-slots // steps)
-            pairs = attention_pairs(mb["segment_ids"], kind)
+            pairs = attention_pairs(mb["segment_ids"], kind, mb["ends"] if shares_prefixes(tcfg) else None)
             total += per_pos * r * t * (3 + (tcfg.remat == "full") + passes)
             total += head * scored * (3 + (steps > 1) + passes)
             total += attn_pair * pairs * (attn_train + passes)
@@ -184,7 +209,6 @@ def main():
                            num_layers=args.layers, num_heads=d // 64, num_kv_heads=max(d // 256, 1), head_dim=64)
     model = from_config(cfg, seed=0)
     trajs = long_tail(n, args.max_tokens)
-    flops = model_flops(cfg, trajs)
     results = {"device": str(jax.devices()[0].device_kind), "cpu_count": jax.device_count(),
                "matmul_peak_gflops": peak / 1e9, "matmul_peak_size": peak_n,
                "model": dict(d_model=d, layers=args.layers, params_m=cfg.num_params() / 1e6),
@@ -201,6 +225,7 @@ def main():
             jax.block_until_ready(trainer.params)
 
         t = best_of(step, repeats)
+        flops = model_flops(cfg, trajs, trainer.cfg)
         results[name] = dict(seconds=t, tokens_per_s=results["tokens"] / t, mfu=flops / t / peak,
                              hfu=hardware_flops(cfg, trajs, trainer.cfg) / t / peak,
                              model_tflops_per_s=flops / t / 1e12, micro_batches=int(metrics["micro_batches"]),

@@ -176,6 +176,14 @@ def test_hardware_flops_count_what_the_trainer_executes():
     segments = np.array([[1] * 100 + [2] * 100 + [0] * 56])  # two segments and padding
     assert attention_pairs(segments, "flash") == 256 * 256 and attention_pairs(segments, "xla") == pairs
     assert attention_pairs(segments, "pallas") == 64 * (64 + 128 + 128 + 192)  # key blocks from 0, 0, 1, 1
+    # MFU counts the tokens computed: two samples of one 200-token prompt, shared, lay positions 0-198 once and
+    # each sample's 199-254 (its branch token and 55 more), each reading its path's keys
+    sample = Trajectory.from_completion(np.full(200, 5), np.full(56, 7), np.zeros(56), np.zeros(56))
+    keys = sum(range(1, 200)) + 2 * sum(range(200, 256))
+    assert model_flops(cfg, [traj, sample], TrainerConfig(max_tokens=512, micro_rows=1)) == (
+        3 * (199 + 2 * 56) * (layers + head) + 3 * keys * pair)
+    assert model_flops(cfg, [traj, sample], TrainerConfig(max_tokens=512, micro_rows=1, share_prefixes=False)) == (
+        model_flops(cfg, [traj, sample]))
 
 
 def test_learning_report_compares_tags_over_seeds():

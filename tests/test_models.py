@@ -641,6 +641,8 @@ def test_attention_kinds_read_a_tree_of_shared_prefixes(kind, block):
             pairs = np.asarray(flash_tpu.computed_pairs(q, k, v, seg_j, ends=ends_j))[:, 0]
             flat = np.asarray(flash_tpu.segment_visits(seg_j))
             assert pairs.sum() < flat.sum() and (pairs <= flat).all()
+            from benchmarks.trainer import attention_pairs
+            assert pairs.sum() * 128 * 128 == attention_pairs(seg, "pallas_tpu", ends)  # what HFU counts
     real = seg > 0
     np.testing.assert_allclose(np.asarray(out)[real], _tree_reference(q, k, v, seg, ends)[real], atol=2e-5)
     for a, r in zip(g, ref_g):
