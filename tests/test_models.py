@@ -637,6 +637,9 @@ def test_attention_kinds_read_a_tree_of_shared_prefixes(kind, block):
     with interpret:
         out = jax.jit(lambda q, k, v: fn(q, k, v, seg_j, ends=ends_j))(q, k, v)
         (_, ref_g), (_, g) = out_and_grads(attn.attend_xla), out_and_grads(fn)
+        if kind == "sparse":  # each query block gathers only its ancestors' key blocks
+            count = np.asarray(attn._tree_blocks(seg_j, ends_j, block)[1])
+            assert count.sum() < (np.arange(t // block) + 1 - np.asarray(attn.first_key_blocks(seg_j, block))).sum()
         if kind == "pallas_tpu":  # query blocks visit only their ancestors' key blocks
             pairs = np.asarray(flash_tpu.computed_pairs(q, k, v, seg_j, ends=ends_j))[:, 0]
             flat = np.asarray(flash_tpu.segment_visits(seg_j))

@@ -457,14 +457,14 @@ def test_the_trainer_replays_the_generators_routes():
         trainer = Trainer(model, TrainerConfig(max_tokens=64, micro_rows=8, router_replay=replay))
         (batch,) = trainer.pack(trajectories)
         mb = batch.micro(0)
-        for i, t in enumerate(trajectories):  # the packed routes are each trajectory's, at its tokens' positions
-            row, col = np.argwhere(mb["segment_ids"] == i + 1)[0]
-            np.testing.assert_array_equal(mb["routes"][row, col:col + len(t)], t.routes.experts)
+        for row, col in zip(*np.nonzero(mb["loss_mask"])):  # the packed routes are each trajectory's, at its tokens
+            t = trajectories[mb["sequences"][row, col] - 1]
+            np.testing.assert_array_equal(mb["routes"][row, col], t.routes.experts[mb["positions"][row, col]])
         logp = np.asarray(trainer.logprobs(trainer.params, batch)[0])
         mismatch[replay] = np.abs(logp - mb["behav_logp"])[mb["loss_mask"]].mean()
         if replay:  # what the trainer's forward routed: the generator's experts wherever they were recorded
             _, _, routing = nnx.merge(model.graphdef, model.params).hidden(
-                mb["tokens"], mb["positions"], mb["segment_ids"], routes=mb["routes"], with_routes=True)
+                mb["tokens"], mb["positions"], mb["segment_ids"], routes=mb["routes"], with_routes=True, ends=mb["ends"])
             recorded = mb["routes"][..., 0] >= 0
             np.testing.assert_array_equal(np.asarray(routing.experts)[recorded], mb["routes"][recorded])
         disagreement[replay] = trainer.train_step(trajectories)["router_disagreement"]

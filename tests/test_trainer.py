@@ -181,8 +181,9 @@ def test_first_minibatch_takes_its_own_logprobs_as_prox(model):
     for key in ("loss", "grad_norm", "clip_fraction", "masked_fraction", "approx_kl"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-7), key
     # π_prox from the gradient program's forward or from the no-grad program's differs by float noise, which Adam
-    # at lr 1e-2 turns into update noise on near-zero gradients (measured ≤ 2.3e-6; params move ~1e-2 a step)
-    assert_trees_close(trainer.params, every.params, 5e-6)
+    # at lr 1e-2 turns into update noise on near-zero gradients, up to lr / eps = 1e3 times it (measured ≤ 3.3e-5,
+    # on rare tokens' embeddings; params move ~1e-2 a step)
+    assert_trees_close(trainer.params, every.params, 1e-4)
 
 
 def test_non_finite_step_is_skipped(model):
@@ -578,4 +579,4 @@ def test_shared_prefixes_leave_the_step_unchanged(model, attention, ppo):
             assert m_tree[key] == pytest.approx(value, rel=1e-4, abs=2e-6), key
         acted.append(m_flat["masked_fraction"] + m_flat["clip_fraction"] > 0)
     assert any(acted)
-    assert_trees_close(tree.params, flat.params, 2e-5)
+    assert_trees_close(tree.params, flat.params, 1e-4)  # Adam's lr / eps = 1e3 × float noise on near-zero gradients

@@ -158,17 +158,39 @@ def attend_sparse(q: Array, k: Array, v: Array, segment_ids: Array, block: int |
     """Causal attention within segments where query block i reads keys from key block `first[i]` on (the block of
     the earliest first token of a segment it holds, over the batch) to its own end: exact for any segment ids. The
     branch taken reads back a power of two of blocks (or all of them), so a row of n blocks compiles O(n log n)
-    branches; blocks are SPARSE_BLOCK tokens, or longer where a row would have more than SPARSE_BLOCKS."""
+    branches; blocks are SPARSE_BLOCK tokens, or longer where a row would have more than SPARSE_BLOCKS. With a
+    tree's `ends`, a branch gathers the key blocks query block i visits instead (those from first[i] on that any of
+    its queries reads, over the batch: its ancestors', not its siblings'), as many as the power of two holds."""
     b, t, h, d = q.shape
     hkv, g = k.shape[2], h // k.shape[2]
     block = block or max(SPARSE_BLOCK, -(-t // SPARSE_BLOCKS))
-    qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    n = -(-t // block)
+    sel = count = None
+    if ends is not None:  # whole blocks: the last one padded with keys of a segment of their own
+        pad = n * block - t
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
+        ends = jnp.pad(ends, ((0, 0), (0, pad)), constant_values=n * block)
+        sel, count = _tree_blocks(segment_ids, ends, block)
+    qh = q.reshape(b, -1, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
-    first = first_key_blocks(segment_ids, block)
-    choice = jnp.stack([jnp.searchsorted(jnp.asarray(back), i - first[i])  # the shortest lookback that reaches
-                        for i, back in enumerate(_lookbacks(t, block))])
-    o = _sparse(qh, kh, vh, segment_ids, ends, choice.astype(jnp.int32), block)
-    return o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    reads = count - 1 if ends is not None else jnp.arange(n) - first_key_blocks(segment_ids, block)
+    choice = jnp.stack([jnp.searchsorted(jnp.asarray(back), reads[i])  # the shortest lookback that reaches
+                        for i, back in enumerate(_lookbacks(qh.shape[3], block))])
+    o = _sparse(qh, kh, vh, segment_ids, ends, (choice.astype(jnp.int32), sel, count), block)
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, -1, h, d)[:, :t]
+
+
+def _tree_blocks(segment_ids: Array, ends: Array, block: int) -> tuple[Array, Array]:
+    """(sel [n, n], count [n]): per query block, the key blocks it visits in descending order (the diagonal first;
+    the slots past `count` repeat it, masked) — from `first_key_blocks` to the diagonal, those whose keys reach it."""
+    n = segment_ids.shape[1] // block
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    reach = block_reach(ends, block)
+    visits = (j >= first_key_blocks(segment_ids, block)[:, None]) & (j <= i) & ((reach[None, :] > i * block) | (j == i))
+    count = jnp.sum(visits, axis=1, dtype=jnp.int32)
+    sel = jnp.argsort(jnp.where(visits, -j, 1), axis=1, stable=True)  # visited first, highest block first
+    return jnp.where(j < count[:, None], sel, i).astype(jnp.int32), count
 
 
 def first_key_blocks(segment_ids: Array, block: int) -> Array:
@@ -184,38 +206,66 @@ def _lookbacks(t: int, block: int) -> list[list[int]]:
     return [sorted({0, i} | {1 << j for j in range(i.bit_length()) if 1 << j < i}) for i in range(n)]
 
 
+def _keys(k, v, seg, ends, sel, count, i: int, back: int, lo: int, hi: int, block: int):
+    """Query block i's branch that reads `back` blocks back: its keys, values [B, Hkv, K, D], mask [B, hi − lo, K] and
+    where its keys lie (a slice, or the gathered blocks `sel[i, :back + 1]`)."""
+    if sel is None:
+        k0 = (i - back) * block
+        return k[:, :, k0:hi], v[:, :, k0:hi], _mask(seg, lo, k0, hi - lo, hi - k0, ends), slice(k0, hi)
+    blocks = sel[i, :back + 1]
+    kpos = (blocks[:, None] * block + jnp.arange(block)).reshape(-1)
+    qpos = jnp.arange(lo, hi)
+    gather = lambda x: jnp.take(x.reshape(*x.shape[:2], -1, block, x.shape[-1]), blocks, axis=2).reshape(  # noqa: E731
+        *x.shape[:2], -1, x.shape[-1])
+    mask = ((seg[:, lo:hi, None] == seg[:, None, kpos]) & (qpos[:, None] >= kpos[None, :])[None]
+            & (qpos[None, :, None] < ends[:, None, kpos]) & (jnp.repeat(jnp.arange(back + 1) < count[i], block))[None, None])
+    return gather(k), gather(v), mask, blocks
+
+
+def _add(acc: Array, at, x: Array, block: int) -> Array:
+    """acc [B, Hkv, T, D] with x added at the keys `at` (a slice, or gathered blocks)."""
+    if isinstance(at, slice):
+        return acc.at[:, :, at].add(x)
+    shape = acc.shape
+    blocked = acc.reshape(*shape[:2], -1, block, shape[-1])
+    return blocked.at[:, :, at].add(x.reshape(*shape[:2], -1, block, shape[-1])).reshape(shape)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _sparse(q: Array, k: Array, v: Array, seg: Array, ends: Array | None, choice: Array, block: int) -> Array:
-    return _sparse_fwd(q, k, v, seg, ends, choice, block)[0]
+def _sparse(q: Array, k: Array, v: Array, seg: Array, ends: Array | None, plan: tuple, block: int) -> Array:
+    return _sparse_fwd(q, k, v, seg, ends, plan, block)[0]
 
 
-def _sparse_fwd(q, k, v, seg, ends, choice, block):
+def _sparse_fwd(q, k, v, seg, ends, plan, block):
+    choice, sel, count = plan
     t = q.shape[3]
     scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)
     outs, lses = [], []
     for i, back in enumerate(_lookbacks(t, block)):
         lo, hi = i * block, min((i + 1) * block, t)
 
-        def branch(k0, qi, lo=lo, hi=hi):
-            sc = jnp.einsum("bhgqd,bhkd->bhgqk", qi, k[:, :, k0:hi], preferred_element_type=jnp.float32) * scale
-            sc = jnp.where(_mask(seg, lo, k0, hi - lo, hi - k0, ends)[:, None, None], sc, -jnp.inf)
+        def branch(j, qi, i=i, lo=lo, hi=hi):
+            ks, vs, mask, _ = _keys(k, v, seg, ends, sel, count, i, j, lo, hi, block)
+            sc = jnp.einsum("bhgqd,bhkd->bhgqk", qi, ks, preferred_element_type=jnp.float32) * scale
+            sc = jnp.where(mask[:, None, None], sc, -jnp.inf)
             m = jnp.max(sc, axis=-1)  # finite: every token reads itself
             p = jnp.exp(sc - m[..., None])
             den = jnp.sum(p, axis=-1)
-            o = jnp.einsum("bhgqk,bhkd->bhgqd", (p / den[..., None]).astype(v.dtype), v[:, :, k0:hi],
+            o = jnp.einsum("bhgqk,bhkd->bhgqd", (p / den[..., None]).astype(v.dtype), vs,
                            preferred_element_type=jnp.float32)
             return o.astype(q.dtype), m + jnp.log(den)
 
-        branches = [functools.partial(branch, (i - j) * block) for j in back]
+        branches = [functools.partial(branch, j) for j in back]
         o, lse = jax.lax.switch(choice[i], branches, q[:, :, :, lo:hi])
         outs.append(o)
         lses.append(lse)
     o = jnp.concatenate(outs, axis=3)
-    return o, (q, k, v, seg, ends, choice, o, jnp.concatenate(lses, axis=3))
+    return o, (q, k, v, seg, ends, plan, o, jnp.concatenate(lses, axis=3))
 
 
 def _sparse_bwd(block, res, do):
-    q, k, v, seg, ends, choice, o, lse = res
+    q, k, v, seg, ends, plan, o, lse = res
+    choice, sel, count = plan
     t = q.shape[3]
     scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, Hkv, G, T]
@@ -223,21 +273,21 @@ def _sparse_bwd(block, res, do):
     for i, back in enumerate(_lookbacks(t, block)):
         lo, hi = i * block, min((i + 1) * block, t)
 
-        def branch(k0, dk, dv, lo=lo, hi=hi):
-            qi, doi, ks, vs = q[:, :, :, lo:hi], do[:, :, :, lo:hi], k[:, :, k0:hi], v[:, :, k0:hi]
+        def branch(j, dk, dv, i=i, lo=lo, hi=hi):
+            ks, vs, mask, at = _keys(k, v, seg, ends, sel, count, i, j, lo, hi, block)
+            qi, doi = q[:, :, :, lo:hi], do[:, :, :, lo:hi]
             sc = jnp.einsum("bhgqd,bhkd->bhgqk", qi, ks, preferred_element_type=jnp.float32) * scale
-            mask = _mask(seg, lo, k0, hi - lo, hi - k0, ends)[:, None, None]
-            p = jnp.where(mask, jnp.exp(sc - lse[:, :, :, lo:hi, None]), 0.0)
+            p = jnp.where(mask[:, None, None], jnp.exp(sc - lse[:, :, :, lo:hi, None]), 0.0)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vs, preferred_element_type=jnp.float32)
             ds = p * (dp - delta[:, :, :, lo:hi, None])
             dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(ks.dtype), ks, preferred_element_type=jnp.float32)
-            dv = dv.at[:, :, k0:hi].add(jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(doi.dtype), doi,
-                                                   preferred_element_type=jnp.float32))
-            dk = dk.at[:, :, k0:hi].add(jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(qi.dtype), qi,
-                                                   preferred_element_type=jnp.float32) * scale)
+            dv = _add(dv, at, jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(doi.dtype), doi,
+                                         preferred_element_type=jnp.float32), block)
+            dk = _add(dk, at, jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(qi.dtype), qi,
+                                         preferred_element_type=jnp.float32) * scale, block)
             return (dq * scale).astype(q.dtype), dk, dv
 
-        branches = [functools.partial(branch, (i - j) * block) for j in back]
+        branches = [functools.partial(branch, j) for j in back]
         dq, dk, dv = jax.lax.switch(choice[i], branches, dk, dv)
         dqs.append(dq)
     return jnp.concatenate(dqs, axis=3), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
