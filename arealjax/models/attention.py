@@ -11,7 +11,8 @@ skips the key blocks none of whose keys it reads. They agree to float tolerance 
   sparse  block-sparse by segment: each block of queries reads keys only from the block holding the first token
           of its earliest segment (chosen at run time by lax.switch, which runs one branch), with a custom VJP
           that recomputes the scores: on packed rows of short sequences most of the causal triangle is another
-          segment's, and this skips it. Fastest on CPU for training; memory as xla.
+          segment's, and this skips it (on a tree, a branch gathers the blocks it visits). Fastest on CPU for
+          training; memory as xla.
   flash   FlashAttention in pure JAX: online softmax over key blocks under lax.scan, fully masked blocks skipped,
           and a custom VJP that recomputes the scores block by block from the saved log-sum-exp. Memory
           O(T · block), compile time independent of T, any backend: what makes 32k-token rows fit.
@@ -130,8 +131,7 @@ def _mask(segment_ids: Array, q_start, k_start, q_len: int, k_len: int, ends: Ar
 def block_reach(ends: Array, block: int) -> Array:
     """[nk]: per key block, the end of the queries any of its keys is read by, over the batch: query block i
     reads key block j < i only if reach[j] > i·block."""
-    b, t = ends.shape
-    return jnp.max(ends.reshape(b, t // block, block), axis=(0, 2))
+    return jnp.max(ends.reshape(ends.shape[0], -1, block), axis=(0, 2))
 
 
 def attend_xla(q: Array, k: Array, v: Array, segment_ids: Array, block: int = XLA_BLOCK,
@@ -167,10 +167,9 @@ def attend_sparse(q: Array, k: Array, v: Array, segment_ids: Array, block: int |
     n = -(-t // block)
     sel = count = None
     if ends is not None:  # whole blocks: the last one padded with keys of a segment of their own
-        pad = n * block - t
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
-        ends = jnp.pad(ends, ((0, 0), (0, pad)), constant_values=n * block)
+        q, k, v = (jnp.pad(x, ((0, 0), (0, n * block - t), (0, 0), (0, 0))) for x in (q, k, v))
+        segment_ids, ends = (jnp.pad(x, ((0, 0), (0, n * block - t)), constant_values=c)
+                             for x, c in ((segment_ids, -1), (ends, n * block)))
         sel, count = _tree_blocks(segment_ids, ends, block)
     qh = q.reshape(b, -1, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
@@ -226,9 +225,8 @@ def _add(acc: Array, at, x: Array, block: int) -> Array:
     """acc [B, Hkv, T, D] with x added at the keys `at` (a slice, or gathered blocks)."""
     if isinstance(at, slice):
         return acc.at[:, :, at].add(x)
-    shape = acc.shape
-    blocked = acc.reshape(*shape[:2], -1, block, shape[-1])
-    return blocked.at[:, :, at].add(x.reshape(*shape[:2], -1, block, shape[-1])).reshape(shape)
+    blocked = lambda a: a.reshape(*acc.shape[:2], -1, block, acc.shape[-1])  # noqa: E731
+    return blocked(acc).at[:, :, at].add(blocked(x)).reshape(acc.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
