@@ -131,7 +131,7 @@ def _mask(segment_ids: Array, q_start, k_start, q_len: int, k_len: int, ends: Ar
 def block_reach(ends: Array, block: int) -> Array:
     """[nk]: per key block, the end of the queries any of its keys is read by, over the batch: query block i
     reads key block j < i only if reach[j] > i·block."""
-    return jnp.max(ends.reshape(ends.shape[0], -1, block), axis=(0, 2))
+    return jnp.max(flash_gpu.reach(ends, block), axis=0)
 
 
 def attend_xla(q: Array, k: Array, v: Array, segment_ids: Array, block: int = XLA_BLOCK,

@@ -59,8 +59,8 @@ def segment_visits(segment_ids: Array, block: int = BLOCK) -> Array:
 
 def tree_visits(segment_ids: Array, ends: Array, block: int = BLOCK) -> Array:
     """`segment_visits` less the key blocks below the diagonal none of whose keys reach the query block."""
-    b, t = ends.shape
-    reach = jnp.max(ends.reshape(b, t // block, block), axis=2)  # [B, nk]
+    t = ends.shape[1]
+    reach = flash_gpu.reach(ends, block)  # [B, nk]
     i = jnp.arange(t // block)
     return segment_visits(segment_ids, block) & ((reach[:, None, :] > i[:, None] * block) | jnp.eye(t // block,
                                                                                                    dtype=bool))

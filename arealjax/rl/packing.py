@@ -190,12 +190,11 @@ def pack(trajectories: Sequence[Trajectory], max_tokens: int, rows: int, *, pack
 
 def _train_once(laid: list) -> list:
     """A node repeated as context by several pieces trains its targets in the first of them only."""
-    seen: set[int] = set()
+    seen = np.zeros(max((int(g.max()) + 1 for g, *_ in laid if len(g)), default=0), bool)
     out = []
     for g, w, p, e in laid:
-        first = ~np.isin(g, np.fromiter(seen, np.int64, len(seen)))
-        seen.update(g.tolist())
-        out.append((g, np.where(first, w, -1), p, e))
+        out.append((g, np.where(seen[g], -1, w), p, e))
+        seen[g] = True
     return out
 
 
