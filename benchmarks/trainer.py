@@ -82,7 +82,8 @@ def model_flops(cfg: ModelConfig, trajs: list[Trajectory], tcfg: TrainerConfig |
     matmul_params = layer_params(cfg) + cfg.hidden_size * cfg.vocab_size  # the head is a matmul; the embedding is not
     if tcfg is not None and shares_prefixes(tcfg):
         n_mb = tcfg.ppo_n_minibatches if tcfg.loss == "ppo" else 1
-        laid = [pack(mb, tcfg.max_tokens, tcfg.micro_rows, share_prefixes=True) for mb in split_minibatches(trajs, n_mb)]
+        laid = [pack(mb, tcfg.max_tokens, tcfg.micro_rows, share_prefixes=True)
+                for mb in split_minibatches(trajs, n_mb)]
         tokens = sum(b.n_tokens for b in laid)
         keys = sum(float(np.sum((b.positions + 1) * (b.segment_ids > 0))) for b in laid)
     else:

@@ -123,7 +123,7 @@ def measure(name: str, s: dict, repeats: int) -> dict:
     seconds: dict[str, list[float]] = {"flat": [], "tree": []}
     timed = s["time"]
     row["timed_trajectories"] = len(timed)
-    for mode, tr in trainers.items():  # warm-up: compilations
+    for tr in trainers.values():  # warm-up: compilations
         tr.train_step(timed)
     for _ in range(repeats):
         for mode, tr in trainers.items():
@@ -142,7 +142,7 @@ def measure(name: str, s: dict, repeats: int) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Shared prefixes trained once (trainer.share_prefixes)\n",
+    lines = ["# Shared prefixes trained once (trainer.share_prefixes)\n",
              f"`{result['command']}` at `{result['commit']}`, {result['date']}, {result['cpu']} "
              f"({result['cores']} cores). Tokens: what the trainer computes for the recipe's whole batch; step: "
              f"`Trainer.train_step` seconds, median of {result['repeats']} interleaved repeats (on "

@@ -247,7 +247,7 @@ def shared_batch(seed: int = 0, vocab: int = 40, routes: tuple[int, int] | None 
         for i in range(5):
             add(prompt, np.concatenate([stem[: i % 4], toks(int(rng.randint(1, 9)))]), f"g{g}")
         add(prompt, out[-1].tokens[len(prompt):], f"g{g}")  # identical to the previous sample
-    history, episode = toks(10), []
+    history = toks(10)
     for call in range(3):  # an agent: each call's prompt is the history so far
         reply = toks(int(rng.randint(2, 6)))
         add(history, reply, "agent")

@@ -605,11 +605,11 @@ def test_attention_kinds_read_a_tree_of_shared_prefixes(kind, block):
     pieces cut to fit), equals float64 attention under the tree mask, and its gradients equal the XLA kind's; the
     kinds that skip blocks (flash, pallas_tpu) skip the key blocks no query of a block reads. JAX's kernels refuse
     a tree by name."""
+    from conftest import shared_batch
+
     from arealjax.models import attention as attn
     from arealjax.models import flash_tpu
     from arealjax.rl.packing import pack
-    from conftest import shared_batch
-
     from arealjax.rl.trajectory import Trajectory
 
     rng = np.random.RandomState(0)

@@ -464,7 +464,8 @@ def test_the_trainer_replays_the_generators_routes():
         mismatch[replay] = np.abs(logp - mb["behav_logp"])[mb["loss_mask"]].mean()
         if replay:  # what the trainer's forward routed: the generator's experts wherever they were recorded
             _, _, routing = nnx.merge(model.graphdef, model.params).hidden(
-                mb["tokens"], mb["positions"], mb["segment_ids"], routes=mb["routes"], with_routes=True, ends=mb["ends"])
+                mb["tokens"], mb["positions"], mb["segment_ids"], routes=mb["routes"], with_routes=True,
+                ends=mb["ends"])
             recorded = mb["routes"][..., 0] >= 0
             np.testing.assert_array_equal(np.asarray(routing.experts)[recorded], mb["routes"][recorded])
         disagreement[replay] = trainer.train_step(trajectories)["router_disagreement"]

@@ -198,7 +198,8 @@ def test_tree_routes_are_shared_only_where_they_agree():
     check_every_target_once(tree, trajs)
     for row, i in zip(*np.nonzero(tree.loss_mask)):
         t = trajs[tree.sequences[row, i] - 1]
-        np.testing.assert_array_equal(tree.routes[row, visible(tree, row, i)], t.routes.experts[:tree.positions[row, i] + 1])
+        np.testing.assert_array_equal(tree.routes[row, visible(tree, row, i)],
+                                      t.routes.experts[:tree.positions[row, i] + 1])
     assert (tree.routes[tree.segment_ids == 0] == -1).all()
     for t in trajs:
         t.routes = None

@@ -77,7 +77,8 @@ def test_on_policy_gradient_is_the_policy_gradient(model, objective):
     packed_logp = np.concatenate([np.asarray(x) for x in trainer.logprobs(trainer.params, batch)]).reshape(-1, T)
     loss_mask = batch.loss_mask.reshape(-1, T)
     assert not packed_logp[~loss_mask].any()
-    got = {(batch.sequences[r, c] - 1, batch.positions[r, c]): packed_logp[r, c] for r, c in zip(*np.nonzero(loss_mask))}
+    got = {(batch.sequences[r, c] - 1, batch.positions[r, c]): packed_logp[r, c]
+           for r, c in zip(*np.nonzero(loss_mask))}
     want = {(i, p): ref_logp[i, p] for i, t in enumerate(trajs) for p in np.nonzero(t.loss_mask[1:])[0]}
     assert got.keys() == want.keys()
     np.testing.assert_allclose([got[k] for k in want], list(want.values()), atol=2e-5)
@@ -547,7 +548,8 @@ def per_target(batches, values):
 @pytest.mark.parametrize("attention,ppo", [
     ("sparse", PPOConfig(kl_coef=0.1)),
     ("xla", PPOConfig(objective="gspo")),
-    ("flash", PPOConfig(objective="m2po", behaviour_weight="sequence_mask"))], ids=["sparse-kl", "xla-gspo", "flash-m2po"])
+    ("flash", PPOConfig(objective="m2po", behaviour_weight="sequence_mask"))],
+    ids=["sparse-kl", "xla-gspo", "flash-m2po"])
 def test_shared_prefixes_leave_the_step_unchanged(model, attention, ppo):
     """Groups (samples agreeing on their first tokens, identical samples, each at its own temperature) and an
     agent episode (calls extending one another, a retry, an edited history, concurrent calls), packed as a tree of

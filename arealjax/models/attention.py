@@ -216,8 +216,9 @@ def _keys(k, v, seg, ends, sel, count, i: int, back: int, lo: int, hi: int, bloc
     qpos = jnp.arange(lo, hi)
     gather = lambda x: jnp.take(x.reshape(*x.shape[:2], -1, block, x.shape[-1]), blocks, axis=2).reshape(  # noqa: E731
         *x.shape[:2], -1, x.shape[-1])
+    live = jnp.repeat(jnp.arange(back + 1) < count[i], block)
     mask = ((seg[:, lo:hi, None] == seg[:, None, kpos]) & (qpos[:, None] >= kpos[None, :])[None]
-            & (qpos[None, :, None] < ends[:, None, kpos]) & (jnp.repeat(jnp.arange(back + 1) < count[i], block))[None, None])
+            & (qpos[None, :, None] < ends[:, None, kpos]) & live[None, None])
     return gather(k), gather(v), mask, blocks
 
 

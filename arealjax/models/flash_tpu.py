@@ -105,7 +105,8 @@ def computed_pairs(q: Array, k: Array, v: Array, segment_ids: Array, visits: Arr
     seg, visits = segment_ids.astype(jnp.int32), _visits(segment_ids, visits, ends)
     pairs, count, _, _ = _plan(visits)
     qh, kh, vh = _heads_major(q, k, v)
-    done = _forward(qh, kh, vh, _layouts(seg), _layouts(_ends(ends, seg)), pairs, count, record=True)[2]  # [H, size]: pair per grid step
+    # [H, size]: the pair each grid step computed
+    done = _forward(qh, kh, vh, _layouts(seg), _layouts(_ends(ends, seg)), pairs, count, record=True)[2]
     b, h, n = q.shape[0], q.shape[2], seg.shape[1] // BLOCK
     at = jnp.where(jnp.arange(pairs.size) < count[0], done, b * n * n)  # steps past the list: dropped
     return jnp.zeros((h, b * n * n), jnp.int32).at[jnp.arange(h)[:, None], at].set(1, mode="drop").reshape(
