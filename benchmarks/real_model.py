@@ -514,18 +514,23 @@ def part_agent(args, model_dir: Path, data: Path) -> dict:
     from configs.smollm2 import get_config
 
     recipe_config = get_config(f"agent={args.agent}")
-    grid = grid_of(args, model_dir, data, f"agent_{args.agent}", f",agent={args.agent}",
-                   args.agent_eval_problems or recipe_config.eval.num_problems)
+    grid = grid_of(args, model_dir, data, f"agent_{args.agent}" + ("_flat" if args.agent_flat else ""),
+                   f",agent={args.agent}", args.agent_eval_problems or recipe_config.eval.num_problems)
+    if args.agent_flat:  # every trajectory packed whole: the trainer as it was before shared prefixes
+        grid.overrides.append("--config.trainer.share_prefixes=False")
     runs = []
     for seed in args.seeds:
         r, rows = run_cell(cells.cell("colocated", recipe_config.rl.max_staleness, recipe_config.trainer.ppo.objective,
                                       recipe_config.generator.mode, seed), grid)
         evals, steps = [x for x in rows if "eval_accuracy" in x], [x for x in rows if "agent_calls" in x]
+        trained = [x for x in rows if "trained_tokens" in x]
         r.update(rejected_start=evals[0].get("eval_rejected"), rejected_end=evals[-1].get("eval_rejected"),
                  truncated_start=evals[0].get("eval_truncated"), truncated_end=evals[-1].get("eval_truncated"),
                  agent_calls=steps[-1]["agent_calls"],
                  trajectories=sum(x["sequences"] for x in steps),  # trained: one per chain of an episode
-                 prefix_breaks=steps[-1]["agent_prefix_breaks"],
+                 prefix_breaks=steps[-1]["agent_prefix_breaks"], share_prefixes=not args.agent_flat,
+                 tokens_per_step=float(np.mean([x["tokens"] for x in trained])),
+                 trained_tokens_per_step=float(np.mean([x["trained_tokens"] for x in trained])),
                  unparsed_tool_calls=steps[-1]["agent_unparsed_tool_calls"],
                  rejected_in_training={k.removeprefix("agent_rejected_"): v for k, v in steps[-1].items()
                                        if k.startswith("agent_rejected_")})
@@ -645,36 +650,71 @@ def report(res: dict) -> str:
                          f"{by_seed(rs, 'seconds_per_step', 1, 's')} | "
                          f"{by_seed(rs, 'wall_seconds', 60, ' min')} |")
         lines += ["", "![real model](real_model.png)", ""]
-    if a := res.get("agent"):
-        runs = sorted(a["runs"], key=lambda x: x["seed"])
-        lines += [f"## The calculator agent by RL (commit `{', '.join(sorted({x['commit'] for x in runs}))}`)", "",
-                  f"`{a['command']}`", "",
-                  f"`configs/smollm2.py:agent={a['agent']}`: every episode is `{a['workflow']['kwargs']}` run "
-                  f"through `{a['workflow']['path']}`, trained and evaluated as written (held-out problems solved "
-                  f"by the agent: {a['eval_problems']} of them); {runs[0].get('steps')} steps, η = {runs[0]['eta']}, "
-                  f"{runs[0]['objective']} PPO. A rejected "
-                  "episode (the agent raised, ran past its timeout, made no call) scores 0 in evaluation and is "
-                  "not trained.", "",
-                  "| seed | pass@1 start → end | gain | greedy start → end | replies cut at the cap, start → end | "
-                  "rejected start → end | chat calls, all episodes (filtered groups' too) | trajectories trained | "
-                  "unparsed tool calls | s / step | wall-clock |",
-                  "|---" * 11 + "|"]
-        for x in runs:
-            lines.append(f"| {x['seed']} | {x['accuracy_start']:.2f} → **{x['accuracy_end']:.2f}** | "
-                         f"{x['gain']:+.2f} | {x['greedy_start']:.2f} → {x['greedy_end']:.2f} | "
-                         f"{x['truncated_start']:.1%} → {x['truncated_end']:.1%} | "
-                         f"{x['rejected_start']:.1%} → {x['rejected_end']:.1%} | "
-                         f"{x['agent_calls']:.0f} | {x['trajectories']:.0f} | {x['unparsed_tool_calls']:.0f} | "
-                         f"{x['seconds_per_step']:.0f} s | {x['wall_seconds'] / 60:.0f} min |")
-        if len(runs) > 1:
-            lines.append(f"| mean | {stat(x['accuracy_start'] for x in runs)} → "
-                         f"**{stat(x['accuracy_end'] for x in runs)}** | "
-                         f"**{np.mean([x['gain'] for x in runs]):+.2f}** | "
-                         f"{stat(x['greedy_start'] for x in runs)} → {stat(x['greedy_end'] for x in runs)} | "
-                         f"{stat([x['truncated_start'] for x in runs], '.1%')} → "
-                         f"{stat([x['truncated_end'] for x in runs], '.1%')} | | | | | | |")
-        lines.append("")
+    for key, packing in (("agent", "shared prefixes (`trainer.share_prefixes`, the default)"),
+                         ("agent_flat", "every trajectory packed whole")):
+        if a := res.get(key):
+            lines += agent_section(a, packing if "agent_flat" in res else "")
+    if "agent" in res and "agent_flat" in res:
+        lines += agent_comparison(res["agent"], res["agent_flat"])
     return "\n".join(lines)
+
+
+def agent_section(a: dict, packing: str) -> list[str]:
+    """The agent recipe's runs, a row per seed (`packing`: how the trainer laid them, when two are compared)."""
+    runs = sorted(a["runs"], key=lambda x: x["seed"])
+    commits = ", ".join(sorted({x["commit"] for x in runs}))
+    lines = [f"## The calculator agent by RL{', ' + packing if packing else ''} (commit `{commits}`)", "",
+              f"`{a['command']}`", "",
+              f"`configs/smollm2.py:agent={a['agent']}`: every episode is `{a['workflow']['kwargs']}` run "
+              f"through `{a['workflow']['path']}`, trained and evaluated as written (held-out problems solved "
+              f"by the agent: {a['eval_problems']} of them); {runs[0].get('steps')} steps, η = {runs[0]['eta']}, "
+              f"{runs[0]['objective']} PPO. A rejected "
+              "episode (the agent raised, ran past its timeout, made no call) scores 0 in evaluation and is "
+              "not trained.", "",
+              "| seed | pass@1 start → end | gain | greedy start → end | replies cut at the cap, start → end | "
+              "rejected start → end | chat calls, all episodes (filtered groups' too) | trajectories trained | "
+              "unparsed tool calls | s / step | wall-clock |",
+              "|---" * 11 + "|"]
+    for x in runs:
+        lines.append(f"| {x['seed']} | {x['accuracy_start']:.2f} → **{x['accuracy_end']:.2f}** | "
+                     f"{x['gain']:+.2f} | {x['greedy_start']:.2f} → {x['greedy_end']:.2f} | "
+                     f"{x['truncated_start']:.1%} → {x['truncated_end']:.1%} | "
+                     f"{x['rejected_start']:.1%} → {x['rejected_end']:.1%} | "
+                     f"{x['agent_calls']:.0f} | {x['trajectories']:.0f} | {x['unparsed_tool_calls']:.0f} | "
+                     f"{x['seconds_per_step']:.0f} s | {x['wall_seconds'] / 60:.0f} min |")
+    if len(runs) > 1:
+        lines.append(f"| mean | {stat(x['accuracy_start'] for x in runs)} → "
+                     f"**{stat(x['accuracy_end'] for x in runs)}** | "
+                     f"**{np.mean([x['gain'] for x in runs]):+.2f}** | "
+                     f"{stat(x['greedy_start'] for x in runs)} → {stat(x['greedy_end'] for x in runs)} | "
+                     f"{stat([x['truncated_start'] for x in runs], '.1%')} → "
+                     f"{stat([x['truncated_end'] for x in runs], '.1%')} | | | | | | |")
+    lines.append("")
+    return lines
+
+
+def agent_comparison(shared: dict, flat: dict) -> list[str]:
+    """The agent recipe with and without shared prefixes, side by side: held-out pass@1 over seeds, the tokens the
+    trainer computed and trained per step, seconds per step."""
+    lines = ["## The agent recipe with and without shared prefixes", "",
+             "Mean ± sd over seeds; tokens: per trainer step, mean over steps (runs before the trainer counted them "
+             "show —); s / step: median over seeds.", "",
+             "| packing | commit | seeds | pass@1 start → end | gain | tokens computed / step | trained / step | "
+             "s / step | wall-clock |", "|---" * 9 + "|"]
+    rows = {"shared prefixes": shared["runs"], "packed whole": flat["runs"]}
+    for name, runs in rows.items():
+        tokens = [x["tokens_per_step"] for x in runs if "tokens_per_step" in x]
+        trained = [x["trained_tokens_per_step"] for x in runs if "trained_tokens_per_step" in x]
+        lines.append(f"| {name} | {', '.join(sorted({x['commit'] for x in runs}))} | {len(runs)} | "
+                     f"{stat(x['accuracy_start'] for x in runs)} → **{stat(x['accuracy_end'] for x in runs)}** | "
+                     f"{stat([x['gain'] for x in runs], '+.2f')} | {f'{np.mean(tokens):,.0f}' if tokens else '—'} | "
+                     f"{f'{np.mean(trained):,.0f}' if trained else '—'} | "
+                     f"**{np.median([x['seconds_per_step'] for x in runs]):.0f} s** | "
+                     f"{np.median([x['wall_seconds'] for x in runs]) / 60:.0f} min |")
+    speed = np.median([x["seconds_per_step"] for x in flat["runs"]]) / np.median(
+        [x["seconds_per_step"] for x in shared["runs"]])
+    lines += ["", f"Seconds per step end to end: **{speed:.2f}×** faster with shared prefixes.", ""]
+    return lines
 
 
 def figure(res: dict, out: Path) -> None:
@@ -732,6 +772,8 @@ def main() -> None:
     p.add_argument("--eval-problems", type=int, default=200, help="rl: held-out problems")
     p.add_argument("--agent", default="sdk", help="agent: the recipe's agent (configs/smollm2.py AGENTS)")
     p.add_argument("--agent-eval-problems", type=int, default=0, help="agent: held-out problems (0: the recipe's)")
+    p.add_argument("--agent-flat", action="store_true",
+                   help="agent: trajectories packed whole (trainer.share_prefixes=False); results as agent_flat")
     args, args.overrides = p.parse_known_args()
     from benchmarks.cells import portable
 
@@ -758,7 +800,7 @@ def main() -> None:
         args.overrides = [*SMOKE_RL, *args.overrides]
     work, results = Path(args.work), Path(args.results)
     if args.smoke:  # finished smoke runs would not run again
-        for runs in ("rl", f"agent_{args.agent}"):
+        for runs in ("rl", f"agent_{args.agent}", f"agent_{args.agent}_flat"):
             shutil.rmtree(work / runs, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)
@@ -772,7 +814,8 @@ def main() -> None:
     for part in PARTS:
         if part in args.parts:
             print(f"[{time.strftime('%H:%M:%S')}] {part}", flush=True)
-            res[part] = {"commit": commit(), **({"layers": args.layers} if args.layers else {}), **run[part]()}
+            key = part + ("_flat" if part == "agent" and args.agent_flat else "")
+            res[key] = {"commit": commit(), **({"layers": args.layers} if args.layers else {}), **run[part]()}
             store.write_text(json.dumps(res, indent=1))
     (results / "real_model.md").write_text(report(res))
     figure(res, results / "real_model.png")

@@ -268,3 +268,13 @@ def shared_batch(seed: int = 0, vocab: int = 40, routes: tuple[int, int] | None 
                 r[2] = (r[2] + 1) % 16
             t.routes = Routes(r.astype(np.int16))
     return out
+
+
+def scored(logp, mb, n):
+    """Per token k ≥ 1 of a packed trajectory of `n` tokens: the logprob the packed position k − 1 computed (the
+    layout's own business: the last token need not be laid, a shared prefix is laid once)."""
+    rows, cols = np.nonzero(mb["segment_ids"] == 1)
+    pos = np.asarray(mb["positions"])[rows, cols]
+    out, keep = np.zeros(n), pos + 1 < n
+    out[pos[keep] + 1] = logp[rows[keep], cols[keep]]
+    return out

@@ -44,7 +44,8 @@ SMOKE_RESULTS = {
                               [f"arealjax_ablation/smoke/staleness_ablation.{x}" for x in ("json", "md", "png")]),
     "suite.py": (["| test_advantages.py | ", "passed; ", " cores ("], []),  # its row (any count of tests)
     "trainer.py": (['"packed_over_naive"'], []),
-    "tree.py": (["| default | 8 (timed 8) | 32 |"], ["arealjax_tree/smoke/tree.json", "arealjax_tree/smoke/tree.md"]),
+    "prefixes.py": (["| default | 8 (timed 8) | 32 |"], ["arealjax_prefixes/smoke/prefixes.json",
+                                                           "arealjax_prefixes/smoke/prefixes.md"]),
     "tunix_grpo.py": ([], ["arealjax_tunix_grpo/smoke/rows.json"]),
     "weights.py": (["| default | 0.6M | float32 | 1 |", "Default job on 1 server(s)"], []),
     "wire.py": (["| reads | ", "| reads + never reads | "], []),
@@ -221,6 +222,17 @@ def test_learning_report_compares_tags_over_seeds():
     skills = dict(carry_written=0.45, sum_after_carry=0.8, result_after_trace=0.99)
     text = report([dict(cell("old", 0, 0.9), warm_start=skills), dict(cell("old", 1, 0.9), warm_start=skills)])
     assert "| old (old) | default | 2 | 0.45 ± 0.00 | 0.80 ± 0.00 | 0.99 ± 0.00 | 0: 0.800, 1: 0.800 |" in text
+
+
+def test_no_script_hides_a_module_it_imports():
+    """`python benchmarks/x.py` puts benchmarks/ first on sys.path: a script named as an installed module (tree.py
+    and dm-tree, which tensorflow_datasets imports) would be imported in its place."""
+    import importlib.machinery
+    import sys
+
+    elsewhere = [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "benchmarks")]
+    shadowing = [s for s in SCRIPTS if importlib.machinery.PathFinder.find_spec(Path(s).stem, elsewhere)]
+    assert not shadowing, f"benchmarks/{shadowing}: named as an installed module; rename it"
 
 
 @pytest.mark.parametrize("script", sorted(OWN_SMOKE_TEST))

@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import scored
 
 from arealjax import builders, train
 from arealjax.api import SamplingParams
@@ -176,9 +177,7 @@ def test_generator_scores_like_the_trainer_after_a_sync():
     assert set(out.versions.tolist()) == {1}
     traj = Trajectory.from_completion(prompt, out.output_tokens, out.logprobs, out.versions)
     batch = trainer.pack([traj])[0]
-    logp = np.asarray(trainer.logprobs(trainer.params, batch)[0])
-    row, cols = np.nonzero(batch.micro(0)["segment_ids"] == 1)
-    got = logp[row[0], cols[len(prompt) - 1:-1]]
+    got = scored(np.asarray(trainer.logprobs(trainer.params, batch)[0]), batch.micro(0), len(traj))[len(prompt):]
     np.testing.assert_allclose(out.logprobs, got, atol=2e-5)
 
 

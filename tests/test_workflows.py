@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from conftest import scored
 from test_controller import small_config
 
 from arealjax import builders
@@ -40,9 +41,8 @@ def logprobs_of(trainer, params, traj):
     """Per token k of `traj` (k >= 1): log p(token k | tokens < k) under `params`, by a full forward (the model
     turns' tokens: the trainer scores its loss positions only, 0 elsewhere)."""
     batch = trainer.pack([dataclasses.replace(traj, advantage=0.0)])[0]
-    logp = np.asarray(trainer.logprobs(params, batch)[0])
-    row, cols = np.nonzero(batch.micro(0)["segment_ids"] == 1)
-    return np.concatenate([[0.0], logp[row[0], cols[:-1]]])
+    return scored(np.asarray(trainer.logprobs(params, batch)[0]), batch.micro(0), len(traj))
+
 
 
 class SwapAfterFirstTurn(Episode):

@@ -1,8 +1,8 @@
 """Shared prefixes trained once: the trainer's tokens and step time with trainer.share_prefixes on and off, side by
 side in one run on this machine, on the batch shapes of the recipes.
 
-  python benchmarks/tree.py            # benchmarks/results/tree.{json,md} (~15 minutes on 2 CPU cores)
-  python benchmarks/tree.py --smoke    # tiny shapes, seconds: the script works (results in --work/smoke)
+  python benchmarks/prefixes.py            # benchmarks/results/prefixes.{json,md} (~15 minutes on 2 CPU cores)
+  python benchmarks/prefixes.py --smoke    # tiny shapes, seconds: the script works (results in --work/smoke)
 
 Each shape is a batch as its recipe's rollouts lay it out (token ids random; the lengths, the sharing and the model
 are the recipe's):
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -162,24 +163,22 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, seconds; results in --work/smoke")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "arealjax_tree"))
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "arealjax_prefixes"))
     p.add_argument("--only", default="", help="shapes to run, comma-separated (default: all)")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     todo = shapes(args.smoke)
     names = [n for n in todo if not args.only or n in args.only.split(",")]
     rows = [measure(n, todo[n], 1 if args.smoke else args.repeats) for n in names]
-    import os
-
-    result = {"command": "python benchmarks/tree.py" + (" --smoke" if args.smoke else ""), "commit": commit(),
+    result = {"command": "python benchmarks/prefixes.py" + (" --smoke" if args.smoke else ""), "commit": commit(),
               "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
               "repeats": 1 if args.smoke else args.repeats, "rows": rows}
     out = Path(args.work) / "smoke" if args.smoke else Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tree.json").write_text(json.dumps(result, indent=1))
-    (out / "tree.md").write_text(markdown(result))
+    (out / "prefixes.json").write_text(json.dumps(result, indent=1))
+    (out / "prefixes.md").write_text(markdown(result))
     print(markdown(result))
-    print(f"wrote {out / 'tree.json'} and tree.md")
+    print(f"wrote {out / 'prefixes.json'} and prefixes.md")
 
 
 if __name__ == "__main__":
