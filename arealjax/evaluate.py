@@ -288,6 +288,19 @@ def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | N
 def _serving(config: Any, workdir: str, stop: Stop | None):
     """serving() of a config that served() made and check_config() passed."""
     from arealjax import builders
+
+    stop = stop or Stop()
+    with frozen(config, workdir) as (backend, tokenizer), contextlib.ExitStack() as stack:
+        rewards = builders.make_rewards(config)
+        stack.callback(rewards.close)
+        yield backend, rewards, tokenizer, stop.wait
+
+
+@contextlib.contextmanager
+def frozen(config: Any, workdir: str = ""):
+    """(backend, tokenizer): config.generator's backend serving config.model_path or, with `workdir`, the params of
+    that run's latest checkpoint (LoRA as config.lora.generator says), frozen; stopped on exit."""
+    from arealjax import builders
     from arealjax.export import restore_trainer
 
     base = builders.base(config)
@@ -296,10 +309,11 @@ def _serving(config: Any, workdir: str, stop: Stop | None):
         trainer, _ = restore_trainer(config, workdir, base)
         model, version = trainer.model, trainer.version
         base.model = trainer = None  # the checkpoint's params are served; no optimizer state is needed to generate
-    stop = stop or Stop()
-    with contextlib.ExitStack() as stack:
-        parts = builders.rollouts(config, model, version, base, stack)
-        yield parts.backend, parts.rewards, base.tokenizer, stop.wait
+    backend, _ = builders.make_backend(config, model, version, base.meshes, base.rules)
+    try:
+        yield backend, base.tokenizer
+    finally:
+        backend.close()
 
 
 def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", progress: bool = True,

@@ -24,6 +24,8 @@ OWN_SMOKE_TEST = {"accelerator.py": "test_accelerator.py", "real_model.py": "tes
 # What each --smoke leaves: text on stdout, and files under its temporary directory (TMPDIR). A script not listed
 # only has to exit 0 and print something.
 SMOKE_RESULTS = {
+    "agent.py": (["| in-process client |", "| arealjax.serve (HTTP) |", "| 4 | 8 |"],
+                 [f"arealjax_agent_bench/smoke/agent.{x}" for x in ("json", "md")]),
     "async_vs_sync.py": (["| η (overrides) |", "\n| 1 |"], ["arealjax_async_vs_sync/smoke/results.json"]),
     "checkpoint.py": (["| local disk |", "| gs:// (local emulator) |", "| stream prompts"], []),
     "disaggregated.py": (["| synchronous colocated | ", "| disaggregated η = 1 | ", "speedup_eta4 = None"],

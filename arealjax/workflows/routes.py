@@ -42,6 +42,8 @@ async def answer(session: ChatSession, method: str, path: str, body: bytes) -> t
 
 
 def json_response(status: int, body: dict) -> tuple[int, dict[str, str], bytes]:
-    """A JSON response; a refusal tells the SDK not to retry it (it would retry a 429 or 5xx by default)."""
-    return status, {"content-type": "application/json", **({"x-should-retry": "false"} if status >= 400 else {})}, \
+    """A JSON response; a refusal tells the SDK not to retry it (it would retry a 429 or 5xx by default), except
+    429 and 503 (a busy or stopping server: a retry may succeed)."""
+    final = status >= 400 and status not in (429, 503)
+    return status, {"content-type": "application/json", **({"x-should-retry": "false"} if final else {})}, \
         json.dumps(body).encode()
