@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_serve import serve_command
 
 from arealjax.runtime import child_env
 
@@ -146,6 +147,12 @@ def test_recipe_tiny_trains_through_main_then_evaluates(tmp_path_factory, tiny_r
     assert ("maj@4" in result) == (name == "math") and "| pass@4 |" in ev.stdout
     problems = [json.loads(x) for x in (out / "problems.jsonl").read_text().splitlines()]
     assert len(problems) == 8 and all(len(p["completions"]) == 4 for p in problems)
+    if recipe == "code+lora":  # served as it trained: the SFT base with the adapters on the fly; the PEFT export
+        # alone is refused, naming what to serve instead
+        serve_command([f"--config=configs/{name}.py:{arg}", f"--workdir={workdir}", *paths], env, workdir.name)
+        peft = subprocess.run([sys.executable, "-m", "arealjax.serve", f"--model={workdir / 'model'}"], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert peft.returncode == 2 and "LoRA adapters only" in peft.stderr, peft.stderr
 
 
 def test_rl_loop_keeps_one_copy_of_the_weights_on_the_trainer(tmp_path):
