@@ -202,10 +202,11 @@ class Rewards(Protocol):
     """Scores completions off the caller's thread (rewards/service.py: a pool of worker processes, timeouts,
     retries). The controller's workflows and evaluation see only this."""
 
-    def submit(self, completion: str, **kwargs: Any) -> Future:
-        """Future of the reward (a float) of `completion`; kwargs go to the reward function (answer=, tests=)."""
+    def submit(self, completion: str, prompt: str = "", **kwargs: Any) -> Future:
+        """Future of the reward (a float) of `completion`; kwargs go to the reward function (answer=, tests=), and
+        the prompt's text to one that declares `prompt` (a judge)."""
 
-    async def score(self, completion: str, **kwargs: Any) -> float:
+    async def score(self, completion: str, prompt: str = "", **kwargs: Any) -> float:
         """The reward, awaited from asyncio code without blocking its event loop."""
 
     def metrics(self) -> dict[str, float]:

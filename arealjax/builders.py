@@ -118,4 +118,5 @@ def make_rewards(config: Any) -> RewardService:
     r = config.rewards
     return RewardService(r.fn, workers=r.workers, timeout=r.timeout, retries=r.retries,
                          failure_reward=r.failure_reward, max_failure_rate=r.max_failure_rate,
-                         failure_window=r.failure_window)
+                         failure_window=r.failure_window, concurrency=r.get("concurrency", 32),
+                         context={"judge": r.judge.to_dict()} if "judge" in r else {})

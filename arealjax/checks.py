@@ -15,15 +15,16 @@ from typing import Any
 
 from arealjax import checkpoint, controller, data, generation, metrics, runtime, sft
 from arealjax.models import lora
+from arealjax.rewards import judge
 from arealjax.rewards import service as rewards
 from arealjax.rl import advantages, trainer
 from arealjax.validate import Problems, get, ints, number
 from arealjax.workflows import base as workflows
 
 # The components that own config sections, each with `check(config, problems)` beside its constants: rl (the
-# controller), trainer (with trainer.ppo and trainer.optim), advantage, lora, rewards, data (and task), sft,
-# checkpoint, wandb (metrics), cpus (runtime), workflow. The generator's keys are the rollout backend's check.
-COMPONENTS = (controller, trainer, advantages, lora, rewards, data, sft, checkpoint, metrics, runtime, workflows)
+# controller), trainer (with trainer.ppo and trainer.optim), advantage, lora, rewards, rewards.judge, data (and
+# task), sft, checkpoint, wandb (metrics), cpus (runtime), workflow. The generator's keys are the rollout backend's.
+COMPONENTS = (controller, trainer, advantages, lora, rewards, judge, data, sft, checkpoint, metrics, runtime, workflows)
 
 
 class ConfigError(ValueError):

@@ -173,7 +173,8 @@ def _completions(backend: RolloutBackend, rewards, tokenizer) -> Callable:
         def samples(wait: Callable) -> list[Sample]:
             completions = wait(fut)
             texts = [tokenizer.decode(c.output_tokens) for c in completions]
-            scores = [rewards.submit(t, **p.reward_kwargs) for t in texts]
+            scores = [rewards.submit(t, p.text or tokenizer.decode(p.tokens, skip_special_tokens=True),
+                                     **p.reward_kwargs) for t in texts]
             return [Sample(t, float(wait(s)), len(c.output_tokens), c.stop_reason == "length")
                     for t, s, c in zip(texts, scores, completions)]
 

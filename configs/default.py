@@ -128,6 +128,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # A reward function failing on more than this share of the last failure_window calls is broken: stop the run.
     config.rewards.max_failure_rate = 0.5
     config.rewards.failure_window = 64
+    config.rewards.concurrency = 32  # calls in flight at once of an `async def` function (a judge): no workers
+    # A judge model as the reward (rewards.fn = "arealjax.rewards.judge:judge"): any OpenAI-compatible endpoint.
+    config.rewards.judge = ml_collections.ConfigDict()
+    config.rewards.judge.base_url = ""  # e.g. "http://127.0.0.1:8000/v1" (python -m arealjax.serve --model=DIR)
+    config.rewards.judge.model = ""  # "" = the first of the endpoint's GET /models
+    config.rewards.judge.prompt = ""  # over {prompt}, {completion} and the row's fields; "" = judge.DEFAULT_PROMPT
+    config.rewards.judge.parse = "number"  # "number" (/ max_score) | "yes_no" | "json:FIELD" (/ max_score)
+    config.rewards.judge.max_score = 10.0
+    config.rewards.judge.max_tokens = 16  # of the judge's reply
+    config.rewards.judge.timeout = 8.0  # per reply, below rewards.timeout
+    config.rewards.judge.api_key_env = ""  # the environment variable holding the endpoint's key
 
     # One dataset sample -> one trajectory (arealjax/workflows): "arealjax.workflows:RLVR" (single turn),
     # "arealjax.workflows:MultiTurn" (answer -> feedback -> retry), "arealjax.workflows:ToolCalls" (code in the

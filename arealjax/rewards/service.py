@@ -14,6 +14,12 @@ reward must be a finite number: None, a string, NaN or inf is an error like a ra
 unlucky: the service stops, every pending and later call fails with the count and the last error, and the run
 stops with it (instead of training on `failure_reward` everywhere and ending "successfully").
 
+An `async def` function (a judge model behind an HTTP endpoint: arealjax/rewards/judge.py) runs instead on an event
+loop in this process, `concurrency` calls at once, under the same timeout, retries and failure accounting; it may
+raise `RewardFatal` (its endpoint cannot be reached at all) to stop the service at once. A function that declares a
+parameter `prompt` gets the prompt's text, and one named as a key of `context` (e.g. `judge`: the config's
+rewards.judge section) gets that value: what a function needs beyond the completion and the row.
+
 Workers die with their parent, even a SIGKILLed one (parent-death signal), and ignore Ctrl-C and SIGTERM from their
 first instruction (blocked in the threads that spawn them), so an interrupted run leaves no process and prints no
 worker traceback; the parent kills them when it closes the service, or at its exit if nobody did.
@@ -24,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import math
 import multiprocessing
@@ -66,6 +74,11 @@ def resolve(path: str, what: str = "reward function") -> Callable:
     return fn
 
 
+class RewardFatal(Exception):
+    """Raised by a reward function whose every call will fail (an endpoint that cannot be reached): the service
+    stops at once with its message, instead of after `failure_window` calls."""
+
+
 def check(config: Any, problems: Problems) -> None:
     """The rewards section (the function's path, workers, timeout, retries, failure rate and window), at start-up."""
     r, need = config.rewards, problems.need
@@ -75,6 +88,7 @@ def check(config: Any, problems: Problems) -> None:
     need(number(r.max_failure_rate) and 0 < r.max_failure_rate <= 1, "rewards.max_failure_rate", "a share in (0, 1]")
     need(isinstance(r.fn, str) and re.fullmatch(r"[\w.]+:\w+", r.fn or "") is not None, "rewards.fn",
          "'package.module:function'")
+    problems.positive("rewards.concurrency")
 
 
 def die_with_parent(parent: int) -> None:
@@ -140,7 +154,7 @@ class RewardStats:
     restarts: int = 0  # worker processes started after the first ones
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # hashed by identity: the calls in flight on the loop are a set
 class _Job:
     future: Future
     completion: str
@@ -150,12 +164,17 @@ class _Job:
 
 class RewardService:
     def __init__(self, fn: str, *, workers: int = 2, timeout: float = 10.0, retries: int = 1,
-                 failure_reward: float = 0.0, max_failure_rate: float = 1.0, failure_window: int = 64):
+                 failure_reward: float = 0.0, max_failure_rate: float = 1.0, failure_window: int = 64,
+                 concurrency: int = 32, context: dict[str, Any] | None = None):
         if workers < 1 or timeout <= 0 or retries < 0 or not 0 < max_failure_rate <= 1 or failure_window < 1:
             raise ValueError(f"RewardService: need workers >= 1, timeout > 0, retries >= 0, 0 < max_failure_rate "
                              f"<= 1, failure_window >= 1 (got {workers}, {timeout}, {retries}, {max_failure_rate}, "
                              f"{failure_window})")
-        resolve(fn)  # fail fast, in the caller's process, on a bad path
+        function = resolve(fn)  # fail fast, in the caller's process, on a bad path
+        declared = {p.name for p in inspect.signature(function).parameters.values()
+                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        self._wants_prompt = "prompt" in declared
+        self._context = {k: v for k, v in (context or {}).items() if k in declared}  # given to every call
         self.fn, self.timeout, self.retries, self.failure_reward = fn, timeout, retries, failure_reward
         self.max_failure_rate = max_failure_rate
         self._recent: collections.deque[bool] = collections.deque(maxlen=failure_window)  # True = failed
@@ -170,26 +189,41 @@ class RewardService:
         # runs before it); close unregisters it
         self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._at_exit)
-        self._threads = [threading.Thread(target=self._serve, name=f"reward-worker-{i}", daemon=True)
-                         for i in range(workers)]
+        self._async = inspect.iscoroutinefunction(function)
+        if self._async:  # one event loop in this process: calls wait for the network, not for CPU
+            self._function, self._pending = function, set()
+            self._loop = asyncio.new_event_loop()
+            self._limit = asyncio.Semaphore(concurrency)
+            self._threads = [threading.Thread(target=self._loop.run_forever, name="reward-loop", daemon=True)]
+        else:
+            self._threads = [threading.Thread(target=self._serve, name=f"reward-worker-{i}", daemon=True)
+                             for i in range(workers)]
         for t in self._threads:
             t.start()
+        if self._async and hasattr(function, "start"):  # e.g. a judge's probe of its endpoint
+            try:
+                asyncio.run_coroutine_threadsafe(function.start(**self._context), self._loop).result(120)
+            except Exception as e:
+                self.close()
+                raise RuntimeError(f"reward function '{fn}' did not start: {e}") from e
 
     # ---- callers (any thread) ----
-    def submit(self, completion: str, **kwargs) -> Future:
-        """Future of the reward of `completion` (kwargs go to the function, e.g. answer=...)."""
+    def submit(self, completion: str, prompt: str = "", **kwargs) -> Future:
+        """Future of the reward of `completion` (kwargs go to the function, e.g. answer=...; `prompt` to a function
+        that declares it)."""
+        kwargs = {**kwargs, **self._context, **({"prompt": prompt} if self._wants_prompt else {})}
         with self._lock:
             if self._closed:
                 raise RuntimeError("reward service closed")
             if self._fatal:
                 raise RuntimeError(self._fatal)
             job = _Job(Future(), completion, kwargs)
-            self._jobs.put(job)
+            self._dispatch(job)
         return job.future
 
-    async def score(self, completion: str, **kwargs) -> float:
+    async def score(self, completion: str, prompt: str = "", **kwargs) -> float:
         """The reward, awaited from asyncio code without blocking its event loop."""
-        return await asyncio.wrap_future(self.submit(completion, **kwargs))
+        return await asyncio.wrap_future(self.submit(completion, prompt, **kwargs))
 
     def metrics(self) -> dict[str, float]:
         """For metrics.Meter: run totals of calls that failed (scored failure_reward) and attempts that timed out."""
@@ -202,8 +236,14 @@ class RewardService:
                 return
             self._closed = True
         atexit.unregister(self._at_exit)
-        for _ in self._threads:
-            self._jobs.put(_STOP)
+        if self._async:
+            if hasattr(self._function, "close"):
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(self._function.close(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        else:
+            for _ in self._threads:
+                self._jobs.put(_STOP)
         for t in self._threads:
             t.join(timeout=10)
         self._drain(RuntimeError("reward service closed"))
@@ -213,6 +253,36 @@ class RewardService:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _dispatch(self, job: _Job) -> None:
+        """To a worker's queue, or (an async function) onto the loop."""
+        if self._async:
+            self._pending.add(job)
+            asyncio.run_coroutine_threadsafe(self._run(job), self._loop)
+        else:
+            self._jobs.put(job)
+
+    # ---- an async function: calls on the service's event loop ----
+    async def _run(self, job: _Job) -> None:
+        async with self._limit:
+            if job.future.done() or (job.attempt == 0 and not job.future.set_running_or_notify_cancel()):
+                self._pending.discard(job)
+                return
+            problem, value, detail = None, None, ""
+            try:
+                value = as_reward(await asyncio.wait_for(self._function(job.completion, **job.kwargs), self.timeout))
+            except TimeoutError as e:  # the service's, or the function's own (a judge's reply timeout)
+                problem, detail = "timeout", str(e) or f"no reward within {self.timeout}s"
+            except RewardFatal as e:
+                with self._lock:
+                    self._fatal = self._fatal or f"reward function '{self.fn}': {e}"
+                logging.error("%s", self._fatal)
+                self._drain(RuntimeError(self._fatal))
+                return
+            except Exception as e:  # noqa: BLE001 — counted like a worker's error
+                problem, detail = "error", f"{type(e).__name__}: {e}"
+        self._pending.discard(job)
+        self._settle(job, problem, value, detail)
 
     # ---- one thread per worker process ----
     def _spawn(self) -> tuple[Any, multiprocessing.connection.Connection]:
@@ -284,10 +354,10 @@ class RewardService:
                 if getattr(self.stats, count) <= _MAX_LOGGED:
                     logging.warning("reward call %s (attempt %d of %d): %s", problem, job.attempt + 1,
                                     self.retries + 1, detail)
-                if job.attempt < self.retries and not self._closed:
+                if job.attempt < self.retries and not self._closed and not self._fatal:
                     job.attempt += 1
                     self.stats.retries += 1
-                    self._jobs.put(job)
+                    self._dispatch(job)
                     return
             self.stats.calls += 1
             if problem is None:
@@ -305,7 +375,8 @@ class RewardService:
         if broken:
             logging.error("%s", self._fatal)
             self._drain(RuntimeError(self._fatal))
-        job.future.set_result(self.failure_reward if problem is not None else value)
+        if not job.future.done():
+            job.future.set_result(self.failure_reward if problem is not None else value)
 
     def _drain(self, error: BaseException) -> None:
         """Fails every call still waiting for a worker. A close's stop orders stay queued for the worker threads
@@ -322,6 +393,10 @@ class RewardService:
                 job.future.set_exception(error)
         for _ in range(stops):
             self._jobs.put(_STOP)
+        if self._async:
+            for job in list(self._pending):
+                if not job.future.done():
+                    job.future.set_exception(error)
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

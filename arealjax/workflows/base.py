@@ -110,8 +110,10 @@ class Episode:
                 for j in range(sampling.n)]
 
     async def reward(self, text: str, **kwargs: Any) -> float:
-        """The reward service's score of `text`, with the prompt's reward kwargs (overridable)."""
-        return await self.rewards.score(text, **{**self.prompt.reward_kwargs, **kwargs})
+        """The reward service's score of `text`, with the prompt's reward kwargs (overridable) and its text (for a
+        function that reads it: a judge)."""
+        prompt = self.prompt.text or self.tokenizer.decode(self.prompt.tokens, skip_special_tokens=True)
+        return await self.rewards.score(text, prompt, **{**self.prompt.reward_kwargs, **kwargs})
 
     async def run_code(self, code: str, stdin: str = "", limits: Limits = Limits()) -> RunResult:
         """Runs model-written code in the sandbox, off the event loop."""
