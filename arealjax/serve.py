@@ -31,8 +31,7 @@ from arealjax.api import RolloutBackend, SamplingParams
 from arealjax.tokenizer import Tokenizer
 from arealjax.workflows.base import Episode, Prompt
 from arealjax.workflows.chat import APIError, ChatSession
-from arealjax.workflows.endpoint import Grant, HTTPServer
-from arealjax.workflows.routes import json_response
+from arealjax.workflows.endpoint import Grant, HTTPServer, refuse
 
 MAX_N = 16  # choices per request (the chat route's bound on `n`)
 
@@ -80,14 +79,11 @@ class ModelServer(HTTPServer):
         return Grant(key, ServedSession(ep, self.name, max_calls=MAX_N))
 
     async def _handle(self, request):
-        from aiohttp import web
-
         refused = (APIError("the server is stopping", None, 503, "server_error") if self.stopping else
                    APIError(f"{self.pending} requests in flight, the server's bound (--max-pending); retry later",
                             None, 429, "rate_limit_error") if self.pending >= self.max_pending else None)
         if refused is not None:
-            status, headers, body = json_response(refused.status, refused.body())
-            return web.Response(status=status, body=body, headers=headers)
+            return refuse(refused)
         self.pending += 1
         try:
             return await super()._handle(request)

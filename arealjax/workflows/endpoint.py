@@ -87,11 +87,11 @@ class HTTPServer:
         auth = request.headers.get("Authorization", "")
         grant = self.grant(auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else "")
         if grant is None:
-            return _refuse(APIError(self.refusal, None, 401, "authentication_error"))
+            return refuse(APIError(self.refusal, None, 401, "authentication_error"))
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return _refuse(APIError(f"request body exceeds {MAX_BODY} bytes", None, 413))
+            return refuse(APIError(f"request body exceeds {MAX_BODY} bytes", None, 413))
         answered = await self.extra(request, grant, body)
         if answered is None:
             answered = await answer(grant.session, request.method, request.path, body)
@@ -134,7 +134,8 @@ class AgentEndpoint(HTTPServer):
         return json_response(200, {"ok": True})
 
 
-def _refuse(e: APIError):
+def refuse(e: APIError):
+    """A refusal in OpenAI's error shape."""
     return _response(*json_response(e.status, e.body()))
 
 
