@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cells import commit, cpu_model  # noqa: E402
+from benchmarks.cells import commit, cpu_model, write_results  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is 12 + 30? Answer with a number."}]
 
@@ -240,11 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                   "episodes": [asyncio.run(episodes(gen, tok, args.tokens, c, max(total, c))) for c in concurrency],
                   "serve": [asyncio.run(serve_clients(gen, tok, args.tokens, c, per_client)) for c in clients]}
     out = work / "smoke" if args.smoke else Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "agent.json").write_text(json.dumps(result, indent=1))
-    (out / "agent.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'agent.json'} and agent.md")
+    write_results(out, "agent", result, markdown(result))
 
 
 if __name__ == "__main__":

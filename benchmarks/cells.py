@@ -111,6 +111,15 @@ def cpu_model() -> str:
     return names[0] if names else platform.processor() or "unknown"
 
 
+def write_results(out: Path, name: str, result: dict, text: str) -> None:
+    """`result` as out/name.json and its report `text` as out/name.md (printed too)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(text)
+    print(text)
+    print(f"wrote {out / name}.json and {name}.md")
+
+
 def commit(checkout: Path = ROOT) -> str:
     """The checkout's short commit, '+dirty' with uncommitted changes outside benchmarks/results (a result names the
     code it measured; the results files a benchmark adds to are not code); a copy of the tree without its git

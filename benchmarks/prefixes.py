@@ -27,7 +27,6 @@ each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cells import commit, cpu_model  # noqa: E402
+from benchmarks.cells import commit, cpu_model, write_results  # noqa: E402
 
 SMOLLM2 = dict(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
@@ -174,11 +173,7 @@ def main(argv: list[str] | None = None) -> None:
               "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
               "repeats": 1 if args.smoke else args.repeats, "rows": rows}
     out = Path(args.work) / "smoke" if args.smoke else Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "prefixes.json").write_text(json.dumps(result, indent=1))
-    (out / "prefixes.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'prefixes.json'} and prefixes.md")
+    write_results(out, "prefixes", result, markdown(result))
 
 
 if __name__ == "__main__":
