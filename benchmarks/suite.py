@@ -1,14 +1,15 @@
 """The test suite's own time: the README's test command, timed, with where its time goes.
 
-  python benchmarks/suite.py            # the whole suite (about 25 minutes on 2 cores); benchmarks/results/suite.*
+  python benchmarks/suite.py            # the whole suite (40 minutes on 2 AMD EPYC cores); benchmarks/results/suite.*
   python benchmarks/suite.py --smoke    # one small test file (seconds): the script itself works
 
 Runs `python -m pytest -q -n 2 --dist loadfile tests` (the README's second command without its install; the install
 is pip's cache and the network) in this Python, timing it by the wall clock and the CPU seconds of every process it
 started. Writes suite.json and suite.md to --results (--smoke: a scratch directory): the commit, the passed and
 failed counts, wall-clock, CPU share of the machine's cores, every test file's seconds (summed over its tests: the
-work a worker spent on it) and the slowest tests. A file's seconds are measured with the other worker busy: they
-add up to about the cores times the wall-clock, not to it.
+work a worker spent on it), every test's seconds (the slowest in the report) and each failed test's traceback. A
+file's seconds are measured with the other worker busy: they add up to about the cores times the wall-clock, not to
+it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+FAILURE_CHARS = 4000  # of a failed test's traceback, its end, kept in the results
 
 from benchmarks.cells import cpu_model  # noqa: E402
 
@@ -50,13 +52,17 @@ def run(tests: list[str], workers: int, junit: Path) -> dict:
 
 
 def per_test(junit: Path) -> tuple[list[dict], dict]:
-    """Every test's seconds (setup, call and teardown) and outcome, from pytest's JUnit XML."""
+    """Every test's seconds (setup, call and teardown) and outcome, from pytest's JUnit XML; a failed one's
+    traceback tail too (a crashed worker's: pytest's line naming the test it was running)."""
     tests, outcomes = [], collections.Counter()
     for case in ET.parse(junit).getroot().iter("testcase"):
-        outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        bad = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        outcome = "passed" if bad is None else bad.tag
         outcomes[outcome] += 1
         tests.append({"file": case.get("classname", "").split(".")[-1] + ".py", "name": case.get("name"),
                       "seconds": float(case.get("time") or 0), "outcome": outcome})
+        if outcome in ("failure", "error"):
+            tests[-1]["why"] = ((bad.get("message") or "") + "\n" + (bad.text or ""))[-FAILURE_CHARS:]
     return tests, dict(outcomes)
 
 
@@ -72,6 +78,8 @@ def report(res: dict) -> str:
     lines += [f"| {f['file']} | {f['tests']} | {f['seconds']:.0f} | {f['seconds'] / total:.0%} |" for f in res["files"]]
     lines += ["", "Slowest tests:", "", "| test | seconds |", "|---|---|"]
     lines += [f"| {t['file']}::{t['name']} | {t['seconds']:.1f} |" for t in res["slowest"]]
+    for t in res.get("failed", []):
+        lines += ["", f"Failed: `{t['file']}::{t['name']}`", "", "```", t["why"].strip(), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -96,6 +104,9 @@ def main() -> None:
         files[t["file"]]["seconds"] += t["seconds"]
     res["files"] = sorted(({"file": f, **v} for f, v in files.items()), key=lambda f: -f["seconds"])
     res["slowest"] = sorted(tests_run, key=lambda t: -t["seconds"])[:20]
+    res["failed"] = [t for t in tests_run if "why" in t]
+    res["tests"] = sorted(({k: t[k] for k in ("file", "name", "seconds")} for t in tests_run),
+                          key=lambda t: -t["seconds"])  # every test: where the next minutes can come from
     (results / "suite.json").write_text(json.dumps(res, indent=1))
     (results / "suite.md").write_text(report(res))
     print(report(res))

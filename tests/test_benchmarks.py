@@ -372,3 +372,24 @@ def test_no_benchmark_runs_under_the_suites_settings():
                      else [node.module] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{path.name}:{node.lineno}" for n in names if n and n.split(".")[0] == "conftest"]
     assert not offenders, f"benchmarks import the test suite's conftest.py: {offenders}"
+
+
+def test_suite_keeps_every_tests_seconds_and_why_a_test_failed(tmp_path):
+    """benchmarks/suite.py reads pytest's JUnit XML: each test's seconds, and a failed test's traceback tail (a
+    crashed worker's line naming its test) into the results, so a failed suite says why."""
+    from benchmarks.suite import per_test
+
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_a" name="test_ok" time="1.5"/>'
+        '<testcase classname="tests.test_a" name="test_bad" time="2">'
+        '<failure message="assert 1 == 2">a traceback\nE   assert 1 == 2</failure></testcase>'
+        '<testcase classname="tests.test_b" name="test_crash" time="0">'
+        "<failure message=\"worker 'gw1' crashed while running 'tests/test_b.py::test_crash'\"/></testcase>"
+        '<testcase classname="tests.test_b" name="test_skip" time="0"><skipped message="no"/></testcase>'
+        "</testsuite></testsuites>")
+    tests, outcomes = per_test(junit)
+    assert outcomes == {"passed": 1, "failure": 2, "skipped": 1}
+    assert [(t["file"], t["seconds"], "why" in t) for t in tests] == [
+        ("test_a.py", 1.5, False), ("test_a.py", 2.0, True), ("test_b.py", 0.0, True), ("test_b.py", 0.0, False)]
+    assert "E   assert 1 == 2" in tests[1]["why"] and "crashed while running 'tests/test_b.py" in tests[2]["why"]
