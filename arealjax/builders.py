@@ -14,6 +14,7 @@ import jax
 from arealjax import generation, models
 from arealjax.api import RolloutBackend, WeightTransport
 from arealjax.distributed import Processes
+from arealjax.rewards import judge
 from arealjax.rewards.service import RewardService
 from arealjax.rl.losses import PPOConfig
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
@@ -51,12 +52,10 @@ class Rollouts:
 def rollouts(config: Any, model: models.Model, version: int, base: Base, stack: contextlib.ExitStack, *,
              workdir: str | None = None) -> Rollouts:
     """The backend serving `model`'s params as `version`, its transport and the reward service, each closed by
-    `stack` (the reward service first: it is built last)."""
+    `stack` (the reward service first: it is built last; then a judge the run serves)."""
     backend, transport = make_backend(config, model, version, base.meshes, base.rules, workdir=workdir)
     stack.callback(backend.close)
-    rewards = make_rewards(config)
-    stack.callback(rewards.close)
-    return Rollouts(backend, transport, rewards)
+    return Rollouts(backend, transport, make_rewards(config, stack))
 
 
 def make_tokenizer(config: Any) -> Tokenizer:
@@ -113,10 +112,15 @@ def role_meshes_for(config: Any) -> dict[str, jax.sharding.Mesh]:
     return role_meshes(mesh)
 
 
-def make_rewards(config: Any) -> RewardService:
-    """The reward service of `config.rewards` (worker processes: close it)."""
+def make_rewards(config: Any, stack: contextlib.ExitStack) -> RewardService:
+    """The reward service of `config.rewards`, closed by `stack`; a judge the run serves itself
+    (rewards.judge.serve) is started before it and stopped after it."""
     r = config.rewards
-    return RewardService(r.fn, workers=r.workers, timeout=r.timeout, retries=r.retries,
-                         failure_reward=r.failure_reward, max_failure_rate=r.max_failure_rate,
-                         failure_window=r.failure_window, concurrency=r.get("concurrency", 32),
-                         context={"judge": r.judge.to_dict()} if "judge" in r else {})
+    context = {"judge": r.judge.to_dict()} if "judge" in r else {}
+    if r.fn == judge.FN and r.judge.serve:
+        context["judge"]["base_url"] = stack.enter_context(judge.served(r.judge))
+    rewards = RewardService(r.fn, workers=r.workers, timeout=r.timeout, retries=r.retries,
+                            failure_reward=r.failure_reward, max_failure_rate=r.max_failure_rate,
+                            failure_window=r.failure_window, concurrency=r.get("concurrency", 32), context=context)
+    stack.callback(rewards.close)
+    return rewards

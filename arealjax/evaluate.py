@@ -292,9 +292,7 @@ def _serving(config: Any, workdir: str, stop: Stop | None):
 
     stop = stop or Stop()
     with frozen(config, workdir) as (backend, tokenizer), contextlib.ExitStack() as stack:
-        rewards = builders.make_rewards(config)
-        stack.callback(rewards.close)
-        yield backend, rewards, tokenizer, stop.wait
+        yield backend, builders.make_rewards(config, stack), tokenizer, stop.wait
 
 
 @contextlib.contextmanager

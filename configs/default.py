@@ -139,6 +139,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rewards.judge.max_tokens = 16  # of the judge's reply
     config.rewards.judge.timeout = 8.0  # per reply, below rewards.timeout
     config.rewards.judge.api_key_env = ""  # the environment variable holding the endpoint's key
+    config.rewards.judge.serve = ""  # a model directory the run serves itself as the judge (instead of base_url)
+    config.rewards.judge.serve_args = ""  # its `python -m arealjax.serve` flags, e.g. "--slots=32 --max-len=2048"
+    config.rewards.judge.serve_env = "JAX_PLATFORMS=cpu"  # its environment: devices the run leaves free
 
     # One dataset sample -> one trajectory (arealjax/workflows): "arealjax.workflows:RLVR" (single turn),
     # "arealjax.workflows:MultiTurn" (answer -> feedback -> retry), "arealjax.workflows:ToolCalls" (code in the

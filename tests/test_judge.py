@@ -164,46 +164,53 @@ def test_the_config_is_checked_at_start():
         check_config(c)
     for key in ("rewards.judge.base_url", "rewards.judge.timeout", "rewards.judge.parse", "rewards.judge.prompt"):
         assert key in str(e.value), (key, str(e.value))
+    c.rewards.judge.update(timeout=4.0, parse="number", prompt="", base_url="http://127.0.0.1:1/v1",
+                           serve="/no/such/model", serve_env="JAX_PLATFORMS")  # both places, no dir, no NAME=VALUE
+    with pytest.raises(ConfigError) as e:
+        check_config(c)
+    for key in ("rewards.judge.base_url", "rewards.judge.serve ", "rewards.judge.serve_env"):
+        assert key in str(e.value), (key, str(e.value))
+
+
+def test_a_judge_the_run_serves_that_cannot_serve_is_an_error_with_its_output(tmp_path):
+    """rewards.judge.serve: a server that exits before serving (no model in the directory) ends the start with its
+    command and the tail of its output, within seconds."""
+    from arealjax.rewards.judge import served
+    from configs.default import get_config
+
+    section = get_config().rewards.judge
+    section.serve = str(tmp_path)
+    with pytest.raises(RuntimeError, match=r"(?s)rewards\.judge\.serve: `.*arealjax\.serve --model=.*` exited with "
+                                           r"code [1-9]\d* before serving; its output:\n.+"):
+        with served(section, start_seconds=120):
+            pass
 
 
 @pytest.mark.slow
 def test_the_tiny_math_recipe_trains_on_a_judge_that_arealjax_serves(tiny_recipes, tmp_path):
-    """main.py trains the tiny math recipe rewarded by a judge: the tiny Qwen3 served by `python -m
-    arealjax.serve` (random: it often answers without a number, a failed reward the run survives at
-    max_failure_rate = 1). With the judge gone, the next run ends at start-up with one error naming its URL."""
+    """main.py trains the tiny math recipe rewarded by a judge the run serves itself (rewards.judge.serve: the tiny
+    Qwen3 through `python -m arealjax.serve`, random: it often answers without a number, a failed reward the run
+    survives at max_failure_rate = 1), and stops it at the end. A run pointed at that judge's URL, gone with its
+    run, ends at start-up with one error naming it."""
     import json
-    import os
-    import signal
+    import re
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    server = subprocess.Popen([sys.executable, "-m", "arealjax.serve", f"--model={tiny_recipes / 'qwen3'}", "--port=0",
-                               "--max-len=512", "--slots=16"], cwd=root, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    try:
-        url = None
-        while url is None:
-            line = server.stdout.readline()
-            assert line, "the judge's server exited before serving"
-            if line.startswith("serving "):
-                url = line.split(" at ")[1].split()[0]
-        arg = f"model=tiny,ckpt={tiny_recipes},tfds={tiny_recipes / 'tfds'}"
-        run = [sys.executable, "main.py", f"--config=configs/math.py:{arg}", "--config.curves=False",
-               f"--config.rewards.fn={FN}", f"--config.rewards.judge.base_url={url}",
-               "--config.rewards.max_failure_rate=1.0", "--config.eval.num_problems=4"]
-        done = subprocess.run([*run, f"--workdir={tmp_path / 'a'}"], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        summary = json.loads((tmp_path / "a" / "summary.json").read_text())
-        assert summary["status"] == "completed"
-        rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-        assert any("reward_failures" in r for r in rows)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=60) == 0
-    gone = subprocess.run([*run, f"--workdir={tmp_path / 'b'}"], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
+    arg = f"model=tiny,ckpt={tiny_recipes},tfds={tiny_recipes / 'tfds'}"
+    run = [sys.executable, "main.py", f"--config=configs/math.py:{arg}", "--config.curves=False",
+           f"--config.rewards.fn={FN}", "--config.rewards.max_failure_rate=1.0", "--config.eval.num_problems=4"]
+    done = subprocess.run([*run, f"--config.rewards.judge.serve={tiny_recipes / 'qwen3'}",
+                           "--config.rewards.judge.serve_args=--max-len=512 --slots=16", f"--workdir={tmp_path / 'a'}"],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert any("reward_failures" in r for r in rows)
+    (url,) = re.findall(r"judge served by the run: \S+ at (\S+)", done.stderr)
+    gone = subprocess.run([*run, f"--config.rewards.judge.base_url={url}", f"--workdir={tmp_path / 'b'}"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
     assert gone.returncode == 1 and f"judge at {url} cannot be reached" in gone.stderr, gone.stderr[-2000:]

@@ -2,6 +2,7 @@
 
     rewards.fn = "arealjax.rewards.judge:judge"
     rewards.judge.base_url = "http://127.0.0.1:8000/v1"   # e.g. python -m arealjax.serve --model=DIR
+    rewards.judge.serve = "DIR"                            # or: the run serves DIR itself (`served`)
 
 Each completion is put in `rewards.judge.prompt` (a template over `{prompt}`, `{completion}` and the row's fields,
 e.g. `{answer}`), sent as one user message at temperature 0, and the reply read by `rewards.judge.parse`: `number`
@@ -11,18 +12,36 @@ JSON object in it, divided by `max_score`). Calls run concurrently on the reward
 parse is a failed reward for that sample, counted and logged with the URL and the reason under the service's
 failure rate. An endpoint that cannot be reached is found by a probe (`GET /models`) at start-up and after a
 connection failure while running, and ends the run with one message naming its URL.
+
+With `rewards.judge.serve = DIR` the run starts `python -m arealjax.serve --model=DIR` itself, on loopback, before
+its reward service, and stops it (SIGTERM) after: `serve_args` are that command's flags, `serve_env` its environment
+(default `JAX_PLATFORMS=cpu`: the accelerators are the trainer's and the generator's; on a host with spare ones,
+e.g. `CUDA_VISIBLE_DEVICES=7`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
+import queue
 import re
+import shlex
+import signal
 import string
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from arealjax.rewards.service import RewardFatal
+from arealjax.runtime import child_env
+
+FN = "arealjax.rewards.judge:judge"
 
 DEFAULT_PROMPT = (
     "You are grading a response to a question.\n\nQuestion:\n{prompt}\n\nResponse:\n{completion}\n\n"
@@ -30,6 +49,52 @@ DEFAULT_PROMPT = (
     "Reply with the number only.")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 PROBES, PROBE_WAIT = 3, 5.0  # GET /models tries before the endpoint is called unreachable, seconds between them
+SERVE_START_SECONDS = 600.0  # for a served judge to load its model and listen
+SERVE_STOP_SECONDS = 60.0  # for it to finish its requests after SIGTERM, before SIGKILL
+
+
+@contextlib.contextmanager
+def served(section: Any, start_seconds: float = SERVE_START_SECONDS) -> Iterator[str]:
+    """`python -m arealjax.serve --model=section.serve` on loopback (a free port), in `section.serve_env`; yields
+    its base URL once it serves, and stops it on exit. A server that exits or does not serve within `start_seconds`
+    is an error with the tail of its output."""
+    cmd = [sys.executable, "-m", "arealjax.serve", f"--model={section.serve}", "--host=127.0.0.1", "--port=0",
+           *shlex.split(section.serve_args)]
+    env = {**child_env(), **dict(kv.split("=", 1) for kv in shlex.split(section.serve_env))}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # a Ctrl-C to the run reaches it through the run, not twice
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:  # all of its output, so a full pipe never blocks it; the start-up lines kept for errors
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, name="judge-server-output", daemon=True).start()
+    try:
+        url, seen, deadline = None, [], time.monotonic() + start_seconds
+        while url is None:
+            try:
+                line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise RuntimeError(f"rewards.judge.serve: `{shlex.join(cmd)}` did not serve within {start_seconds:.0f}"
+                                   f" s; its output:\n{''.join(seen[-20:])}") from None
+            if line is None:
+                raise RuntimeError(f"rewards.judge.serve: `{shlex.join(cmd)}` exited with code {proc.wait()} before "
+                                   f"serving; its output:\n{''.join(seen[-20:])}")
+            seen.append(line)
+            if line.startswith("serving ") and " at " in line:
+                url = line.split(" at ", 1)[1].split()[0]
+        logging.info("judge served by the run: %s at %s", section.serve, url)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(SERVE_STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 class _Endpoint:
@@ -148,11 +213,18 @@ def parse(reply: str, how: str, max_score: float, url: str = "") -> float:
 def check(config: Any, problems) -> None:
     """rewards.judge, when rewards.fn is this judge."""
     r = config.rewards
-    if r.fn != "arealjax.rewards.judge:judge":
+    if r.fn != FN:
         return
     j, need = r.judge, problems.need
-    need(bool(j.base_url), "rewards.judge.base_url", "the judge's OpenAI-compatible endpoint, e.g. "
-         "http://127.0.0.1:8000/v1")
+    need(bool(j.base_url) != bool(j.serve), "rewards.judge.base_url",
+         "the judge's OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1, or rewards.judge.serve = a model "
+         "directory the run serves itself (one of the two)")
+    need(not j.serve or os.path.isdir(j.serve), "rewards.judge.serve", f"a model directory ({j.serve} is not one)")
+    try:
+        dict(kv.split("=", 1) for kv in shlex.split(j.serve_env))
+        shlex.split(j.serve_args)
+    except ValueError as e:
+        need(False, "rewards.judge.serve_env", f"NAME=VALUE pairs, and serve_args flags ({e})")
     need(j.parse in ("number", "yes_no") or (j.parse.startswith("json:") and len(j.parse) > 5),
          "rewards.judge.parse", "'number', 'yes_no' or 'json:FIELD'")
     need(0 < j.timeout < r.timeout, "rewards.judge.timeout", f"seconds in (0, rewards.timeout = {r.timeout})")
