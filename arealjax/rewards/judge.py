@@ -53,6 +53,11 @@ SERVE_START_SECONDS = 600.0  # for a served judge to load its model and listen
 SERVE_STOP_SECONDS = 60.0  # for it to finish its requests after SIGTERM, before SIGKILL
 
 
+def serve_env(section: Any) -> dict[str, str]:
+    """rewards.judge.serve_env's NAME=VALUE pairs."""
+    return dict(kv.split("=", 1) for kv in shlex.split(section.serve_env))
+
+
 @contextlib.contextmanager
 def served(section: Any, start_seconds: float = SERVE_START_SECONDS) -> Iterator[str]:
     """`python -m arealjax.serve --model=section.serve` on loopback (a free port), in `section.serve_env`; yields
@@ -60,14 +65,16 @@ def served(section: Any, start_seconds: float = SERVE_START_SECONDS) -> Iterator
     is an error with the tail of its output."""
     cmd = [sys.executable, "-m", "arealjax.serve", f"--model={section.serve}", "--host=127.0.0.1", "--port=0",
            *shlex.split(section.serve_args)]
-    env = {**child_env(), **dict(kv.split("=", 1) for kv in shlex.split(section.serve_env))}
+    env = {**child_env(), **serve_env(section)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # a Ctrl-C to the run reaches it through the run, not twice
     lines: queue.Queue[str | None] = queue.Queue()
+    serving = threading.Event()
 
     def read() -> None:  # all of its output, so a full pipe never blocks it; the start-up lines kept for errors
         for line in proc.stdout:
-            lines.put(line)
+            if not serving.is_set():
+                lines.put(line)
         lines.put(None)
 
     threading.Thread(target=read, name="judge-server-output", daemon=True).start()
@@ -85,6 +92,7 @@ def served(section: Any, start_seconds: float = SERVE_START_SECONDS) -> Iterator
             seen.append(line)
             if line.startswith("serving ") and " at " in line:
                 url = line.split(" at ", 1)[1].split()[0]
+        serving.set()
         logging.info("judge served by the run: %s at %s", section.serve, url)
         yield url
     finally:
@@ -221,7 +229,7 @@ def check(config: Any, problems) -> None:
          "directory the run serves itself (one of the two)")
     need(not j.serve or os.path.isdir(j.serve), "rewards.judge.serve", f"a model directory ({j.serve} is not one)")
     try:
-        dict(kv.split("=", 1) for kv in shlex.split(j.serve_env))
+        serve_env(j)
         shlex.split(j.serve_args)
     except ValueError as e:
         need(False, "rewards.judge.serve_env", f"NAME=VALUE pairs, and serve_args flags ({e})")
