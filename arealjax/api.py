@@ -26,7 +26,8 @@ MAX_STOP_IDS = 8  # stop token ids per request (a backend may pad them into a fi
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+    """Per-request sampling. temperature 0 = greedy; top_k 0 and top_p 1 = off. `grammar`: an llguidance grammar
+    (generation/grammar.py, e.g. `response_grammar`): only the tokens it allows are drawn."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -35,6 +36,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     seed: int = 0
+    grammar: str | None = None
 
     def __post_init__(self):
         checks = [

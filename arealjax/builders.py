@@ -19,7 +19,7 @@ from arealjax.rewards.service import RewardService
 from arealjax.rl.losses import PPOConfig
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
 from arealjax.sharding import normalize_rules, role_meshes
-from arealjax.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
+from arealjax.tokenizer import Tokenizer, tokenizer_of
 
 
 @dataclasses.dataclass
@@ -58,14 +58,9 @@ def rollouts(config: Any, model: models.Model, version: int, base: Base, stack: 
     return Rollouts(backend, transport, make_rewards(config, stack))
 
 
-def make_tokenizer(config: Any) -> Tokenizer:
-    """The tokenizer of `config.model_path` (a HF directory) or, when empty, of `config.tokenizer`."""
-    return load_tokenizer(config.model_path) if config.model_path else CharTokenizer(config.tokenizer.alphabet)
-
-
 def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, models.Model]:
     """Tokenizer and model from `config.model_path` (a HF directory) or, when empty, a random tiny model."""
-    tokenizer = make_tokenizer(config)
+    tokenizer = tokenizer_of(config)
     if config.model_path:
         return tokenizer, models.load_pretrained(config.model_path, mesh=mesh, rules=rules)
     cfg = models.ModelConfig.make(**config.model.to_dict(), vocab_size=tokenizer.vocab_size,

@@ -319,9 +319,9 @@ def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", pro
         stop=None) -> dict[str, float]:
     """The command: config → model (a HF directory, or a run's latest checkpoint) → rollout backend + reward workers →
     `evaluate` over the first `eval.num_problems` problems of `data.eval_split` (0 = all) → files in `out`."""
-    from arealjax import builders
     from arealjax.checks import check_config
     from arealjax.data.prompts import eval_prompts
+    from arealjax.tokenizer import tokenizer_of
 
     e = config.eval
     if any(k > e.n for k in e.k):
@@ -334,7 +334,7 @@ def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", pro
     # The problems are read before anything starts: a mistake in them is refused at once, and the dataset library
     # loads before any thread runs (tensorflow_datasets swaps builtins.__import__ while it imports, breaking other
     # threads' imports).
-    prompts = eval_prompts(config, builders.make_tokenizer(config))
+    prompts = eval_prompts(config, tokenizer_of(config))
     with _serving(config, workdir, stop) as (backend, rewards, tokenizer, wait):
         summary, rows = evaluate(backend, rewards, tokenizer, prompts, EvalSpec.of(config), answer_fn=answer_fn,
                                  wait=wait, progress=progress, workflow=eval_workflow(config))

@@ -112,6 +112,10 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def json(self) -> str:
+        """The tokenizer as its tokenizer.json (what llguidance reads: generation/grammar.py)."""
+        return self._tok.to_str()
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for, also when they are part of a UTF-8 character (decode gives U+FFFD):
         byte-level BPE's printable stand-ins mapped back, SentencePiece's <0xNN> byte tokens and ▁ spaces."""
@@ -200,6 +204,11 @@ def _read_json(file: Path) -> dict[str, Any]:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}: invalid JSON at line {e.lineno}: {e.msg}") from e
+
+
+def tokenizer_of(config: Any) -> Tokenizer:
+    """The run's tokenizer: that of `config.model_path` (a HF directory) or, when empty, of `config.tokenizer`."""
+    return load_tokenizer(config.model_path) if config.model_path else CharTokenizer(config.tokenizer.alphabet)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -129,11 +129,11 @@ def carried_sums(warm_start: Path, job: str, problems: int = 2000) -> dict[str, 
     import jax
 
     from arealjax import models
-    from arealjax.builders import make_tokenizer
     from arealjax.data.arithmetic import demonstration, sample_problems
     from arealjax.data.pipeline import format_prompt
+    from arealjax.tokenizer import tokenizer_of
 
-    tokenizer, model = make_tokenizer(config), models.load_pretrained(warm_start)
+    tokenizer, model = tokenizer_of(config), models.load_pretrained(warm_start)
     rows = []
     for p in sample_problems(problems, seed=12345, min_digits=config.task.min_digits,
                              max_digits=config.task.max_digits):

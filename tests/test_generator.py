@@ -556,7 +556,7 @@ def test_pallas_decode_reads_each_layers_weights_in_place():
     per_layer = eng._per_layer(MODEL_A.params)
     assert eng._per_layer(MODEL_A.params) is per_layer and eng._per_layer(MODEL_B.params) is not per_layer
     generate = functools.partial(engine_mod._generate, eng.graphdef, eng.max_len, "sample", 2, "pallas", None)
-    jaxpr = jax.make_jaxpr(generate)(MODEL_A.params, per_layer, state, rows, index)
+    jaxpr = jax.make_jaxpr(generate)(MODEL_A.params, per_layer, state, rows, index, None)
     paths = jax.tree_util.tree_flatten_with_path((MODEL_A.params, per_layer, state, rows, index))[0]
     labels = [jax.tree_util.keystr(p) for p, _ in paths]
     reads = _kernel_operand_origins(jaxpr, labels, ("slice", "dynamic_slice", "gather", "squeeze", "dot_general"))

@@ -1,6 +1,7 @@
 """`python -m arealjax.serve`: a frozen model over the OpenAI API, driven by the real `openai` SDK over loopback."""
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -125,9 +126,13 @@ def test_concurrent_clients_share_decode_steps(backend):
     serving(backend, test)
 
 
+OK_SCHEMA = {"type": "json_schema", "json_schema": {"name": "ok", "strict": True, "schema": {
+    "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}
+
+
 def serve_command(args: list[str], env: dict, name: str) -> str:
-    """Starts `python -m arealjax.serve *args`, has the SDK chat with it, sends SIGTERM: it must exit 0 within
-    seconds. Returns the reply."""
+    """Starts `python -m arealjax.serve *args`, has the SDK chat with it (a reply in a JSON schema too), sends
+    SIGTERM: it must exit 0 within seconds. Returns the reply."""
     proc = subprocess.Popen([sys.executable, "-m", "arealjax.serve", "--port=0", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -142,6 +147,9 @@ def serve_command(args: list[str], env: dict, name: str) -> str:
         assert [m.id for m in client.models.list().data] == [name]
         r = client.chat.completions.create(model=name, messages=USER, max_tokens=4)
         assert r.model == name and r.choices[0].message.role == "assistant"
+        typed = client.chat.completions.create(model=name, messages=USER, max_tokens=24, response_format=OK_SCHEMA)
+        assert typed.choices[0].finish_reason == "stop" and isinstance(
+            json.loads(typed.choices[0].message.content)["ok"], bool)  # structured outputs, decoded in the grammar
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, proc.stdout.read()
         return r.choices[0].message.content

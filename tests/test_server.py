@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT = 5.0  # generator.servers.heartbeat_seconds here: short, with room for a loaded CI machine
 
 
+DIGITS = "start: /[0-9]{1,3}/"  # a grammar (lark) the tiny character tokenizer can write
+
+
 def small_config(**servers):
     c = get_config()
     c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
@@ -71,9 +74,10 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 
 def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_they_are_sent(tmp_path):
-    """Temperature ≠ 1 with top-k and top-p, and greedy: the same tokens, logprobs, versions and (a mixture of
-    experts here, every other test of this file a dense model) routes from two servers as from the in-process
-    generator; a group's samples on one server, groups spread over both; after each update every server serves the
+    """Temperature ≠ 1 with top-k and top-p, greedy, and a grammar: the same tokens, logprobs, versions and (a
+    mixture of experts here, every other test of this file a dense model) routes from two servers as from the
+    in-process generator; a grammar that does not compile fails its request on every server, naming why, and the
+    servers go on; a group's samples on one server, groups spread over both; after each update every server serves the
     trainer's version, and the weights it got have the trainer's fingerprint. Each server runs on the cores
     generator.servers.cpus gives it."""
     last = os.cpu_count() - 1
@@ -84,7 +88,9 @@ def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_th
     (local, _), (remote, transport) = made["local"], made["remote"]
     try:
         for sampling in (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=20, seed=3),
-                         SamplingParams(temperature=0.0, max_new_tokens=12)):
+                         SamplingParams(temperature=0.0, max_new_tokens=12),
+                         SamplingParams(max_new_tokens=8, seed=4, grammar=DIGITS,
+                                        stop_token_ids=tuple(tokenizer.eos_ids))):
             reqs = requests(tokenizer, groups=6)
             theirs = {rid: remote.submit(p, sampling, request_id=rid, first_sample=j) for rid, p, j in reqs}
             routes = {rid: remote.server_of(rid) for rid in theirs}
@@ -101,6 +107,10 @@ def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_th
                 by_group.setdefault(rid.split("/")[0], set()).add(server)
             assert all(len(s) == 1 for s in by_group.values()), by_group  # a group's samples share a server
             assert {s for (s,) in by_group.values()} == {"server-0", "server-1"}  # and groups spread
+            if sampling.grammar:
+                outs = [f.result()[0] for f in theirs.values()]
+                assert all(c.stop_reason == "stop" and re.fullmatch("[0-9]{1,3}", tokenizer.decode(c.output_tokens))
+                           for c in outs)
 
         for version in (1, 2):
             params = jax.tree.map(lambda x, v=version: x * (1 + 0.01 * v), model.params)
@@ -108,6 +118,9 @@ def test_servers_generate_what_the_local_generator_does_and_serve_the_weights_th
             servers = remote.servers()
             assert remote.version == version and all(s["version"] == version for s in servers.values())
             assert {s["fingerprint"] for s in servers.values()} == {transport.fingerprint(params)}
+        bad = remote.submit(reqs[0][1], SamplingParams(grammar='start: %json {"type": "objectx"}'))
+        with pytest.raises(RuntimeError, match="objectx"):  # a request's fault: every server fails it, names why
+            bad.result(timeout=60)
         (after,) = remote.submit(reqs[0][1], SamplingParams(max_new_tokens=4)).result(timeout=60)
         assert list(after.versions) == [2] * 4
         assert {n: s["cpus"] for n, s in remote.servers().items()} == {"server-0": [0], "server-1": [last]}

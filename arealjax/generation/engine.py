@@ -153,17 +153,29 @@ def draw_mode(samplings) -> str:
     return max((p.draw for p in samplings), key=DRAWS.index, default="greedy")
 
 
-def sample(logits: jax.Array, s: SlotSampling, token_pos: jax.Array, draw: str) -> tuple[jax.Array, jax.Array]:
+def allowed_tokens(bits: jax.Array, vocab_size: int) -> jax.Array:
+    """int32 token bits [N, ⌈V/32⌉] (generation/grammar.py) → bool [N, V]."""
+    ids = jnp.arange(vocab_size)
+    return ((bits[:, ids // 32] >> (ids % 32)) & 1).astype(bool)
+
+
+def sample(logits: jax.Array, s: SlotSampling, token_pos: jax.Array, draw: str,
+           allowed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row of fp32 logits [N, V]; returns (tokens, behaviour logprobs). `draw` (static, DRAWS)
     compiles in only what the rows need — argmax alone for 'greedy', top-k/top-p masks only for 'truncate' — so no
-    program branches on data. The logprob is the token's logit less the row's logsumexp: no [N, V] log-softmax."""
+    program branches on data. The logprob is the token's logit less the row's logsumexp: no [N, V] log-softmax.
+    `allowed` (token bits, generation/grammar.py): only those tokens are drawn, top-k/top-p taken among them; the
+    logprob stays the policy's over the whole vocabulary (grammar.py says why)."""
     greedy = s.temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
     shifted = scaled - jax.lax.stop_gradient(jnp.max(scaled, axis=-1, keepdims=True))
     lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))  # log Σ exp, after the max: as jax.nn.log_softmax
-    tokens = jnp.argmax(logits, axis=-1)
+    ok = None if allowed is None else allowed_tokens(allowed, logits.shape[-1])
+    tokens = jnp.argmax(logits if ok is None else jnp.where(ok, logits, -jnp.inf), axis=-1)
     if draw != "greedy":
         probs = jnp.exp(shifted - lse[:, None])
+        if ok is not None:
+            probs, scaled = jnp.where(ok, probs, 0.0), jnp.where(ok, scaled, -jnp.inf)
         if draw == "truncate":
             probs = jnp.where(truncate(scaled, s.top_k, s.top_p) > -jnp.inf, probs, 0.0)
 
@@ -198,9 +210,9 @@ def _done(max_len: int, tokens, stop, remaining, token_pos):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
 def _insert(max_len: int, draw: str, attention: str, prefix: Prefix, state: DecodeState, rows, slots,
-            s: SlotSampling, writes: PageWrites, last, remaining):
+            s: SlotSampling, writes: PageWrites, last, remaining, allowed):
     lengths = prefix.lengths[rows]
-    sampled, logprobs = sample(prefix.logits[rows], s, lengths, draw)
+    sampled, logprobs = sample(prefix.logits[rows], s, lengths, draw, allowed)
     tokens = jnp.where(last >= 0, last, sampled)  # a resumed sequence continues from its last token
     done = _done(max_len, tokens, s.stop, remaining, lengths)
     put = lambda dst, src: dst.at[slots].set(src, mode="drop")  # noqa: E731
@@ -215,14 +227,14 @@ def _insert(max_len: int, draw: str, attention: str, prefix: Prefix, state: Deco
 
 
 def _decode_once(graphdef: nnx.GraphDef, max_len: int, draw: str, attention: str, tuning: Tuning | None,
-                 params: nnx.State, per_layer: tuple | None, index: DecodeIndex, carry):
+                 params: nnx.State, per_layer: tuple | None, index: DecodeIndex, allowed, carry):
     pages, st = carry
     model = nnx.merge(graphdef, params)
     logits, pages, *routes = model.decode(pages, st.tokens, st.positions, index, attention,
                                           with_routes=bool(model.cfg.num_experts), per_layer=per_layer,
                                           tuning=tuning)
     token_pos = st.positions + 1
-    tokens, logprobs = sample(logits, st.sampling, token_pos, draw)
+    tokens, logprobs = sample(logits, st.sampling, token_pos, draw, allowed)
     remaining = st.remaining - 1
     done = _done(max_len, tokens, st.sampling.stop, remaining, token_pos)
     st = st._replace(tokens=tokens, positions=jnp.minimum(token_pos, max_len - 1), remaining=remaining)
@@ -231,15 +243,17 @@ def _decode_once(graphdef: nnx.GraphDef, max_len: int, draw: str, attention: str
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=8)
 def _generate(graphdef: nnx.GraphDef, max_len: int, draw: str, steps: int, attention: str, tuning: Tuning | None,
-              params: nnx.State, per_layer: tuple | None, state: DecodeState, rows, index: DecodeIndex):
+              params: nnx.State, per_layer: tuple | None, state: DecodeState, rows, index: DecodeIndex, allowed):
     """`steps` decode steps for the slots in `rows` [A] (padding rows name slot S: read clipped, written dropped,
     and decoded from position 0, so an attention that reads by length (the Pallas kernel) reads one page for them).
-    `per_layer`: the layers' params unstacked (`unstack`), for an attention whose layers are unrolled."""
+    `per_layer`: the layers' params unstacked (`unstack`), for an attention whose layers are unrolled. `allowed`:
+    each row's token bits for one step (None: every token)."""
     take = lambda x: jnp.take(x, rows, axis=0, mode="clip")  # noqa: E731
     positions = jnp.where(rows < state.tokens.shape[0], take(state.positions), 0)
     active = DecodeState(None, take(state.tokens), positions, take(state.remaining),
                          SlotSampling(*map(take, state.sampling)))
-    step = functools.partial(_decode_once, graphdef, max_len, draw, attention, tuning, params, per_layer, index)
+    step = functools.partial(_decode_once, graphdef, max_len, draw, attention, tuning, params, per_layer, index,
+                             allowed)
     (pages, active), result = jax.lax.scan(lambda c, _: step(c), (state.pages, active), None, length=steps)
     put = lambda dst, src: dst.at[rows].set(src, mode="drop")  # noqa: E731
     state = DecodeState(pages, put(state.tokens, active.tokens), put(state.positions, active.positions),
@@ -317,25 +331,29 @@ class Engine:
 
     def insert(self, prefix: Prefix, state: DecodeState, rows: np.ndarray, slots: np.ndarray,
                sampling: SlotSampling, writes: PageWrites, last: np.ndarray, remaining: np.ndarray,
-               draw: str = "sample") -> tuple[DecodeState, jax.Array]:
+               draw: str = "sample", allowed: np.ndarray | None = None) -> tuple[DecodeState, jax.Array]:
         """Puts prefix prompt rows[i] into slot slots[i], copies the prefill KV into pages by `writes`, and samples
         the slot's first token — or, where last[i] ≥ 0 (a sequence resumed after preemption), continues from that
         token. remaining[i]: tokens the slot may still emit after that one. Rows may repeat (n samples of one
         prompt share one prefill); slot ids ≥ S mark padding entries and are dropped. `draw`: `draw_mode` of the
-        rows' sampling."""
+        rows' sampling; `allowed`: the rows' token bits (generation/grammar.py; None: every token)."""
         return _insert(self.max_len, _checked(draw), self.attention, prefix, state, rows, slots, sampling, writes, last,
-                       remaining)
+                       remaining, allowed)
 
     def generate(self, params: nnx.State, state: DecodeState, rows: np.ndarray, index: DecodeIndex,
-                 draw: str = "sample", steps: int = 1) -> tuple[DecodeState, jax.Array]:
+                 draw: str = "sample", steps: int = 1,
+                 allowed: np.ndarray | None = None) -> tuple[DecodeState, jax.Array]:
         """`steps` decode steps for the slots in `rows` (padded with S) in one device call: results [steps, A, 3]
         (MoE: [steps, A, 3 + L·k], `routes_of`).
         `index` names each row's pages (writes for all `steps` positions, reads up to them). A slot keeps decoding
         after it is done within the call (its extra tokens are discarded by the caller and their KV writes fall on
         no page or its own), so small `steps` trades a little wasted compute for one dispatch and one device->host
-        copy per `steps` tokens. `draw` (`draw_mode` of the slots' sampling) compiles in what their draws need."""
+        copy per `steps` tokens. `draw` (`draw_mode` of the slots' sampling) compiles in what their draws need.
+        `allowed`: the rows' token bits (generation/grammar.py) for a call of one step."""
+        if allowed is not None and steps != 1:
+            raise ValueError(f"token bits hold for one step; got steps={steps}")
         return _generate(self.graphdef, self.max_len, _checked(draw), steps, self.attention, self.tuning, params,
-                         self._per_layer(params), state, rows, index)
+                         self._per_layer(params), state, rows, index, allowed)
 
     def _per_layer(self, params: nnx.State) -> tuple | None:
         """The layers of `params` unstacked for a decode that unrolls them (None for a scanned one), made once per

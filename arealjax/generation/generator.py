@@ -14,6 +14,10 @@ decode call are free; the n samples of a prompt share its full pages. When a dec
 are free, the most recently admitted samples are preempted: their pages are returned and they wait at the head of
 the queue, to be re-prefilled (prompt + tokens so far) and continue where they stopped, same sampled tokens.
 
+A request with a grammar (`SamplingParams.grammar`, generation/grammar.py) is drawn token by token within it: each
+constrained sample has a matcher; a decode call with one in it runs one step, after the host computed every
+row's allowed tokens (the other rows allow every token, so they draw what they would have drawn).
+
 A mixture-of-experts model's completions carry `routes`: for every position the model ran, the experts each layer
 chose in the latest forward that computed it (the prompt's prefill, the decode step a token was the input of, and
 the recompute after a weight swap or the re-prefill after a preemption, which rewrite those of the positions they
@@ -48,6 +52,7 @@ from arealjax.generation.engine import (
     pack,
     routes_of,
 )
+from arealjax.generation.grammar import Grammars
 from arealjax.generation.pages import PagePool, decode_index
 from arealjax.metrics import Peak
 
@@ -72,6 +77,7 @@ class _Seq:
     pages: list[int] = dataclasses.field(default_factory=list)  # KV pages of the sequence, in order
     order: int = 0  # admission order: the latest admitted is preempted first
     routes: np.ndarray | None = None  # MoE: the routes being recorded, int16 [capacity, L, k] by position (-1: none)
+    matcher: Any = None  # a constrained sample's grammar state (llguidance.LLMatcher), past its tokens so far
 
     def route(self, start: int, routes: np.ndarray) -> None:
         """Sets the routes of positions start.. (growing the array by doubling)."""
@@ -119,15 +125,17 @@ class Generator:
     """Serves generate requests and weight updates; see the module docstring."""
 
     def __init__(self, engine: Engine, params: nnx.State, *, version: int = 0, mode: str = "recompute",
-                 max_prefill_batch: int = 8, decode_steps: int = 1, start: bool = True):
+                 max_prefill_batch: int = 8, decode_steps: int = 1, start: bool = True,
+                 grammars: Grammars | None = None):
         """`decode_steps` tokens per slot per device call: fewer dispatches and host round trips, at the cost of
-        up to that many steps before a freed slot is refilled or a weight update lands."""
+        up to that many steps before a freed slot is refilled or a weight update lands. `grammars`: what requests
+        with a grammar are decoded with (None: they are refused)."""
         if mode not in MODES:
             raise ValueError(f"generator mode '{mode}' is unknown; expected one of {MODES}")
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         self.engine, self.mode, self.decode_steps = engine, mode, decode_steps
-        self.max_prefill_batch = max_prefill_batch
+        self.max_prefill_batch, self.grammars = max_prefill_batch, grammars
         self._params, self._version = params, version
         self._state = engine.init_decode_state()
         self._pages = PagePool(engine.num_pages, engine.page_size)
@@ -173,6 +181,12 @@ class Generator:
         Samples are numbered from `first_sample` (the index that, with the seed, picks their random draws): n
         requests of one sample each, numbered 0..n-1, draw exactly what one request of n samples draws."""
         prompt = checked_prompt(prompt, self.engine.max_len)
+        matchers = [None] * sampling.n
+        if sampling.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this generator has no tokenizer for grammars: build it with grammars=Grammars(...)")
+            first = self.grammars.matcher(sampling.grammar)
+            matchers = [first] + [first.deep_copy() for _ in range(sampling.n - 1)]
         with self._cv:
             self._check_alive()
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -180,7 +194,7 @@ class Generator:
                 raise ValueError(f"request id '{rid}' is already in flight")
             req = _Request(rid, prompt, sampling, Future(), [None] * sampling.n, first_sample)
             self._requests[rid] = req
-            self._queue.extend(_Seq(req, first_sample + j) for j in range(sampling.n))
+            self._queue.extend(_Seq(req, first_sample + j, matcher=m) for j, m in enumerate(matchers))
             self._cv.notify_all()
         return req.future
 
@@ -431,7 +445,8 @@ class Generator:
                 prefix, self._state, np.array(rows + [0] * pad, np.int32),
                 np.array(slots + [self.engine.slots] * pad, np.int32), sampling,
                 self._writes(writes, packed.blocks(size) + n),
-                np.array(last + [-1] * pad, np.int32), np.array(remaining + [0] * pad, np.int32), draw)
+                np.array(last + [-1] * pad, np.int32), np.array(remaining + [0] * pad, np.int32), draw,
+                self._allowed(members, n))
             self.counters.prefill_tokens += int(sum(map(len, prefixes)))
             fresh = [(r, slot, seq) for r, (slot, seq) in enumerate(zip(slots, members)) if not seq.tokens]
             self._record(np.asarray(first), fresh)
@@ -465,8 +480,9 @@ class Generator:
         rows[:len(active)] = active
         index = decode_index([s.pages for s in seqs], [self._last(s, self._position(s)) for s in seqs], n,
                              self.engine.max_pages, self.engine.num_pages, self.engine.page_size)
+        allowed = self._allowed(seqs, n)
         self._state, result = self.engine.generate(self._params, self._state, rows, index, draw,
-                                                   self.decode_steps)
+                                                   1 if allowed is not None else self.decode_steps, allowed)
         result = np.asarray(result)
         for step in result:  # a slot done at one step ignores the rest of the chunk
             entries = [(r, i, self._slots[i]) for r, i in enumerate(active) if self._slots[i] is not None]
@@ -474,6 +490,12 @@ class Generator:
                 break
             self.counters.steps += 1
             self._record(step, entries)
+
+    def _allowed(self, seqs: list[_Seq], n: int) -> np.ndarray | None:
+        """The token bits of rows `seqs` (padded to n) when one of them is constrained, else None."""
+        if not any(s.matcher is not None for s in seqs):
+            return None
+        return self.grammars.masks([(s.matcher, s.request.sampling.stop_token_ids) for s in seqs], n)
 
     def _record(self, result: np.ndarray, entries: list[tuple[int, int, _Seq]]) -> None:
         """Appends result[row] to each (row, slot, seq); finishes and frees the slots that are done."""
@@ -491,6 +513,8 @@ class Generator:
             seq.logprobs.append(logprob)
             seq.versions.append(self._version)
             self.counters.tokens += 1
+            if seq.matcher is not None and not done:
+                seq.matcher.consume_token(token)
             if done:
                 self._free_slot(slot)
                 stop = token in seq.request.sampling.stop_token_ids

@@ -15,9 +15,11 @@ from arealjax.api import RolloutBackend
 from arealjax.distributed import fingerprint
 from arealjax.generation.engine import Engine
 from arealjax.generation.generator import MODES, Generator
+from arealjax.generation.grammar import Grammars
 from arealjax.models import attention as attn
 from arealjax.models.paged import ATTENTION_KINDS
 from arealjax.sharding import LogicalSharding, reshard, tree_shardings
+from arealjax.tokenizer import tokenizer_of
 from arealjax.validate import Problems
 
 OWNS_GENERATOR_DEVICES = True
@@ -33,7 +35,8 @@ def build(config: Any, model: models.Model, version: int, meshes: dict[str, jax.
                     attention=g.attention, prefill_attention=g.prefill_attention,
                     shard=LogicalSharding(meshes["generator"], rules))
     generator = Generator(engine, gen.params, version=version, mode=g.mode, decode_steps=g.decode_steps,
-                          max_prefill_batch=g.max_prefill_batch)
+                          max_prefill_batch=g.max_prefill_batch,
+                          grammars=Grammars(lambda: tokenizer_of(config), gen.cfg.vocab_size))
     return generator, sync.connect(generator)
 
 

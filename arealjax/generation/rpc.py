@@ -350,7 +350,7 @@ class Endpoint:
 
 def sampling_to_wire(s: SamplingParams) -> dict[str, Any]:
     return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens,
-            "stop_token_ids": list(s.stop_token_ids), "n": s.n, "seed": s.seed}
+            "stop_token_ids": list(s.stop_token_ids), "n": s.n, "seed": s.seed, "grammar": s.grammar}
 
 
 def sampling_from_wire(d: dict[str, Any]) -> SamplingParams:

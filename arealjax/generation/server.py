@@ -258,8 +258,12 @@ class Server:
         rid, epoch = header["rid"], self.epoch
         if self.generator is None or rid in self.generator.in_flight():  # from before a rejoin; or sent again
             return
-        fut = self.generator.submit(header["prompt"], rpc.sampling_from_wire(header["sampling"]), request_id=rid,
-                                    first_sample=header["first_sample"])
+        try:
+            fut = self.generator.submit(header["prompt"], rpc.sampling_from_wire(header["sampling"]),
+                                        request_id=rid, first_sample=header["first_sample"])
+        except ValueError as e:  # this request's (a grammar that does not compile): it fails, the server goes on
+            self.send("failed", rid=rid, error=error_text(e))
+            return
 
         def done(f):
             if epoch != self.epoch:  # from before a rejoin: the trainer sent it elsewhere

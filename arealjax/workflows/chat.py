@@ -17,7 +17,10 @@ Tools: a template that renders `tools` gets them; for one that does not (SmolLM2
 Hermes-style block goes into the system message, assistant tool calls are rendered as `<tool_call>{json}
 </tool_call>` and tool results as `<tool_response>` user turns. Tool calls are parsed from `<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>` (Hermes / Qwen); one that does not parse stays text and is counted.
-Whatever is not supported is refused with the OpenAI error shape naming the field (`APIError`), never ignored.
+Structured outputs: `response_format` json_object or json_schema constrains the reply by its grammar
+(generation/grammar.py); with tools, a reply may be tool calls instead, each naming a tool with arguments of its
+schema. Whatever is not supported is refused with the OpenAI error shape naming the field (`APIError`), never
+ignored.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from arealjax.api import Completion, Routes
+from arealjax.generation.grammar import response_grammar
 from arealjax.rl.trajectory import Trajectory
 from arealjax.workflows.base import Episode, Turns
 
@@ -46,8 +50,7 @@ FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "
           "stop", "n", "logprobs", "top_logprobs", "seed", "stream", "parallel_tool_calls", "user", "metadata",
           "store", "frequency_penalty", "presence_penalty", "stream_options", "response_format"}
 DEFAULTS = {"frequency_penalty": (0, None), "presence_penalty": (0, None),
-            "top_logprobs": (0, None), "tool_choice": ("auto", None), "store": (False, None),
-            "response_format": ({"type": "text"}, None)}
+            "top_logprobs": (0, None), "tool_choice": ("auto", None), "store": (False, None)}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -146,6 +149,11 @@ class ChatSession:
         tools = body.get("tools") or []
         text = self.render(messages, tools)
         overrides, stops = self._sampling(body)
+        if body.get("response_format") is not None:
+            try:
+                overrides["grammar"] = response_grammar(body["response_format"], tools)
+            except ValueError as e:
+                raise APIError(f"'response_format': {e}", "response_format") from None
         n = body.get("n", 1)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
             raise APIError(f"'n' = {n!r}: expected an integer in [1, 16]", "n")

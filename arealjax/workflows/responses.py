@@ -5,7 +5,8 @@ A request becomes chat messages (`instructions` → system; `input` text or item
 token fidelity and counts are the session's: an assistant turn sent back as the output items it came as (its
 message, then its function calls) is rendered as the model's own text. The reply comes back as output items (a
 `message` with `output_text`, a `function_call` per tool call) with the API's usage and status (`incomplete`
-when `max_output_tokens` cut it). What is not served (streaming, stored responses, reasoning, non-function tools,
+when `max_output_tokens` cut it). `text.format` (json_object, json_schema) constrains the reply as chat's
+`response_format` does. What is not served (streaming, stored responses, reasoning, non-function tools,
 `include`) is refused with OpenAI's error shape naming the field. A tool's `strict` flag is read as what it asks of
 a model: a call that does not parse stays text (counted), as on the chat route.
 """
@@ -22,7 +23,7 @@ FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "temperature
           "previous_response_id", "top_logprobs"}
 # accepted only at their default value (what the SDKs send unasked)
 DEFAULTS = {"include": ([], None), "stream": (False, None), "store": (False, None), "tool_choice": ("auto", None),
-            "text": ({"format": {"type": "text"}}, None), "truncation": ("disabled", None), "reasoning": (None,),
+            "truncation": ("disabled", None), "reasoning": (None,),
             "previous_response_id": (None,), "top_logprobs": (0, None)}
 WHY = {"stream": "a streamed response", "store": "stored responses (nothing is kept after the call)",
        "previous_response_id": "stored responses: send the whole input", "reasoning": "reasoning settings",
@@ -39,7 +40,8 @@ async def responses(session: ChatSession, body: Any) -> dict:
         if key in body and body[key] not in allowed:
             raise APIError(f"'{key}' = {body[key]!r} is not supported ({WHY.get(key, 'only ' + repr(allowed[0]))})",
                            key)
-    chat = {"model": body.get("model", session.model_name), "messages": _messages(body), "tools": _tools(body)}
+    chat = {"model": body.get("model", session.model_name), "messages": _messages(body), "tools": _tools(body),
+            "response_format": _format(body)}
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("max_output_tokens", "max_tokens"),
                          ("metadata", "metadata"), ("user", "user"), ("parallel_tool_calls", "parallel_tool_calls")):
         if body.get(ours) is not None:
@@ -47,12 +49,12 @@ async def responses(session: ChatSession, body: Any) -> dict:
     try:
         reply = await session.chat_completions(chat)
     except APIError as e:  # named as the caller named it
-        names = {"max_tokens": "max_output_tokens", "messages": "input"}
+        names = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
         param = names.get(e.param, e.param)
         if param and param.startswith("messages["):
             param = "input"
-        raise APIError(str(e).replace("'max_tokens'", "'max_output_tokens'"), param, e.status, e.kind,
-                       e.code) from None
+        message = str(e).replace("'max_tokens'", "'max_output_tokens'").replace("'response_format'", "'text.format'")
+        raise APIError(message, param, e.status, e.kind, e.code) from None
     (choice,) = reply["choices"]
     m = choice["message"]
     output = [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "status": "completed",
@@ -70,7 +72,8 @@ async def responses(session: ChatSession, body: Any) -> dict:
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "max_output_tokens": body.get("max_output_tokens"),
             "metadata": body.get("metadata") or {}, "previous_response_id": None, "reasoning": None, "store": False,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "user": body.get("user"),
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}}, "truncation": "disabled",
+            "user": body.get("user"),
             "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
                       "output_tokens": usage["completion_tokens"],
                       "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage["total_tokens"]}}
@@ -123,6 +126,20 @@ def _text(content: Any, i: int) -> str:
                                          for p in content):
         return "".join(p.get("text", "") for p in content)
     raise APIError(f"input[{i}].content: only text is supported (a string or text parts)", f"input[{i}]")
+
+
+def _format(body: dict) -> dict | None:
+    """`text.format` as chat's `response_format` (json_schema's name, schema and strict flattened in it)."""
+    text = body.get("text")
+    if text is None:
+        return None
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or text.get("verbosity") not in (
+            None, "medium"):
+        raise APIError(f"'text' = {text!r}: only {{'format': ...}} is served", "text")
+    fmt = text.get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return fmt
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
 
 
 def _tools(body: dict) -> list[dict]:
