@@ -60,6 +60,10 @@ def check_eval(config: Any, problems: Problems) -> None:
          f"a tuple of integers in [1, eval.n = {e.n}], e.g. (1, 4) (on the command line: --config.eval.k='(1,4)')")
     need(isinstance(e.greedy, bool), "eval.greedy", "True or False")
     need(isinstance(e.workflow, bool), "eval.workflow", "True (samples are episodes of the run's workflow) or False")
+    need(isinstance(e.concurrent, bool), "eval.concurrent", "True or False")
+    need(not e.concurrent or config.generator.backend == "local", "eval.concurrent",
+         f"False with generator.backend = {config.generator.backend!r}: a concurrent evaluation runs a generator of "
+         f"its own in this process (generator.backend = 'local')")
     need(number(e.temperature) and (e.temperature >= 0 or e.temperature == -1), "eval.temperature",
          "≥ 0 (0 = greedy samples), or -1 for rl.temperature")
     need(isinstance(e.answer_fn, str) and (not e.answer_fn or re.fullmatch(r"[\w.]+:\w+", e.answer_fn)),
@@ -85,6 +89,8 @@ def check_run(config: Any, processes: int, problems: Problems) -> None:
         n = config.eval.num_problems
         need(config.data.path or ints(n) and n >= processes, "eval.num_problems",
              f"≥ the {processes} processes (each evaluates its share)")
+        need(not config.eval.concurrent, "eval.concurrent", f"False on {processes} processes (their shares of an "
+             f"evaluation are gathered in step with training)")
 
 
 def output_dir(path: str | os.PathLike, key: str = "--workdir") -> Path:

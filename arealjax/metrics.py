@@ -129,7 +129,9 @@ def plot_curves(path: str | Path, out: str | Path, keys: tuple[str, ...] = ("rol
     fig = Figure(figsize=(4.5 * len(keys), 3.2))
     axes = fig.subplots(1, len(keys))
     for ax, key in zip(axes, keys):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
+        # an evaluation at the step of the weights it evaluated (eval.concurrent logs it at a later step)
+        pts = [(r.get("eval_step", r["step"]) if key.startswith("eval_") else r["step"], r[key])
+               for r in rows if key in r]
         if pts:
             ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None)
         ax.set_title(key)

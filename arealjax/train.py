@@ -31,6 +31,7 @@ from arealjax import evaluate as evaluation
 from arealjax.api import RolloutBackend, SamplingParams
 from arealjax.checkpoint import Checkpointer
 from arealjax.checks import check_config, output_dir
+from arealjax.concurrent_eval import ConcurrentEval
 from arealjax.controller import (
     Group,
     Prompt,
@@ -111,15 +112,17 @@ def shared_workdir(workdir: Path, processes: Processes) -> None:
 
 
 def held_out_metrics(backend: RolloutBackend, rewards: RewardService, tokenizer: Tokenizer, prompts: list[Prompt],
-                     config: Any, stop: Stop, step: int, workdir: Path, processes: Processes) -> dict[str, float]:
+                     config: Any, stop: Stop, step: int, workdir: Path, processes: Processes,
+                     progress: bool = True) -> dict[str, float]:
     """Held-out evaluation inside training (arealjax/evaluate.py: pass@k, maj@k, greedy accuracy, lengths); the
-    per-problem rows go to workdir/eval/<step>.jsonl, its progress to a bar of its own (process 0's share). On
+    per-problem rows go to workdir/eval/<step>.jsonl, its progress (`progress`) to a bar of its own (process 0's
+    share). On
     several processes each evaluates its share of the problems on its generator and every process gets the summary
     over all of them; the rows process 0 writes then carry the completions of its own share only."""
     spec = evaluation.EvalSpec.of(config)
     summary, rows = evaluation.evaluate(backend, rewards, tokenizer, prompts[processes.index::processes.count], spec,
                                         wait=stop.wait, answer_fn=evaluation.load_fn(config.eval.answer_fn),
-                                        progress=processes.primary, desc=f"evaluate (step {step})",
+                                        progress=progress and processes.primary, desc=f"evaluate (step {step})",
                                         workflow=evaluation.eval_workflow(config))
     if processes.count > 1:
         mine = {"completions", "greedy_completion"}
@@ -254,6 +257,13 @@ class RLLoop:
         self.writer = writer
         parts = builders.rollouts(config, self.trainer.model, self.trainer.version, base, stack, workdir=str(workdir))
         self.backend, self.transport, self.rewards = parts.backend, parts.transport, parts.rewards
+        self.concurrent_eval = None
+        if config.eval.concurrent:  # a generator of its own for frozen weights (concurrent_eval.py)
+            self.concurrent_eval = ConcurrentEval(
+                config, self.trainer.model, self.trainer.version, base.meshes, base.rules,
+                lambda backend, step: held_out_metrics(backend, self.rewards, self.tokenizer, self.held_out, config,
+                                                       stop, step, workdir, processes, progress=False))
+            stack.callback(self.concurrent_eval.close)
         # Each process admits its share of every batch: the staleness budget (η + v + 1)·B is divided among them.
         share = StalenessManager(rl.batch_size // processes.count, rl.max_staleness,
                                  -(-rl.max_concurrent // processes.count))
@@ -315,8 +325,8 @@ class RLLoop:
                 measured = self.measure(batch, version, trained, batch_wait_seconds=Peak(wait_s),
                                         weight_sync_seconds=Peak(sync_s))
                 metrics = measured.metrics
-                if rl.eval_every and self.done % rl.eval_every == 0 or self.done == rl.steps:
-                    metrics.update(self.evaluate_in_run())
+                metrics.update(self.evaluate_in_run(
+                    rl.eval_every and self.done % rl.eval_every == 0 or self.done == rl.steps))
                 self.record(measured)
                 last_reward = metrics.get("rollout_reward", last_reward)
                 bar.set_postfix(reward=f"{last_reward:.2f}", stale=f"{metrics['staleness_mean']:.1f}",
@@ -416,14 +426,24 @@ class RLLoop:
         return held_out_metrics(self.backend, self.rewards, self.tokenizer, self.held_out, self.config, self.stop,
                                 step, self.workdir, self.processes)
 
-    def evaluate_in_run(self) -> dict[str, float]:
-        """Held-out evaluation after a step; its time is left out of the next step's rates and the backend's
-        counts."""
-        t0 = time.perf_counter()
-        self.latest_eval = self.held_out_metrics(self.done)
+    def evaluate_in_run(self, due: bool) -> dict[str, float]:
+        """Held-out evaluation after a step when `due`: here, its time left out of the next step's rates and the
+        backend's counts; or (eval.concurrent) started on its own generator, an evaluation that ended since coming
+        back in the row of the step that collects it, the last one waited for. Returns the metrics to log."""
+        t0, evals, out = time.perf_counter(), self.concurrent_eval, {}
+        if evals is None and due:
+            out = {**self.held_out_metrics(self.done), "eval_step": self.done, "eval_version": self.trainer.version}
+            self.meter.mark("backend")
+        elif evals is not None:
+            out = evals.wait() if due else evals.poll()  # the one running ends before the next starts
+            if due:
+                if out and self.done == self.config.rl.steps:  # the last step's row is the last evaluation's
+                    self.log(self.done, out)
+                evals.submit(self.done, self.trainer.params, self.trainer.version)
+                out = evals.wait() if self.done == self.config.rl.steps else out
+        self.latest_eval = out or self.latest_eval
         self.eval_seconds += time.perf_counter() - t0
-        self.meter.mark("backend")
-        return self.latest_eval
+        return out
 
     def record(self, measured: Measured) -> None:
         """Metrics, the audit trail of the prompts this step trained on, a checkpoint when due."""
@@ -449,6 +469,9 @@ class RLLoop:
         """A run that ended early (the dataset ran out, the task is solved) is evaluated and saved; then the curves,
         the model and (multi-host) what every process serves."""
         config = self.config
+        if self.concurrent_eval is not None and (pending := self.concurrent_eval.wait()):
+            self.latest_eval = pending
+            self.log(self.done, pending)
         if self.done < config.rl.steps:
             self.latest_eval = self.held_out_metrics(self.done)
             self.log(self.done, self.latest_eval)

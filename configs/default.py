@@ -256,4 +256,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # turns and reward); False: one completion of the templated prompt.
     config.eval.workflow = False
     config.eval.answer_fn = "arealjax.data.arithmetic:extract_answer"  # final answers for maj@k ('' = none)
+    # True: each evaluation runs on a generator of its own holding the step's weights, while training goes on
+    # (arealjax/concurrent_eval.py; the trainer waits only for one still running when the next is due). False: the
+    # trainer waits while the rollout generator evaluates. In-process generator (generator.backend = local) and one
+    # process only.
+    config.eval.concurrent = False
     return config

@@ -152,6 +152,8 @@ def assert_clean_failure(run: Run, pattern: str, code: int = 1, within: float = 
     (["--config.generator.page_size=12"], r"generator\.page_size = 12: expected a power of two"),
     (["--config.generator.kv_pages=2"], r"generator\.kv_pages = 2: expected 0 \(room for every slot\) or ≥ 4"),
     (["--config.generator.attention=flash"], r"generator\.attention = 'flash': expected one of"),
+    (["--config.generator.backend=remote", "--config.eval.concurrent=True"],
+     r"eval\.concurrent = True: expected False with generator\.backend = 'remote'"),
 ], ids=lambda x: x[-1].split("=")[0][9:] if isinstance(x, list) else None)
 def test_bad_config_is_refused_at_start(tmp_path, flags, pattern):
     """Refused in this process (`refused_in_process`) with the message and the failed summary, before anything is
