@@ -5,6 +5,7 @@ package), converted, checked against transformers and llama.cpp, served by our g
   python benchmarks/real_model.py --parts=parity,generator,trainer           # the quick parts (~30 minutes)
   python benchmarks/real_model.py --parts=rl --seeds=0,1,2 --etas=0,2        # the RL runs (resumable)
   python benchmarks/real_model.py --parts=rl --etas=2 --objectives=standard,decoupled   # each objective's runs
+  python benchmarks/real_model.py --parts=rl --etas=2 --eval-concurrent      # evaluation beside training
   python benchmarks/real_model.py --parts=agent --seeds=0,1,2                # the agent recipe's runs (resumable)
   python benchmarks/real_model.py --smoke                                    # every part at toy sizes (minutes)
 
@@ -21,7 +22,8 @@ real_model.png are drawn again from the whole file):
              the variants that cut it, and what it is made of
   rl         configs/smollm2.py as the README runs it, for --seeds × --etas × --objectives (default: the recipe's
              own): held-out pass@1 (at the recipe's sampling temperature, and at T = 1) and greedy accuracy, start
-             → end, s/step, wall-clock; each seed's gain and their mean
+             → end, s/step, wall-clock; each seed's gain and their mean. --eval-concurrent: the same runs with
+             eval.concurrent = True (results as rl_concurrent), wall-clock and accuracy beside the waiting runs'
   agent      configs/smollm2.py:agent=--agent (the calculator agent of examples/agents written with the OpenAI
              Agents SDK, trained and evaluated through arealjax.workflows.agent:OpenAIAgent) for --seeds at the
              recipe's η and objective: held-out pass@1 and greedy accuracy of the agent start → end, rejected
@@ -493,18 +495,26 @@ def part_rl(args, model_dir: Path, data: Path) -> dict:
     and the base model evaluated at T = 1 too."""
     from benchmarks import cells
 
-    grid = grid_of(args, model_dir, data, "rl")
+    grid = grid_of(args, model_dir, data, "rl_concurrent" if args.eval_concurrent else "rl")
+    if args.eval_concurrent:  # each evaluation on a generator of its own while training goes on
+        grid.overrides.append("--config.eval.concurrent=True")
     runs = []
     for seed in args.seeds:
         for eta in args.etas:
             for objective in args.objectives:
                 c = cells.cell("colocated", eta, objective, "recompute", seed)
                 r, _ = run_cell(c, grid)
+                if args.eval_concurrent:
+                    runs.append(r)
+                    continue
                 r["t1_end"] = evaluate_t1(Path(grid.work) / c["name"] / "model", Path(grid.work) / c["name"] / "t1",
                                           args, model_dir, data)
                 runs.append(r)
+    command = "python benchmarks/real_model.py " + " ".join(args.argv)
+    if args.eval_concurrent:
+        return {"runs": runs, "command": command}
     return {"runs": runs, "t1_start": evaluate_t1(model_dir, Path(grid.work) / "base_t1", args, model_dir, data),
-            "command": "python benchmarks/real_model.py " + " ".join(args.argv)}
+            "command": command}
 
 
 def part_agent(args, model_dir: Path, data: Path) -> dict:
@@ -650,6 +660,8 @@ def report(res: dict) -> str:
                          f"{by_seed(rs, 'seconds_per_step', 1, 's')} | "
                          f"{by_seed(rs, 'wall_seconds', 60, ' min')} |")
         lines += ["", "![real model](real_model.png)", ""]
+    if (c := res.get("rl_concurrent")) and (r := res.get("rl")):
+        lines += concurrent_comparison(r, c)
     for key, packing in (("agent", "shared prefixes (`trainer.share_prefixes`, the default)"),
                          ("agent_flat", "every trajectory packed whole")):
         if a := res.get(key):
@@ -657,6 +669,27 @@ def report(res: dict) -> str:
     if "agent" in res and "agent_flat" in res:
         lines += agent_comparison(res["agent"], res["agent_flat"])
     return "\n".join(lines)
+
+
+def concurrent_comparison(waiting: dict, concurrent: dict) -> list[str]:
+    """The recipe's runs with the trainer waiting for each evaluation and with eval.concurrent, side by side (the
+    same η, objective and seeds)."""
+    lines = [f"## Evaluation waited for vs beside training (eval.concurrent; commit "
+             f"`{', '.join(sorted({x['commit'] for x in concurrent['runs']}))}`)", "", f"`{concurrent['command']}`", "",
+             "| η | objective | seeds | wall-clock waiting | wall-clock concurrent | ratio (median) | "
+             "pass@1 end waiting | pass@1 end concurrent |", "|---" * 8 + "|"]
+    for eta, objective in sorted({(x["eta"], x["objective"]) for x in concurrent["runs"]}):
+        a, b = ({x["seed"]: x for x in runs["runs"] if (x["eta"], x["objective"]) == (eta, objective)}
+                for runs in (waiting, concurrent))
+        seeds = sorted(set(a) & set(b))
+        if not seeds:
+            continue
+        ratio = np.median([a[s]["wall_seconds"] / b[s]["wall_seconds"] for s in seeds])
+        lines.append(f"| {eta} | {objective} | {', '.join(map(str, seeds))} | "
+                     f"{by_seed([a[s] for s in seeds], 'wall_seconds', 60, ' min')} | "
+                     f"{by_seed([b[s] for s in seeds], 'wall_seconds', 60, ' min')} | **{ratio:.2f}×** | "
+                     f"{stat(a[s]['accuracy_end'] for s in seeds)} | {stat(b[s]['accuracy_end'] for s in seeds)} |")
+    return lines + [""]
 
 
 def agent_section(a: dict, packing: str) -> list[str]:
@@ -770,6 +803,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=0, help="rl: RL steps (0: the recipe's)")
     p.add_argument("--warmup", type=int, default=2, help="rl: first steps left out of s/step (compilation)")
     p.add_argument("--eval-problems", type=int, default=200, help="rl: held-out problems")
+    p.add_argument("--eval-concurrent", action="store_true",
+                   help="rl: with eval.concurrent=True (a generator of its own per evaluation): rl_concurrent")
     p.add_argument("--agent", default="sdk", help="agent: the recipe's agent (configs/smollm2.py AGENTS)")
     p.add_argument("--agent-eval-problems", type=int, default=0, help="agent: held-out problems (0: the recipe's)")
     p.add_argument("--agent-flat", action="store_true",
@@ -800,7 +835,7 @@ def main() -> None:
         args.overrides = [*SMOKE_RL, *args.overrides]
     work, results = Path(args.work), Path(args.results)
     if args.smoke:  # finished smoke runs would not run again
-        for runs in ("rl", f"agent_{args.agent}", f"agent_{args.agent}_flat"):
+        for runs in ("rl", "rl_concurrent", f"agent_{args.agent}", f"agent_{args.agent}_flat"):
             shutil.rmtree(work / runs, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)
@@ -814,7 +849,8 @@ def main() -> None:
     for part in PARTS:
         if part in args.parts:
             print(f"[{time.strftime('%H:%M:%S')}] {part}", flush=True)
-            key = part + ("_flat" if part == "agent" and args.agent_flat else "")
+            key = part + ("_flat" if part == "agent" and args.agent_flat else "") + (
+                "_concurrent" if part == "rl" and args.eval_concurrent else "")
             res[key] = {"commit": commit(), **({"layers": args.layers} if args.layers else {}), **run[part]()}
             store.write_text(json.dumps(res, indent=1))
     (results / "real_model.md").write_text(report(res))

@@ -107,3 +107,19 @@ def test_benchmark_smoke_measures_every_part_on_two_blocks(tmp_path, smollm2_pre
     assert "## The calculator agent by RL" in stdout
     assert "## Parity" in stdout and (smoke / "real_model.png").stat().st_size
     assert results_digest() == before, "real_model.py --smoke changed benchmarks/results"
+
+
+def test_the_concurrent_evaluation_comparison_pairs_runs_by_seed():
+    """real_model.py --eval-concurrent's section: the waiting and concurrent runs of the same η, objective and seed
+    side by side, the median wall-clock ratio over the seeds both have."""
+    from benchmarks.real_model import concurrent_comparison
+
+    def run(seed, wall, acc, commit):
+        return {"eta": 2, "objective": "decoupled", "seed": seed, "wall_seconds": wall, "accuracy_end": acc,
+                "commit": commit}
+
+    lines = concurrent_comparison({"runs": [run(0, 600, 0.5, "a"), run(1, 1200, 0.6, "a"), run(2, 60, 0.1, "a")]},
+                                  {"runs": [run(0, 300, 0.5, "b"), run(1, 1200, 0.7, "b")], "command": "c"})
+    (row,) = [x for x in lines if x.startswith("| 2 |")]
+    assert row == ("| 2 | decoupled | 0, 1 | 0: 10 min, 1: 20 min | 0: 5 min, 1: 20 min | **1.50×** | 0.55 ± 0.07 | "
+                   "0.60 ± 0.14 |") and "`b`" in lines[0]
