@@ -15,10 +15,11 @@ import pytest
 from arealjax.api import SamplingParams
 from arealjax.generation.engine import Engine
 from arealjax.generation.generator import Generator
-from arealjax.generation.grammar import Grammars, json_grammar, response_grammar
+from arealjax.generation.grammar import Grammars
 from arealjax.generation.rpc import sampling_from_wire, sampling_to_wire
 from arealjax.models import load_pretrained
 from arealjax.rewards.service import RewardService
+from arealjax.structured import json_grammar, response_grammar
 from arealjax.tokenizer import CharTokenizer, load_tokenizer
 from arealjax.workflows import Episode, Prompt
 from arealjax.workflows.agent import OpenAIAgent, client_for

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from arealjax.api import Completion, Routes
-from arealjax.generation.grammar import response_grammar
 from arealjax.rl.trajectory import Trajectory
+from arealjax.structured import response_grammar
 from arealjax.workflows.base import Episode, Turns
 
 HERMES_TOOLS = (
