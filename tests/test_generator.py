@@ -359,6 +359,26 @@ def test_inverse_cdf_never_draws_a_zero_probability_token():
     assert set(draws.tolist()) == {2, 4} and abs((draws == 4).mean() - 0.7) < 0.002
 
 
+def test_the_two_level_inverse_cdf_draws_the_token_of_the_whole_cdf():
+    """Chunk sums, then one chunk: for peaked and flat distributions over a vocabulary that is no multiple of the
+    chunk, with zero-probability tokens (top-k) between and after the others, every draw is the token a float64
+    cdf over the whole vocabulary gives for the same u (the same token for the same random draw)."""
+    from arealjax.generation.engine import CDF_CHUNK, inverse_cdf
+
+    rng = np.random.default_rng(0)
+    v = 5 * CDF_CHUNK + 77
+    draw = jax.jit(jax.vmap(inverse_cdf, in_axes=(None, 0)))
+    for logits in (rng.normal(0, 1, v), rng.normal(0, 6, v)):
+        probs = np.exp(logits - logits.max()).astype(np.float32)
+        probs[rng.random(v) < 0.5] = 0  # masked tokens, runs of whole chunks included
+        probs[3 * CDF_CHUNK:4 * CDF_CHUNK] = probs[-40:] = 0
+        u = rng.random(4000).astype(np.float32)
+        cdf = np.cumsum(probs.astype(np.float64))
+        want = np.searchsorted(cdf, u.astype(np.float64) * cdf[-1], side="right")
+        got = np.asarray(draw(jnp.asarray(probs), jnp.asarray(u)))
+        assert np.array_equal(got, want) and np.all(probs[got] > 0)
+
+
 def _version_reference(out, prompt, params_by_version, temperature):
     """Each token's behaviour logprob must be the full forward of the params of its recorded version."""
     for v in np.unique(out.versions):

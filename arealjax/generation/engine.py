@@ -137,12 +137,25 @@ def truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+CDF_CHUNK = 512  # tokens per chunk of `inverse_cdf`'s first level
+
+
 def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     """The token i with cdf[i−1] ≤ u·total < cdf[i] for unnormalised probabilities [V] and u in [0, 1): never a
-    token of probability 0, also at u = 0 and where rounding puts u·total on the total."""
-    cdf = jnp.cumsum(probs)
-    last = probs.shape[0] - 1 - jnp.argmax(probs[::-1] > 0)  # the last token that can be drawn
-    return jnp.minimum(jnp.sum(cdf <= u * cdf[-1]), last)
+    token of probability 0, also at u = 0 and where rounding puts u·total on the total. In two levels — the chunk
+    (CDF_CHUNK tokens) where the cdf passes u·total, from the chunks' sums, then the token within that chunk — so
+    the V probabilities are read once (their chunk sums), not by a cumsum and its comparisons over all of them."""
+    v = probs.shape[0]
+    c = min(CDF_CHUNK, v)
+    n = -(-v // c)
+    chunks = jnp.pad(probs, (0, n * c - v)).reshape(n, c)
+    sums = jnp.sum(chunks, axis=1)
+    ends = jnp.cumsum(sums)
+    target = u * ends[-1]
+    k = jnp.minimum(jnp.sum(ends <= target), n - 1 - jnp.argmax(sums[::-1] > 0))  # a chunk with mass
+    row = chunks[k]
+    within = jnp.cumsum(row) + (ends[k] - sums[k])
+    return k * c + jnp.minimum(jnp.sum(within <= target), c - 1 - jnp.argmax(row[::-1] > 0))
 
 
 DRAWS = ("greedy", "sample", "truncate")  # what a decode program draws with, each compiled in statically
