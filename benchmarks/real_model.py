@@ -6,6 +6,7 @@ package), converted, checked against transformers and llama.cpp, served by our g
   python benchmarks/real_model.py --parts=rl --seeds=0,1,2 --etas=0,2        # the RL runs (resumable)
   python benchmarks/real_model.py --parts=rl --etas=2 --objectives=standard,decoupled   # each objective's runs
   python benchmarks/real_model.py --parts=rl --etas=2 --eval-concurrent      # evaluation beside training
+  python benchmarks/real_model.py --parts=rl --etas=2 --reward=judge         # rewarded by a judge model
   python benchmarks/real_model.py --parts=agent --seeds=0,1,2                # the agent recipe's runs (resumable)
   python benchmarks/real_model.py --smoke                                    # every part at toy sizes (minutes)
 
@@ -23,7 +24,9 @@ real_model.png are drawn again from the whole file):
   rl         configs/smollm2.py as the README runs it, for --seeds × --etas × --objectives (default: the recipe's
              own): held-out pass@1 (at the recipe's sampling temperature, and at T = 1) and greedy accuracy, start
              → end, s/step, wall-clock; each seed's gain and their mean. --eval-concurrent: the same runs with
-             eval.concurrent = True (results as rl_concurrent), wall-clock and accuracy beside the waiting runs'
+             eval.concurrent = True (results as rl_concurrent), wall-clock and accuracy beside the waiting runs'.
+             --reward=judge: rewarded by the base model served as a judge (rl_judge), each final model then scored
+             by the rule, at the recipe's temperature and at T = 1
   agent      configs/smollm2.py:agent=--agent (the calculator agent of examples/agents written with the OpenAI
              Agents SDK, trained and evaluated through arealjax.workflows.agent:OpenAIAgent) for --seeds at the
              recipe's η and objective: held-out pass@1 and greedy accuracy of the agent start → end, rejected
@@ -495,7 +498,8 @@ def part_rl(args, model_dir: Path, data: Path) -> dict:
     and the base model evaluated at T = 1 too."""
     from benchmarks import cells
 
-    grid = grid_of(args, model_dir, data, "rl_concurrent" if args.eval_concurrent else "rl")
+    judged = args.reward == "judge"  # rewarded by the base model served as a judge; scored after by the rule
+    grid = grid_of(args, model_dir, data, rl_key(args), ",reward=judge" if judged else "")
     if args.eval_concurrent:  # each evaluation on a generator of its own while training goes on
         grid.overrides.append("--config.eval.concurrent=True")
     runs = []
@@ -507,14 +511,24 @@ def part_rl(args, model_dir: Path, data: Path) -> dict:
                 if args.eval_concurrent:
                     runs.append(r)
                     continue
-                r["t1_end"] = evaluate_t1(Path(grid.work) / c["name"] / "model", Path(grid.work) / c["name"] / "t1",
-                                          args, model_dir, data)
+                final = Path(grid.work) / c["name"] / "model"
+                r["t1_end"] = evaluate_t1(final, Path(grid.work) / c["name"] / "t1", args, model_dir, data)
+                if judged:  # the rule's held-out pass@1 at the recipe's temperature, start and end
+                    r["rule_start"] = evaluate_t1(model_dir, Path(grid.work) / "base_rule", args, model_dir, data,
+                                                  temperature=-1.0)
+                    r["rule_end"] = evaluate_t1(final, Path(grid.work) / c["name"] / "rule", args, model_dir, data,
+                                                temperature=-1.0)
                 runs.append(r)
     command = "python benchmarks/real_model.py " + " ".join(args.argv)
     if args.eval_concurrent:
         return {"runs": runs, "command": command}
     return {"runs": runs, "t1_start": evaluate_t1(model_dir, Path(grid.work) / "base_t1", args, model_dir, data),
             "command": command}
+
+
+def rl_key(args) -> str:
+    """The rl part's runs and results key: rl, rl_judge (--reward=judge), rl_concurrent (--eval-concurrent)."""
+    return "rl" + ("_judge" if args.reward == "judge" else "") + ("_concurrent" if args.eval_concurrent else "")
 
 
 def part_agent(args, model_dir: Path, data: Path) -> dict:
@@ -550,12 +564,13 @@ def part_agent(args, model_dir: Path, data: Path) -> dict:
             "command": "python benchmarks/real_model.py " + " ".join(args.argv)}
 
 
-def evaluate_t1(model: Path, out: Path, args, model_dir: Path, data: Path) -> float:
-    """Held-out pass@1 at temperature 1 (python -m arealjax.evaluate), cached in `out`."""
+def evaluate_t1(model: Path, out: Path, args, model_dir: Path, data: Path, temperature: float = 1.0) -> float:
+    """Held-out pass@1 at `temperature` (-1: the recipe's) scored by the recipe's rule (python -m
+    arealjax.evaluate), cached in `out`."""
     summary = out / "summary.json"
     if not summary.is_file():
         res = subprocess.run([sys.executable, "-m", "arealjax.evaluate", *recipe(model_dir, data),
-                              f"--model={model}", f"--out={out}", "--config.eval.temperature=1.0",
+                              f"--model={model}", f"--out={out}", f"--config.eval.temperature={temperature}",
                               "--config.eval.greedy=False", f"--config.eval.num_problems={args.eval_problems}",
                               *args.overrides],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -662,6 +677,8 @@ def report(res: dict) -> str:
         lines += ["", "![real model](real_model.png)", ""]
     if (c := res.get("rl_concurrent")) and (r := res.get("rl")):
         lines += concurrent_comparison(r, c)
+    if j := res.get("rl_judge"):
+        lines += judge_section(j)
     for key, packing in (("agent", "shared prefixes (`trainer.share_prefixes`, the default)"),
                          ("agent_flat", "every trajectory packed whole")):
         if a := res.get(key):
@@ -669,6 +686,22 @@ def report(res: dict) -> str:
     if "agent" in res and "agent_flat" in res:
         lines += agent_comparison(res["agent"], res["agent_flat"])
     return "\n".join(lines)
+
+
+def judge_section(j: dict) -> list[str]:
+    """The recipe rewarded by a judge: what the judge scored (training's held-out evaluations) and what the rule
+    scores of the same models."""
+    runs = sorted(j["runs"], key=lambda x: x["seed"])
+    return [f"## Rewarded by a judge model (commit `{', '.join(sorted({x['commit'] for x in runs}))}`)", "",
+            f"`{j['command']}`: `configs/smollm2.py:reward=judge`, the base model served frozen by the run "
+            "(`rewards.judge.serve`) answers yes / no to whether a reply's final number is the reference "
+            f"solution's; {runs[0]['steps']} steps, η = {runs[0]['eta']}, mean ± sd over seeds.", "",
+            "| seeds | judge's held-out accuracy start → end | rule's pass@1 start → end | rule's pass@1 at T = 1, "
+            "end | wall-clock by seed |", "|---|---|---|---|---|",
+            f"| {', '.join(str(x['seed']) for x in runs)} | {stat(x['accuracy_start'] for x in runs)} → "
+            f"{stat(x['accuracy_end'] for x in runs)} | {stat(x['rule_start'] for x in runs)} → "
+            f"**{stat(x['rule_end'] for x in runs)}** | {stat(x['t1_end'] for x in runs)} | "
+            f"{by_seed(runs, 'wall_seconds', 60, ' min')} |", ""]
 
 
 def concurrent_comparison(waiting: dict, concurrent: dict) -> list[str]:
@@ -803,6 +836,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=0, help="rl: RL steps (0: the recipe's)")
     p.add_argument("--warmup", type=int, default=2, help="rl: first steps left out of s/step (compilation)")
     p.add_argument("--eval-problems", type=int, default=200, help="rl: held-out problems")
+    p.add_argument("--reward", default="rule", choices=("rule", "judge"),
+                   help="rl: the recipe's reward=; judge: the base model served as the judge (results as rl_judge)")
     p.add_argument("--eval-concurrent", action="store_true",
                    help="rl: with eval.concurrent=True (a generator of its own per evaluation): rl_concurrent")
     p.add_argument("--agent", default="sdk", help="agent: the recipe's agent (configs/smollm2.py AGENTS)")
@@ -835,7 +870,7 @@ def main() -> None:
         args.overrides = [*SMOKE_RL, *args.overrides]
     work, results = Path(args.work), Path(args.results)
     if args.smoke:  # finished smoke runs would not run again
-        for runs in ("rl", "rl_concurrent", f"agent_{args.agent}", f"agent_{args.agent}_flat"):
+        for runs in ("rl", "rl_judge", "rl_concurrent", f"agent_{args.agent}", f"agent_{args.agent}_flat"):
             shutil.rmtree(work / runs, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)
@@ -849,8 +884,7 @@ def main() -> None:
     for part in PARTS:
         if part in args.parts:
             print(f"[{time.strftime('%H:%M:%S')}] {part}", flush=True)
-            key = part + ("_flat" if part == "agent" and args.agent_flat else "") + (
-                "_concurrent" if part == "rl" and args.eval_concurrent else "")
+            key = rl_key(args) if part == "rl" else part + ("_flat" if part == "agent" and args.agent_flat else "")
             res[key] = {"commit": commit(), **({"layers": args.layers} if args.layers else {}), **run[part]()}
             store.write_text(json.dumps(res, indent=1))
     (results / "real_model.md").write_text(report(res))

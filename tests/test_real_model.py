@@ -123,3 +123,14 @@ def test_the_concurrent_evaluation_comparison_pairs_runs_by_seed():
     (row,) = [x for x in lines if x.startswith("| 2 |")]
     assert row == ("| 2 | decoupled | 0, 1 | 0: 10 min, 1: 20 min | 0: 5 min, 1: 20 min | **1.50×** | 0.55 ± 0.07 | "
                    "0.60 ± 0.14 |") and "`b`" in lines[0]
+
+
+def test_the_judge_section_sets_the_judges_scores_beside_the_rules():
+    from benchmarks.real_model import judge_section
+
+    runs = [{"seed": s, "commit": "j", "steps": 20, "eta": 2, "accuracy_start": 0.5, "accuracy_end": a,
+             "rule_start": 0.2, "rule_end": r, "t1_end": 0.1, "wall_seconds": 600} for s, a, r in
+            ((1, 0.9, 0.3), (0, 0.7, 0.5))]
+    lines = judge_section({"runs": runs, "command": "c"})
+    assert "| 0, 1 | 0.50 ± 0.00 → 0.80 ± 0.14 | 0.20 ± 0.00 → **0.40 ± 0.14** | 0.10 ± 0.00 | 0: 10 min, 1: 10 min |" \
+        in lines
