@@ -20,7 +20,6 @@ busy already (2 CPU cores: docs/evaluation.md).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -38,7 +37,6 @@ class ConcurrentEval:
         self.generator, self.sync = local.build(config, model, version, meshes, rules)
         self._run = run
         self._running: tuple[int, int, Future, threading.Thread] | None = None
-        self.waited_seconds = 0.0  # the trainer's time waiting for an evaluation to end
 
     def submit(self, step: int, params: Any, version: int) -> dict[str, float]:
         """Starts evaluating `params` (the weights of `step`, `version`); first waits for the evaluation running,
@@ -69,13 +67,11 @@ class ConcurrentEval:
         if self._running is None:
             return {}
         step, version, fut, thread = self._running
-        t0 = time.perf_counter()
         try:
             metrics = fut.result()
         finally:
             self._running = None
             thread.join()
-            self.waited_seconds += time.perf_counter() - t0
         return {**metrics, "eval_step": step, "eval_version": version}
 
     def close(self) -> None:

@@ -1,5 +1,5 @@
 """Constrained decoding (structured outputs): a sample whose `SamplingParams.grammar` is set draws, at every step,
-only the tokens its grammar allows. Grammars are llguidance's (a Rust library: a token mask in tens of µs, no torch);
+only the tokens its grammar allows. Grammars are llguidance's (a Rust library, no torch);
 arealjax/structured.py makes them from response formats.
 
     grammar = response_grammar({"type": "json_schema", "json_schema": {"schema": {...}}}, tools)   # structured.py
@@ -73,11 +73,11 @@ class Grammars:
             if m is None:
                 continue
             fill_next_token_bitmask(m, out, i)
-            ends = list(stops) or list(self.tokenizer.eos_ids)
-            if m.is_accepting() or m.is_error() or not out[i].any():
-                if not out[i].any() or m.is_error():
-                    out[i] = 0
-                for t in ends:
+            dead = m.is_error() or not out[i].any()
+            if dead:
+                out[i] = 0
+            if dead or m.is_accepting():
+                for t in list(stops) or list(self.tokenizer.eos_ids):
                     out.view(np.uint32)[i, t // 32] |= np.uint32(1 << (t % 32))
         return out
 
