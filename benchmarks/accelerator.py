@@ -135,7 +135,8 @@ SIZES = {
                               sweep=((256, (1, 2), (1, 2, 4), (1, 2), (0,), (1, 0)),
                                      (64, (1, 2), (1, 2), (1,), (0, 1), (1, 0))),
                               attentions=("pallas", "pallas_mha"), decode_attentions=("auto", "pallas_jax"),
-                              long_tail=dict(requests=(64, 512), slots=(64, 256))),
+                              long_tail=dict(requests=(64, 512), slots=(64, 256)),
+                              ceilings=dict(copy_bytes=2**32, matmul=8192)),
                  # --lower: the decode call's rows and context, the train step's micro-batch; a mixture of experts
                  # beside the size's models (its experts through megablox on a TPU)
                  lowering=dict(rows=256, max_len=1024, micro_rows=8, max_tokens=2048, moe={"qwen3-30b-a3b": dict(
@@ -154,7 +155,8 @@ SIZES = {
                   profile=dict(slots=16, rows=8, ratio_rows=4, ratio_slots=(4, 16), full_rows=16,
                                sweep=((16, (2,), (4,), (3,), (0, 2), (1, 0)), (4, (2,), (4,), (3,), (0,), (1,))),
                                attentions=("pallas_mha",), decode_attentions=("auto",),
-                               long_tail=dict(requests=(4, 8), slots=(4,))),
+                               long_tail=dict(requests=(4, 8), slots=(4,)),
+                               ceilings=dict(copy_bytes=2**22, matmul=256)),
                   lowering=dict(rows=8, max_len=128, micro_rows=2, max_tokens=128, moe={"tiny-moe": dict(
                       family="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
@@ -271,11 +273,11 @@ def attention_check(dtype, dims: tuple[int, ...], kernel: Callable | None = None
             **compare(kernel, attn.attend_xla, [q, k, v, seg], dtype, ("out", "dq", "dk", "dv"))}
 
 
-def paged_pallas(q, pool, positions, index, kind: str = "pallas"):
-    """A Pallas paged attention (`kind`) over layer 0 of a heads-major pool."""
+def paged_pallas(q, pool, positions, index, kind: str = "pallas", tuning=None):
+    """A Pallas paged attention (`kind`, our kernel's `tuning`) over layer 0 of a heads-major pool."""
     from arealjax.models.paged import pallas_attention
 
-    return pallas_attention(q, pool.k[0], pool.v[0], positions, index, kind)
+    return pallas_attention(q, pool.k[0], pool.v[0], positions, index, kind, tuning)
 
 
 def paged_ragged(q, pool, positions, index):
@@ -326,6 +328,16 @@ def paged_check(dtype, dims: tuple[int, ...], kernel: Callable | None = None, la
                       grads=False)}
 
 
+# The kernels part also checks our GPU kernels at these tunings (beside their defaults), in float32: what the
+# profile's sweeps and train variants time must compute the same function.
+FLASH_CHECKED = {"block_q=128": dict(block_q=128), "bwd 128/64": dict(bwd_held=128, bwd_loop=64),
+                 "group_heads": dict(group_heads=True),
+                 "block_q=128, bwd 128/64, group_heads": dict(block_q=128, bwd_held=128, bwd_loop=64, group_heads=True)}
+PAGED_CHECKED = {"vector units": dict(mma=False), "prefetch": dict(prefetch=True),
+                 "vector units, prefetch, 2 splits": dict(mma=False, prefetch=True, splits=2),
+                 "prefetch, 2 pages, 3 splits": dict(block_pages=2, prefetch=True, splits=3)}
+
+
 def kernels(size: dict, args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -352,6 +364,26 @@ def kernels(size: dict, args) -> dict:
             except Exception as e:
                 traceback.print_exc()
                 checks.append({"kernel": kernel, "dtype": name, "passed": False, "error": f"{type(e).__name__}: {e}"})
+            print(json.dumps(checks[-1]), flush=True)
+    if kinds == ("pallas", "pallas"):  # our GPU kernels' other tunings, which the sweeps time: in float32
+        from arealjax.models import flash_gpu
+        from arealjax.models.paged_gpu import Tuning
+
+        for name, knobs in FLASH_CHECKED.items():
+            try:
+                with flash_gpu.tuned(flash_gpu.FlashTuning(**knobs)):
+                    checks.append({**attention_check(jnp.float32, size["attention"], kind="pallas"), "tuning": name})
+            except Exception as e:
+                checks.append({"kernel": "attention.attend_pallas", "tuning": name, "passed": False,
+                               "error": f"{type(e).__name__}: {e}"[:300]})
+            print(json.dumps(checks[-1]), flush=True)
+        for name, knobs in PAGED_CHECKED.items():
+            try:
+                kernel = functools.partial(paged_pallas, kind="pallas", tuning=Tuning(**knobs))
+                checks.append({**paged_check(jnp.float32, size["paged"], kernel=kernel), "tuning": name})
+            except Exception as e:
+                checks.append({"kernel": "paged.paged_pallas", "tuning": name, "passed": False,
+                               "error": f"{type(e).__name__}: {e}"[:300]})
             print(json.dumps(checks[-1]), flush=True)
     return {"interpret": backend not in ("gpu", "tpu"), "auto": auto, "checks": checks,
             "passed": auto["passed"] and all(c["passed"] for c in checks)}
@@ -487,7 +519,8 @@ def ppo_trainer(model, tr: dict):
 
     return Trainer(model, TrainerConfig(max_tokens=tr["max_tokens"], micro_rows=tr["micro_rows"],
                                         compute_dtype="bfloat16", scan_layers=True, remat=tr.get("remat", "auto"),
-                                        attention=tr.get("attention", "auto"), optim=OptimConfig(lr=1e-6)))
+                                        attention=tr.get("attention", "auto"), optim=OptimConfig(lr=1e-6),
+                                        **{k: tr[k] for k in ("logits_chunk",) if k in tr}))
 
 
 def trainer(size: dict, args) -> dict:
@@ -644,7 +677,7 @@ PART_FNS = {"kernels": kernels, "generator": generator, "trainer": trainer, "e2e
 
 # What comes back from a lent machine: files of at most 16 MiB; a packed trace stays under this.
 TRACE_LIMIT = 15 * 2**20
-STAGES = ("environment", "sweep", "free_slots", "decode", "train", "trace", "decode_full", "long_tail",
+STAGES = ("environment", "ceilings", "sweep", "free_slots", "decode", "train", "trace", "decode_full", "long_tail",
           "train_attention")  # --profile's, in their order
 PROFILE_FILES = ("hlo.tar.gz", "trace.tar.gz", "kernels.md", "environment.txt")  # --profile's, beside profile.json
 # Instructions that write a whole new buffer of their operand's size; a fusion counts when its root is one of them.
@@ -845,14 +878,41 @@ def count_compiles() -> None:
     jax.monitoring.register_event_duration_secs_listener(listen)
 
 
+def device_ceilings(copy_bytes: int, matmul: int, repeats: int) -> dict:
+    """The device's two ceilings as measured, beside the datasheet's: a device-to-device pass over `copy_bytes` of
+    random bf16 (x + 1: each byte read once and written once, both counted) in bytes/s, and a square bf16 matmul of
+    `matmul` on random data in FLOP/s; each the median of `repeats` timed calls after one warm-up."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def median_seconds(fn, *xs) -> float:
+        fn(*xs).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(*xs).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (copy_bytes // 2 // 4096, 4096), jnp.bfloat16)
+    copy = median_seconds(jax.jit(lambda x: x + jnp.bfloat16(1)), x)
+    del x
+    a, b = (jax.random.normal(k, (matmul, matmul), jnp.bfloat16) for k in jax.random.split(key))
+    mm = median_seconds(jax.jit(jnp.matmul), a, b)
+    return {"copy_bytes": 2 * copy_bytes, "copy_seconds": copy, "copy_bytes_per_s": 2 * copy_bytes / copy,
+            "matmul_size": matmul, "matmul_seconds": mm, "matmul_flops": 2 * matmul**3 / mm}
+
+
 def paged_sweep(sweep: tuple, context: int, page: int, shape: dict, repeats: int) -> list[dict]:
     """The paged decode kernels alone, one layer of `shape`'s heads in bf16, rows of `context` tokens on pages of
-    `page` scattered over the pool, for each (rows, block_pages, num_warps, num_stages, splits[, mma]) of `sweep`:
-    JAX's kernel (`pallas_jax`, its best knobs of the H200 sweep) and ours (`pallas`) at every block_pages × num_warps
-    × num_stages × splits (0: chosen by rows) × mma (1: matrix units, 0: vector units; 1 if not given;
-    models/paged_gpu.py). Each row of the result: seconds per kernel call (a
-    jitted loop of `LOOP` calls, each query fed by the last output, so no call's launch shows) and the share of peak
-    HBM its K and V reads reach."""
+    `page` scattered over the pool, for each (rows, block_pages, num_warps, num_stages, splits[, mma[, prefetch]]) of
+    `sweep`: JAX's kernel (`pallas_jax`, its best knobs of the H200 sweep) and ours (`pallas`) at every block_pages ×
+    num_warps × num_stages × splits (0: chosen by rows) × mma (1: matrix units, 0: vector units; 1 if not given) ×
+    prefetch (1: the next block's pages loaded before this block's math; 0 if not given; models/paged_gpu.py). Each
+    row of the result: seconds per kernel call (a jitted loop of `LOOP` calls, each query fed by the last output, so
+    no call's launch shows) and the share of peak HBM its K and V reads reach."""
     import itertools
 
     import jax
@@ -876,8 +936,8 @@ def paged_sweep(sweep: tuple, context: int, page: int, shape: dict, repeats: int
         k, v = (jnp.asarray(rng.normal(size=(hkv, rows * per_row, page, d)), jnp.bfloat16) for _ in range(2))
         read = 2 * rows * context * hkv * d * 2  # K and V of every row, bf16
         want = paged_reference(q, k, v, jnp.asarray(table), positions + 1)
-        knobs = (*grid, (1,)) if len(grid) == 4 else grid
-        variants = [("pallas_jax", None)] + [("pallas", Tuning(*t[:4], mma=bool(t[4])))
+        knobs = (*grid, (1,), (0,))[:6] if len(grid) == 4 else (*grid, (0,))[:6]
+        variants = [("pallas_jax", None)] + [("pallas", Tuning(*t[:4], mma=bool(t[4]), prefetch=bool(t[5])))
                                              for t in itertools.product(*knobs)]
         for kind, tuning in variants:
             attend = functools.partial(pallas_attention, positions=positions, index=index, kind=kind, tuning=tuning)
@@ -900,8 +960,8 @@ def paged_sweep(sweep: tuple, context: int, page: int, shape: dict, repeats: int
 
 
 def parse_sweep(text: str) -> list[tuple]:
-    """--sweep's grids, 'ROWS:BP:WARPS:STAGES:SPLITS[:MMA];...' with ','-separated values, as `paged_sweep` takes
-    them; a ValueError saying which grid and what was expected otherwise."""
+    """--sweep's grids, 'ROWS:BP:WARPS:STAGES:SPLITS[:MMA[:PREFETCH]];...' with ','-separated values, as
+    `paged_sweep` takes them; a ValueError saying which grid and what was expected otherwise."""
     grids = []
     for grid in filter(None, text.split(";")):
         fields = grid.split(":")
@@ -909,14 +969,37 @@ def parse_sweep(text: str) -> list[tuple]:
             rows, *knobs = int(fields[0]), *(tuple(int(x) for x in f.split(",")) for f in fields[1:])
         except ValueError:
             rows, knobs = 0, []
-        lowest = (1, 1, 1, 0, 0)  # block_pages, num_warps, num_stages, splits, mma
-        if (rows < 1 or len(knobs) not in (4, 5) or any(min(k) < lo for k, lo in zip(knobs, lowest))
-                or max(knobs[4] if len(knobs) == 5 else (0,)) > 1):
-            raise ValueError(f"--sweep grid '{grid}': expected ROWS:BLOCK_PAGES:NUM_WARPS:NUM_STAGES:SPLITS[:MMA], "
-                             "each a ','-separated list of integers (rows, pages, warps, stages ≥ 1; splits ≥ 0, "
-                             "0: chosen by rows; mma 1: matrix units, 0: vector units)")
+        lowest = (1, 1, 1, 0, 0, 0)  # block_pages, num_warps, num_stages, splits, mma, prefetch
+        if (rows < 1 or len(knobs) not in (4, 5, 6) or any(min(k) < lo for k, lo in zip(knobs, lowest))
+                or max((0, *(x for k in knobs[4:] for x in k))) > 1):
+            raise ValueError(f"--sweep grid '{grid}': expected ROWS:BLOCK_PAGES:NUM_WARPS:NUM_STAGES:SPLITS[:MMA"
+                             "[:PREFETCH]], each a ','-separated list of integers (rows, pages, warps, stages ≥ 1; "
+                             "splits ≥ 0, 0: chosen by rows; mma 1: matrix units, 0: vector units; prefetch 0 or 1)")
         grids.append((rows, *knobs))
     return grids
+
+
+TRAINER_KNOBS = ("logits_chunk", "micro_rows")  # --train-variants' keys that go to the trainer, not the kernel
+
+
+def parse_train_variant(text: str) -> tuple[str, str, dict]:
+    """One of --train-variants, 'ATTENTION:REMAT[:KEY=INT...]' -> (attention, remat, {"trainer": {...}, "flash":
+    {...}}): keys of TRAINER_KNOBS go to the trainer's config, the others to our GPU training kernel's tuning
+    (`models/flash_gpu.FlashTuning`, e.g. block_q=128); a ValueError saying what was expected otherwise."""
+    from arealjax.models.flash_gpu import FlashTuning
+
+    attention, remat, *pairs = text.split(":") + ([""] if ":" not in text else [])
+    knobs: dict = {"trainer": {}, "flash": {}}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in (*TRAINER_KNOBS, *FlashTuning._fields) or not value.lstrip("-").isdigit():
+            raise ValueError(f"--train-variants '{text}': '{pair}' is not KEY=INT with KEY one of "
+                             f"{(*TRAINER_KNOBS, *FlashTuning._fields)}; expected ATTENTION:REMAT[:KEY=INT...], "
+                             "e.g. pallas:save_dots:logits_chunk=0:block_q=128")
+        knobs["trainer" if key in TRAINER_KNOBS else "flash"][key] = int(value)
+    if not attention or not remat:
+        raise ValueError(f"--train-variants '{text}': expected ATTENTION:REMAT[:KEY=INT...], e.g. pallas:save_dots")
+    return attention, remat, knobs
 
 
 def paged_reference(q, k, v, table, lengths):
@@ -950,10 +1033,12 @@ def profile(size: dict, args, out: Path) -> dict:
     profile.json, hlo.tar.gz, trace.tar.gz, kernels.md and environment.txt into `out` (module docstring)."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     import arealjax.generation.engine as engine_module
     import arealjax.rl.trainer as trainer_module
-    from arealjax.models import ModelConfig, from_config
+    from arealjax.models import ModelConfig, flash_gpu, from_config
+    from arealjax.models.flash_gpu import FlashTuning
     from benchmarks import profile_table
     from benchmarks.cells import commit, portable
     from benchmarks.generator import DecodeBench
@@ -976,7 +1061,7 @@ def profile(size: dict, args, out: Path) -> dict:
            "decode_steps": k, "context": context, "seconds": {}, "errors": {}}
     hlo: dict[str, str] = {}
     programs: dict[str, dict] = {}
-    variants = [tuple(v.split(":")) for v in args.train_variants.split(",")] if args.train_variants else []
+    variants = [parse_train_variant(v) for v in args.train_variants.split(",")] if args.train_variants else []
     held: dict = {"model": from_config(cfg, dtype=jnp.bfloat16)}
 
     def decode_bench(rows: int, slots: int) -> tuple[DecodeBench, str]:
@@ -1024,25 +1109,28 @@ def profile(size: dict, args, out: Path) -> dict:
         rows = p["full_rows"]
         model = held["model"]
         times = {}
-        for attention in dict.fromkeys([held.get("attention", "auto"), *p["decode_attentions"]]):  # ours first
+        ours = held.get("attention", "auto")
+        for attention, draw in [(ours, "sample"), (ours, "greedy")] + [(a, "sample") for a in p["decode_attentions"]
+                                                                       if a != ours]:  # ours first
             bench = DecodeBench(model, rows, [context] * rows, max_len, page, k, attention=attention,
-                                tuning=held.get("tuning"))
+                                tuning=held.get("tuning"), draw=draw)
             try:
-                times[bench.engine.attention] = bench.seconds_per_step(size["step_repeats"])
+                times[bench.engine.attention + ("" if draw == "sample" else f" {draw}")] = bench.seconds_per_step(
+                    size["step_repeats"])
             except Exception as e:  # the baseline kernel failing leaves ours
-                res["errors"][f"decode_full {attention}"] = f"{type(e).__name__}: {e}"[:300]
+                res["errors"][f"decode_full {attention} {draw}"] = f"{type(e).__name__}: {e}"[:300]
             del bench
         attention, t = next(iter(times.items()))
         param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
         if not cfg.tie_word_embeddings:  # the embedding table is gathered (one row per token), not read
             param_bytes -= cfg.vocab_size * cfg.hidden_size * 2
         read = param_bytes + rows * (context + (k + 1) / 2) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-        hbm = peaks(device.device_kind)[0]
+        hbm, copy = peaks(device.device_kind)[0], res.get("ceilings", {}).get("copy_bytes_per_s")
+        share = lambda x: {"seconds_per_step": x, "hbm_fraction": read / x / hbm if hbm else None,  # noqa: E731
+                           "copy_fraction": read / x / copy if copy else None}
         res["decode_full"] = {"rows": rows, "slots": rows, "context": context, "attention": attention,
-                              "seconds_per_step": t, "bytes": read, "bytes_per_s": read / t,
-                              "hbm_fraction": read / t / hbm if hbm else None, "tuning": res.get("tuning"),
-                              "by_attention": {a: {"seconds_per_step": x, "hbm_fraction": read / x / hbm if hbm
-                                                   else None} for a, x in times.items()}}
+                              "draw": "sample", "bytes": read, "bytes_per_s": read / t, **share(t),
+                              "tuning": res.get("tuning"), "by_attention": {a: share(x) for a, x in times.items()}}
 
     def long_tail_rates():
         """Useful tokens/s of the long-tail workload through the Generator at each slot count, per request count:
@@ -1082,25 +1170,43 @@ def profile(size: dict, args, out: Path) -> dict:
         elif device.platform == "gpu":  # ours failed to lower: the decode stages measure the rest with JAX's
             held["attention"] = "pallas_jax"
 
+    def timed_steps(t, trajs) -> dict:
+        """`args.train_repeats` warm train steps: their seconds, the median, and MFU / HFU over it against the
+        datasheet's peak and against the measured matmul rate (the ceilings stage) where there is one."""
+        times = []
+        for _ in range(args.train_repeats):
+            t0 = time.perf_counter()
+            t.train_step(trajs)
+            jax.block_until_ready(t.params)
+            times.append(time.perf_counter() - t0)
+        sec = float(np.median(times))
+        out = {"seconds": sec, "seconds_each": times}
+        flops = {"mfu": model_flops(t.model_cfg, trajs, t.cfg), "hfu": hardware_flops(t.model_cfg, trajs, t.cfg)}
+        for suffix, peak in (("", peaks(device.device_kind)[1]), ("_measured",
+                                                                   res.get("ceilings", {}).get("matmul_flops"))):
+            if peak:
+                out.update({f"{k}{suffix}": f / sec / peak for k, f in flops.items()})
+        return out
+
     def train():
         tr = size["trainer"]
         trajs = long_tail(tr["trajectories"], tr["max_tokens"])
-        if variants:  # the first pair's attention and remat
+        if variants:  # the first variant's attention, remat and knobs
             tr = {**tr, "attention": variants[0][0], "remat": variants[0][1]}
-        t = ppo_trainer(from_config(ModelConfig.make(**shape)), tr)
-        with recording(t, trainer_module) as calls:
-            metrics = t.train_step(trajs)  # compiles
-        hlo.update({f"train-{fn}": text for fn, text in optimized_hlo(calls).items()})
-        t0 = time.perf_counter()
-        t.train_step(trajs)
-        jax.block_until_ready(t.params)
-        res["train"] = {"trajectories": len(trajs), "tokens": sum(len(x) for x in trajs),
-                        "max_tokens": tr["max_tokens"], "micro_rows": tr["micro_rows"],
-                        "micro_batches": int(metrics["micro_batches"]), "seconds": time.perf_counter() - t0,
-                        "attention": t.cfg.attention, "remat": t.cfg.remat}
-        if peak := peaks(device.device_kind)[1]:
-            res["train"].update(mfu=model_flops(t.model_cfg, trajs, t.cfg) / res["train"]["seconds"] / peak,
-                                hfu=hardware_flops(t.model_cfg, trajs, t.cfg) / res["train"]["seconds"] / peak)
+        knobs = variants[0][2] if variants else {}
+        with flash_gpu.tuned(FlashTuning(**knobs.get("flash", {}))):
+            t = ppo_trainer(from_config(ModelConfig.make(**shape)), {**tr, **knobs.get("trainer", {})})
+            with recording(t, trainer_module) as calls:
+                metrics = t.train_step(trajs)  # compiles
+            hlo.update({f"train-{fn}": text for fn, text in optimized_hlo(calls).items()})
+            res["train"] = {"trajectories": len(trajs), "tokens": sum(len(x) for x in trajs),
+                            "scored_tokens": sum(x.n_model_tokens for x in trajs), "max_tokens": t.cfg.max_tokens,
+                            "micro_rows": t.cfg.micro_rows, "micro_batches": int(metrics["micro_batches"]),
+                            "attention": t.cfg.attention, "remat": t.cfg.remat, "logits_chunk": t.cfg.logits_chunk,
+                            "flash": knobs.get("flash", {}), **timed_steps(t, trajs), **{
+                                x: float(metrics[x]) for x in ("loss", "grad_norm", "entropy")}}
+            if variants:
+                res["train"]["variant"] = args.train_variants.split(",")[0]
         held["train"], held["trajectories"] = t, trajs  # traced only once it ran
 
     def trace():
@@ -1123,27 +1229,43 @@ def profile(size: dict, args, out: Path) -> dict:
         trajs = long_tail(tr["trajectories"], tr["max_tokens"])
         res["train_attention"] = {"memory_stats": {k: v for k, v in (device.memory_stats() or {}).items()
                                                    if k in ("bytes_limit", "bytes_in_use", "largest_free_block_bytes")}}
-        for kind, remat in variants or [(kind, "auto") for kind in p["attentions"]]:
-            t = ppo_trainer(from_config(ModelConfig.make(**shape)), {**tr, "attention": kind, "remat": remat})
-            kind = f"{kind}:{remat}"
+        for name, (kind, remat, knobs) in zip(
+                args.train_variants.split(",") if variants else [f"{kind}:auto" for kind in p["attentions"]],
+                variants or [(kind, "auto", {}) for kind in p["attentions"]]):
+            if variants and res.get("train", {}).get("variant") == name:  # the train stage's: measured there
+                res["train_attention"][name] = {k: res["train"][k] for k in (
+                    "remat", "loss", "grad_norm", "entropy", "seconds", "seconds_each", "mfu", "hfu", "mfu_measured",
+                    "hfu_measured") if k in res["train"]}
+                continue
             try:
-                metrics = t.train_step(trajs)  # compiles; the first step's metrics compare the kernels
-                t0 = time.perf_counter()
-                t.train_step(trajs)
-                jax.block_until_ready(t.params)
-                sec = time.perf_counter() - t0
-                peak = peaks(device.device_kind)[1]
-                res["train_attention"][kind] = {"seconds": sec, "remat": t.cfg.remat, **{  # same numbers per kernel
-                    x: float(metrics[x]) for x in ("loss", "grad_norm", "entropy")}, **({} if not peak else {
-                    "mfu": model_flops(t.model_cfg, trajs, t.cfg) / sec / peak,
-                    "hfu": hardware_flops(t.model_cfg, trajs, t.cfg) / sec / peak})}
+                with flash_gpu.tuned(FlashTuning(**knobs.get("flash", {}))):
+                    t = ppo_trainer(from_config(ModelConfig.make(**shape)),
+                                    {**tr, "attention": kind, "remat": remat, **knobs.get("trainer", {})})
+                    metrics = t.train_step(trajs)  # compiles; the first step's metrics compare the kernels
+                    res["train_attention"][name] = {"remat": t.cfg.remat, **{  # the same numbers per kernel
+                        x: float(metrics[x]) for x in ("loss", "grad_norm", "entropy")}, **timed_steps(t, trajs)}
+                del t
             except Exception as e:
-                res["train_attention"][kind] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            del t
+                res["train_attention"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            save()
+
+    def save():
+        """profile.json and hlo.tar.gz as they stand: after every stage (and train variant), as the parts do, so a
+        command cut short keeps what is done."""
+        if hlo:
+            write_tar(out / "hlo.tar.gz", {f"{key}.hlo.txt": text for key, text in hlo.items()})
+            res["hlo"] = {"file": "hlo.tar.gz", "programs": {key: programs.get(key, {"chars": len(text)})
+                                                             for key, text in hlo.items()}}
+        res["files"] = {f.name: f.stat().st_size for f in sorted(out.iterdir()) if f.name in PROFILE_FILES}
+        (out / "profile.json").write_text(json.dumps(res, indent=1) + "\n")
+
+    def ceilings():
+        c = p["ceilings"]
+        res["ceilings"] = device_ceilings(c["copy_bytes"], c["matmul"], size["step_repeats"])
 
     for stage, fn in (("environment", lambda: (out / "environment.txt").write_text(environment())),
-                      ("sweep", sweep), ("free_slots", free_slots), ("decode", decode), ("train", train),
-                      ("trace", trace), ("decode_full", decode_full), ("long_tail", long_tail_rates),
+                      ("ceilings", ceilings), ("sweep", sweep), ("free_slots", free_slots), ("decode", decode),
+                      ("train", train), ("trace", trace), ("decode_full", decode_full), ("long_tail", long_tail_rates),
                       ("train_attention", train_attention)):
         if args.stages and stage not in args.stages.split(","):
             continue
@@ -1155,12 +1277,7 @@ def profile(size: dict, args, out: Path) -> dict:
             traceback.print_exc()
             res["errors"][stage] = f"{type(e).__name__}: {e}"
         res["seconds"][stage] = time.perf_counter() - t0
-        if hlo:  # after every stage, as the parts do: a command cut short keeps what is done
-            write_tar(out / "hlo.tar.gz", {f"{key}.hlo.txt": text for key, text in hlo.items()})
-            res["hlo"] = {"file": "hlo.tar.gz", "programs": {key: programs.get(key, {"chars": len(text)})
-                                                             for key, text in hlo.items()}}
-        res["files"] = {f.name: f.stat().st_size for f in sorted(out.iterdir()) if f.name in PROFILE_FILES}
-        (out / "profile.json").write_text(json.dumps(res, indent=1) + "\n")
+        save()
     held.clear()
     return res
 
@@ -1175,6 +1292,10 @@ def profile_markdown(res: dict, kernels: str) -> str:
 def profile_summary(res: dict) -> str:
     """A few lines: what --profile measured and wrote."""
     lines = [f"profile of {res['model']} on {res['device']}:"]
+    if "ceilings" in res:
+        c = res["ceilings"]
+        lines.append(f"  measured ceilings: copy {c['copy_bytes_per_s'] / 1e9:,.0f} GB/s (read + write), bf16 matmul "
+                     f"{c['matmul_size']}³ {c['matmul_flops'] / 1e12:,.0f} TFLOP/s")
     if "free_slots" in res:
         f = res["free_slots"]
         lines.append(f"  decode step, {f['rows']} rows of {f['context']} tokens: " + ", ".join(
@@ -1187,15 +1308,20 @@ def profile_summary(res: dict) -> str:
                      f"({res['pool_elements']:,} elements): {len(res['pool_sized_copies'])}")
     if "train" in res:
         r = res["train"]
-        lines.append(f"  train step, {r['tokens']} tokens ({r['attention']}, remat {r['remat']}): "
-                     f"{r['seconds']:.3f} s, MFU {fmt(r.get('mfu'), '.1%')}, HFU {fmt(r.get('hfu'), '.1%')}")
+        lines.append(f"  train step, {r['tokens']} tokens ({r['attention']}, remat {r['remat']}"
+                     + "".join(f", {k} {v}" for k, v in r.get("flash", {}).items())
+                     + f"): {r['seconds']:.3f} s (median of {len(r.get('seconds_each', [0]))}), "
+                     f"MFU {fmt(r.get('mfu'), '.1%')}, HFU {fmt(r.get('hfu'), '.1%')}"
+                     + ("" if "mfu_measured" not in r else f"; of the measured matmul rate: MFU "
+                        f"{r['mfu_measured']:.1%}, HFU {r['hfu_measured']:.1%}"))
     if "decode_full" in res:
         f = res["decode_full"]
         lines.append(f"  decode step, {f['rows']} rows of {f['context']} tokens ({f.get('attention')}): "
                      f"{f['seconds_per_step'] * 1e3:.3f} ms, {f['bytes_per_s'] / 1e9:,.0f} GB/s, "
-                     f"{fmt(f['hbm_fraction'], '.1%')} of peak HBM" + "".join(
-                         f"; {a}: {x['seconds_per_step'] * 1e3:.3f} ms ({fmt(x['hbm_fraction'], '.1%')})"
-                         for a, x in list(f.get("by_attention", {}).items())[1:]))
+                     f"{fmt(f['hbm_fraction'], '.1%')} of peak HBM"
+                     + ("" if not f.get("copy_fraction") else f", {f['copy_fraction']:.1%} of the measured copy")
+                     + "".join(f"; {a}: {x['seconds_per_step'] * 1e3:.3f} ms ({fmt(x['hbm_fraction'], '.1%')})"
+                               for a, x in list(f.get("by_attention", {}).items())[1:]))
     for row in res.get("long_tail", []):
         lines.append(f"  long-tail generation, {row['requests']} requests in {row['slots']} slots: "
                      f"{row['tokens_per_s']:,.0f} useful tokens/s (compiles: {row.get('compiles_warmup')} warming up, "
@@ -1204,7 +1330,8 @@ def profile_summary(res: dict) -> str:
         knobs = "" if row["kernel"] != "pallas" else (f" {row['block_pages']} pages per block, {row['num_warps']} "
                                                       f"warps, {row['num_stages']} stages, splits "
                                                       f"{row['splits'] or 'auto'}"
-                                                      + ("" if row.get("mma", True) else ", vector units"))
+                                                      + ("" if row.get("mma", True) else ", vector units")
+                                                      + (", prefetch" if row.get("prefetch") else ""))
         lines.append(f"  paged kernel {row['kernel']}{knobs}, {row['rows']} rows: " + (row.get("error") or (
             f"{row['seconds'] * 1e6:.1f} µs, {fmt(row['hbm_fraction'], '.1%')} of peak HBM"
             + ("" if "max_abs_error" not in row else f", max error {row['max_abs_error']:.2g}"
@@ -1213,7 +1340,8 @@ def profile_summary(res: dict) -> str:
         if kind == "memory_stats":
             continue
         lines.append(f"  train step with attention '{kind}': " + (r.get("error") or (
-            f"{r['seconds']:.3f} s, remat {r['remat']}, MFU {fmt(r.get('mfu'), '.1%')}, "
+            f"{r['seconds']:.3f} s (median of {len(r.get('seconds_each', [0]))}), remat {r['remat']}, "
+            f"MFU {fmt(r.get('mfu'), '.1%')}, "
             f"HFU {fmt(r.get('hfu'), '.1%')}, loss {r['loss']:.6g}, grad norm {r['grad_norm']:.6g}")))
     lines += [f"  {n}: {b:,} bytes" for n, b in res.get("files", {}).items()]
     lines += [f"  {stage} failed: {e}" for stage, e in res["errors"].items()]
@@ -1462,20 +1590,28 @@ def main() -> None:
     ap.add_argument("--stages", default="", help="--profile's stages to run, comma-separated, of: "
                                                  + ", ".join(STAGES) + " (default: all)")
     ap.add_argument("--sweep", default="", help="the sweep stage's grids, ';'-separated, each rows:block_pages:"
-                                                "num_warps:num_stages:splits[:mma] with ','-separated values (mma "
-                                                "1: matrix units, 0: vector units; default 1), e.g. "
-                                                "256:1,2:1,2:1:0:1,0 (default: the size's)")
+                                                "num_warps:num_stages:splits[:mma[:prefetch]] with ','-separated "
+                                                "values (mma 1: matrix units, 0: vector units; default 1; prefetch "
+                                                "1: the next pages loaded ahead; default 0), e.g. "
+                                                "256:1,2:1,2:1:0:1,0:0,1 (default: the size's)")
     ap.add_argument("--decode-rows", type=int, default=0, help="the decode stage's active rows (traced, its HLO "
                                                                  "checked; default: the size's, 64 of 256 slots)")
     ap.add_argument("--long-tail-requests", default="", help="the long_tail stage's request counts, comma-separated "
                                                              "(default: the size's, 64,512)")
-    ap.add_argument("--train-variants", default="", help="train_attention's attention:remat pairs, comma-separated "
-                                                         "(default: each of the size's kernels with remat auto)")
+    ap.add_argument("--train-variants", default="", help="train_attention's variants, comma-separated, each "
+                                                         "attention:remat[:key=int...] (keys: logits_chunk, "
+                                                         "micro_rows, or a field of models/flash_gpu.FlashTuning; "
+                                                         "the first is also the train stage's; default: each of the "
+                                                         "size's kernels with remat auto)")
+    ap.add_argument("--train-repeats", type=int, default=3, help="timed train steps whose median counts")
     args = ap.parse_args()
     if unknown := sorted(set(filter(None, args.stages.split(","))) - set(STAGES)):
         ap.error(f"unknown --stages {unknown}; expected some of {STAGES}")
-    if bad := [v for v in filter(None, args.train_variants.split(",")) if v.count(":") != 1]:
-        ap.error(f"--train-variants {bad}: each is attention:remat, e.g. pallas:save_dots")
+    try:
+        for v in filter(None, args.train_variants.split(",")):
+            parse_train_variant(v)
+    except ValueError as e:
+        ap.error(str(e))
     try:
         parse_sweep(args.sweep)
     except ValueError as e:

@@ -201,17 +201,18 @@ def median_run(runs):
 class DecodeBench:
     """An engine of `slots` slots whose first len(lengths) slots decode, row i from position lengths[i] (its earlier
     KV is whatever the pages hold: the cost is the same); `call()` runs one `generate` call of `steps` steps and
-    puts every row back at its starting position, so calls can repeat."""
+    puts every row back at its starting position, so calls can repeat. `draw` (engine.DRAWS): what each step draws
+    with, 'sample' as the recipes' rollouts (the softmax and an inverse CDF), 'greedy' an argmax alone."""
 
     def __init__(self, model, slots: int, lengths: list[int], max_len: int, page_size: int, steps: int,
-                 attention: str = "auto", tuning=None):
+                 attention: str = "auto", tuning=None, draw: str = "sample"):
         import jax
 
         from arealjax.api import SamplingParams
         from arealjax.generation.engine import Engine, PageWrites, SlotSampling, pack
         from arealjax.generation.pages import PagePool, decode_index
 
-        self.model, self.steps = model, steps
+        self.model, self.steps, self.draw = model, steps, draw
         self.engine = engine = Engine(model, slots=slots, max_len=max_len, page_size=page_size, attention=attention,
                                       tuning=tuning)
         pool = PagePool(engine.num_pages, page_size)
@@ -233,7 +234,8 @@ class DecodeBench:
         """One `generate` call of `steps` decode steps, waited for."""
         import jax
 
-        state, result = self.engine.generate(self.model.params, self.state, self.rows, self.index, steps=self.steps)
+        state, result = self.engine.generate(self.model.params, self.state, self.rows, self.index, draw=self.draw,
+                                             steps=self.steps)
         result.block_until_ready()
         self.state = state._replace(positions=jax.device_put(self.positions))  # the call donated the state
 

@@ -6,7 +6,8 @@
 1. Peak: the best fp32 matmul FLOP/s this machine reaches under XLA (square matmuls of several sizes).
 2. One RL train step (decoupled PPO, one minibatch, AdamW) on long-tail trajectory lengths, sequence-packed:
    trained tokens/s and model-FLOPs utilisation against that peak. Model FLOPs count only real tokens:
-   6·(matmul params) per token plus causal attention within each trajectory (×3 for forward + backward).
+   6·(layer matmul params) per token, 6·(head params) per scored token, plus causal attention within each
+   trajectory (×3 for forward + backward).
    Hardware-FLOPs utilisation beside it counts what the step executes (`hardware_flops`: padding, the head at the
    positions it scores, the attention pairs the kernel scores, recomputation).
 3. The same trajectories with naive padding (one trajectory per row): tokens/s and the packed / naive ratio.
@@ -27,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arealjax.models import ModelConfig, from_config  # noqa: E402
+from arealjax.models import ModelConfig, flash_gpu, from_config  # noqa: E402
 from arealjax.models import attention as attn  # noqa: E402
 from arealjax.rl.packing import pack, split_minibatches  # noqa: E402
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, loss_positions, shares_prefixes  # noqa: E402
@@ -75,11 +76,14 @@ def layer_params(cfg: ModelConfig) -> int:
 
 
 def model_flops(cfg: ModelConfig, trajs: list[Trajectory], tcfg: TrainerConfig | None = None) -> float:
-    """Training FLOPs of the useful work: 6·N_matmul per token + causal attention per trajectory, ×3 for bwd. The
-    tokens are those the trainer computes: under `tcfg` sharing prefixes (`trainer.shares_prefixes`), each laid
-    position once, reading its path's keys (its position + 1), never the tokens the trajectories represent."""
+    """Training FLOPs of the useful work, ×3 for the backward: 2·N_layers per token computed, the head's 2·D·V per
+    token scored (a model token's position: the head is never run at the others, so crediting it there would
+    overstate MFU), causal attention per trajectory. The tokens computed are those the trainer lays: under `tcfg`
+    sharing prefixes (`trainer.shares_prefixes`), each laid position once, reading its path's keys (its position
+    + 1), never the tokens the trajectories represent."""
     h, hd = cfg.num_heads, cfg.head_dim
-    matmul_params = layer_params(cfg) + cfg.hidden_size * cfg.vocab_size  # the head is a matmul; the embedding is not
+    head = cfg.hidden_size * cfg.vocab_size  # the head is a matmul; the embedding is not
+    scored = sum(t.n_model_tokens for t in trajs)
     if tcfg is not None and shares_prefixes(tcfg):
         n_mb = tcfg.ppo_n_minibatches if tcfg.loss == "ppo" else 1
         laid = [pack(mb, tcfg.max_tokens, tcfg.micro_rows, share_prefixes=True)
@@ -89,18 +93,20 @@ def model_flops(cfg: ModelConfig, trajs: list[Trajectory], tcfg: TrainerConfig |
     else:
         tokens = sum(len(t) for t in trajs)
         keys = sum(len(t) * (len(t) + 1) / 2 for t in trajs)
-    return 6 * matmul_params * tokens + 3 * cfg.num_layers * 2 * 2 * h * hd * keys
+    return 6 * (layer_params(cfg) * tokens + head * scored) + 3 * cfg.num_layers * 2 * 2 * h * hd * keys
 
 
-def attention_pairs(segment_ids: np.ndarray, kind: str, ends: np.ndarray | None = None) -> int:
+def attention_pairs(segment_ids: np.ndarray, kind: str, ends: np.ndarray | None = None,
+                    blocks: tuple[int, int] | None = None) -> int:
     """Query–key pairs the training attention kernel `kind` (models/attention.py, resolved) scores for a micro-batch
     of segment ids [R, T], padding included: `xla` query blocks of 128 read every key up to their end; `flash`
-    blocks of 512 below the diagonal, `pallas_tpu_jax` of 128 (the row padded to them); `pallas` (the GPU kernel,
-    blocks of 64), `pallas_tpu` (the TPU kernel, 128; a block of padding, id ≤ 0, reads only itself) and `sparse`
-    each block of queries from the block of its earliest segment's first token (`sparse`: blocks of ≥ 64 tokens,
-    the earliest over the micro-batch, the lookback rounded up to a power of two). With a tree's `ends`, `flash`,
-    `pallas` and `pallas_tpu` skip the key blocks below the diagonal whose keys reach no query of the block (`flash`
-    over the micro-batch, the others per row)."""
+    blocks of 512 below the diagonal, `pallas_tpu_jax` of 128 (the row padded to them); `pallas` (the GPU kernel:
+    query × key `blocks`, by default its forward's under the tuning in force, `flash_gpu.TUNING`, the row padded to
+    the tuning's largest block), `pallas_tpu` (the TPU kernel, 128; a block of padding, id ≤ 0, reads only itself)
+    and `sparse` each block of queries from the key block of its earliest segment's first token to its end
+    (`sparse`: blocks of ≥ 64 tokens, the earliest over the micro-batch, the lookback rounded up to a power of two).
+    With a tree's `ends`, `flash`, `pallas` and `pallas_tpu` skip the key blocks below the diagonal whose keys reach
+    no query of the block (`flash` over the micro-batch, the others per row)."""
     r, t = segment_ids.shape
     padded = kind in ("pallas", "pallas_tpu", "pallas_tpu_jax")  # the Pallas kernels pad the row to their blocks
     if kind in ("xla", "flash", "pallas_tpu_jax"):
@@ -111,26 +117,34 @@ def attention_pairs(segment_ids: np.ndarray, kind: str, ends: np.ndarray | None 
             return r * sum(bs * min(bs, t - j * bs) for i in range(n) for j in range(i + 1)
                            if j == i or reach[j] > i * bs)
         return r * sum(bs * min((i + 1) * bs, n * bs if padded else t) for i in range(n))
-    bs = {"pallas": 64, "pallas_tpu": 128}.get(kind, max(64, -(-t // 16)))
-    n = -(-t // bs)
-    starts = np.full((r, n * bs), n * bs)  # per position, the first position of its segment in the row
+    if kind == "pallas":
+        tuning = flash_gpu.TUNING
+        tp = attn.padded_length(t, tuning.multiple, "gpu")
+        bq, bk = (min(b, tp) for b in blocks or (tuning.block_q, tuning.block_k))
+    else:
+        bq = bk = 128 if kind == "pallas_tpu" else max(64, -(-t // 16))
+        tp = -(-t // bq) * bq
+    nq, nk = tp // bq, tp // bk
+    # per position, the first position of its segment in the row (`attend_pallas` pads ours on GPU with a segment)
+    starts = np.full((r, tp), t if kind == "pallas" else tp)
     for row, ids in enumerate(segment_ids):
         _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
         starts[row, :t] = first[inverse]
         if kind == "pallas_tpu":
             starts[row, :t] = np.where(ids > 0, starts[row, :t], np.arange(t))
-    first = starts.reshape(r, n, bs).min(2) // bs  # [R, n]: each query block's first key block
+    first = starts.reshape(r, nq, bq).min(2) // bk  # [R, nq]: each query block's first key block
+    end = ((np.arange(nq) + 1) * bq - 1) // bk + 1  # and the key block after its last query's
     if kind == "sparse":
-        back = np.arange(n) - first.min(0)
+        back = np.arange(nq) - first.min(0)
         pow2 = np.where(back > 0, 2 ** np.ceil(np.log2(np.maximum(back, 1))), 0)
-        first = np.broadcast_to(np.arange(n) - np.minimum(pow2, np.arange(n)), (r, n)).astype(int)
+        first = np.broadcast_to(np.arange(nq) - np.minimum(pow2, np.arange(nq)), (r, nq)).astype(int)
     if ends is not None and kind in ("pallas", "pallas_tpu"):
-        reach = _reach(ends, bs, n)  # [R, n]
-        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
-        visits = (first[:, :, None] <= j) & (j <= i) & ((reach[:, None, :] > i * bs) | (i == j))
-        return int(visits.sum()) * bs * bs
-    last = np.minimum((np.arange(n) + 1) * bs, n * bs if padded else t)
-    return int(np.sum(bs * (last - first * bs)))
+        reach = _reach(ends, bk, nk)  # [R, nk]
+        i, j, end = np.arange(nq)[:, None], np.arange(nk)[None, :], end[:, None]
+        visits = (first[:, :, None] <= j) & (j < end) & ((reach[:, None, :] > i * bq) | (j == end - 1))
+        return int(visits.sum()) * bq * bk
+    last = np.minimum(end * bk, tp if padded else t)
+    return int(np.sum(bq * (last - first * bk)))
 
 
 def _reach(ends: np.ndarray, bs: int, n: int) -> np.ndarray:
@@ -150,7 +164,8 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
                  backward, and one forward more where the logits are chunked (a rematerialised scan)
       attention  4·H·hd per query–key pair scored (`attention_pairs`), backward ×2 (XLA's: the scores kept),
                  ×2.5 where one backward recomputes them (sparse, JAX's Pallas kernels), ×3.5 where a dq and a
-                 dk/dv pass each do (flash, pallas, pallas_tpu: 3 and 4 matmuls), and one forward more under remat
+                 dk/dv pass each do (flash, pallas, pallas_tpu: 3 and 4 matmuls; pallas's at its backward blocks,
+                 dq's queries × keys held × looped, dk/dv's looped × held), and one forward more under remat
                  "full" or "offload", and under "save_dots" but for our kernels' (`attention.forward_kept_by_save_dots`)
       passes     no-grad forwards: π_prox for every minibatch but the first (decoupled PPO; every one for M2PO),
                  the reference policy for all (a KL penalty)"""
@@ -164,7 +179,8 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
         4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
     recomputed = tcfg.remat in ("full", "offload") or (tcfg.remat == "save_dots"
                                                        and not attn.forward_kept_by_save_dots(kind))
-    attn_train = 1 + {"xla": 2, "flash": 3.5, "pallas": 3.5, "pallas_tpu": 3.5}.get(kind, 2.5) + recomputed
+    backward = {"xla": 2, "flash": 3.5, "pallas": 3.5, "pallas_tpu": 3.5}.get(kind, 2.5)
+    held, loop = flash_gpu.TUNING.bwd_held, flash_gpu.TUNING.bwd_loop
     total = 0.0
     for i, trajectories in enumerate(split_minibatches(trajs, n_mb)):
         batch = pack(trajectories, t, rows, packed=tcfg.packing, unit=unit, share_prefixes=shares_prefixes(tcfg))
@@ -179,10 +195,15 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
             slots = r * t // shards if size is None else size
             steps = 1 if tcfg.logits_chunk <= 0 else -(-slots // max(tcfg.logits_chunk * r // shards, 1))
             scored = shards * steps * -(-slots // steps)
-            pairs = attention_pairs(mb["segment_ids"], kind, mb["ends"] if shares_prefixes(tcfg) else None)
+            seg, ends = mb["segment_ids"], mb["ends"] if shares_prefixes(tcfg) else None
+            pairs = attention_pairs(seg, kind, ends)
+            back = backward * pairs
+            if kind == "pallas":  # dq (3 matmuls) and dk/dv (4) at the backward's own blocks
+                back = 1.5 * attention_pairs(seg, kind, ends, (held, loop)) + 2 * attention_pairs(seg, kind, ends,
+                                                                                                   (loop, held))
             total += per_pos * r * t * (3 + (tcfg.remat == "full") + passes)
             total += head * scored * (3 + (steps > 1) + passes)
-            total += attn_pair * pairs * (attn_train + passes)
+            total += attn_pair * (pairs * (1 + recomputed + passes) + back)
     return total
 
 

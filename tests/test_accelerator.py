@@ -249,14 +249,30 @@ def test_generator_sizes_feed_every_slot_count_twice_over():
 
 
 def test_sweep_grids_are_parsed_or_refused_with_what_was_expected():
-    """--sweep: grids of the paged kernel's knobs, mma optional (matrix units when left out); a grid with a field
+    """--sweep: grids of the paged kernel's knobs, mma and prefetch optional (matrix units, no prefetch when left
+    out); a grid with a field
     too many or too few, a value that is not an integer or out of its range (an mma of 2, no pages) is refused
     naming the grid, not swept as something else."""
     from benchmarks.accelerator import parse_sweep
 
     assert parse_sweep("256:1,2:1,4:1:0:1,0;64:2:4:3:0") == [(256, (1, 2), (1, 4), (1,), (0,), (1, 0)),
                                                               (64, (2,), (4,), (3,), (0,))]
-    for bad in ("256:1:1:1:0:2", "256:1:1:1:0:1:7", "256:1:1:1", "x:1:1:1:0", "256:0:1:1:0", "256:1:1:1:-1",
-                "256:1,a:1:1:0"):
+    assert parse_sweep("8:1:1:1:0,2:0:1,0") == [(8, (1,), (1,), (1,), (0, 2), (0,), (1, 0))]  # prefetch on and off
+    for bad in ("256:1:1:1:0:2", "256:1:1:1:0:1:7", "256:1:1:1:0:1:1:1", "256:1:1:1", "x:1:1:1:0", "256:0:1:1:0",
+                "256:1:1:1:-1", "256:1,a:1:1:0"):
         with pytest.raises(ValueError, match=f"--sweep grid '{bad}': expected ROWS:BLOCK_PAGES"):
             parse_sweep(bad)
+
+
+def test_train_variants_are_parsed_or_refused_with_what_was_expected():
+    """--train-variants: attention:remat and KEY=INT knobs, the trainer's (logits_chunk, micro_rows) apart from our
+    GPU training kernel's tuning fields; an unknown key, a value that is not an integer or a missing remat is
+    refused naming the variant, never timed as something else."""
+    from benchmarks.accelerator import parse_train_variant
+
+    assert parse_train_variant("pallas:save_dots") == ("pallas", "save_dots", {"trainer": {}, "flash": {}})
+    assert parse_train_variant("pallas:auto:logits_chunk=0:block_q=128") == (
+        "pallas", "auto", {"trainer": {"logits_chunk": 0}, "flash": {"block_q": 128}})
+    for bad in ("pallas", "pallas:", "pallas:auto:block_q", "pallas:auto:blockq=128", "pallas:auto:block_q=x"):
+        with pytest.raises(ValueError, match=f"--train-variants '{bad}'"):
+            parse_train_variant(bad)

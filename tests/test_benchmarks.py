@@ -163,7 +163,7 @@ def test_hardware_flops_count_what_the_trainer_executes():
     base = TrainerConfig(max_tokens=256, micro_rows=1, attention="xla", logits_chunk=0)
     hfu = lambda trajs=(traj,), **kw: hardware_flops(cfg, list(trajs), dataclasses.replace(base, **kw))  # noqa: E731
     assert hfu() == 3 * (256 * layers + 128 * head + pairs * pair)
-    assert model_flops(cfg, [traj]) == 3 * 256 * (layers + head) + 3 * 256 * 257 / 2 * pair  # causal pairs
+    assert model_flops(cfg, [traj]) == 3 * (256 * layers + 56 * head) + 3 * 256 * 257 / 2 * pair  # the head: 56 scored
     assert hfu(remat="full") - hfu() == 256 * layers + pairs * pair
     assert hfu(remat="save_dots") - hfu() == pairs * pair
     assert hfu(remat="save_dots", attention="pallas") == hfu(attention="pallas")  # keeps the kernel's outputs
@@ -184,7 +184,7 @@ def test_hardware_flops_count_what_the_trainer_executes():
     sample = Trajectory.from_completion(np.full(200, 5), np.full(56, 7), np.zeros(56), np.zeros(56))
     keys = sum(range(1, 200)) + 2 * sum(range(200, 256))
     assert model_flops(cfg, [traj, sample], TrainerConfig(max_tokens=512, micro_rows=1)) == (
-        3 * (199 + 2 * 56) * (layers + head) + 3 * keys * pair)
+        3 * ((199 + 2 * 56) * layers + 2 * 56 * head) + 3 * keys * pair)
     assert model_flops(cfg, [traj, sample], TrainerConfig(max_tokens=512, micro_rows=1, share_prefixes=False)) == (
         model_flops(cfg, [traj, sample]))
 

@@ -352,22 +352,25 @@ def test_attention_kinds_equal_xla_with_segment_ids(kind, t, block):
 @pytest.mark.parametrize("mma", [True, False])
 def test_paged_gpu_kernel_equals_reference_at_every_split(heads, kv_heads, dtype, mma):
     """Our paged decode kernel (models/paged_gpu.py, Pallas interpret mode here) equals float64 attention over each
-    row's pages, scattered over the pool, for lengths of one token, a page boundary, a block boundary, mid-block
-    and the whole table, whatever the pages per block and the splits (empty splits included: 4 splits of a 1-token
-    row), on the matrix units (G query heads padded to the 16-row tile) and on the vector units (G = 3 padded to 4,
-    G = 1 as it is)."""
+    row's pages, scattered over the pool, for lengths of one token, a page boundary, a block boundary (one and two
+    blocks of 2 pages), mid-block and the whole table, whatever the pages per block and the splits (empty splits
+    included: 4 splits of a 1-token row), on the matrix units (G query heads padded to the 16-row tile) and on the
+    vector units (G = 3 padded to 4, G = 1 as it is), with and without the prefetch of the next block (over the whole
+    table in one split, or a few blocks a split: a block off by one is another row's pages)."""
     from arealjax.models.paged_gpu import Tuning, paged_decode
 
     rng = np.random.default_rng(7)
-    a, d, pool, size, width = 6, 16, 48, 8, 7
+    a, d, pool, size, width = 7, 16, 48, 8, 7
     q = rng.normal(size=(a, heads, d))
     k, v = rng.normal(size=(2, kv_heads, pool, size, d))
     table = np.stack([rng.permutation(pool)[:width] for _ in range(a)]).astype(np.int32)
-    lengths = np.array([1, 8, 32, 45, 56, 9], np.int32)
+    lengths = np.array([1, 8, 16, 32, 45, 56, 9], np.int32)
     want = paged_reference(q, k, v, table, lengths)
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     tol = 2e-2 if dtype == "bfloat16" else 1e-5
-    for tuning in (Tuning(), Tuning(block_pages=1, splits=4), Tuning(block_pages=2, splits=3), Tuning(block_pages=8)):
+    tunings = (Tuning(), Tuning(block_pages=1, splits=4), Tuning(block_pages=2, splits=3), Tuning(block_pages=8))
+    prefetched = (Tuning(splits=1), Tuning(block_pages=2, splits=1), Tuning(splits=3), Tuning(block_pages=2, splits=2))
+    for tuning in (*tunings, *(t._replace(prefetch=True) for t in prefetched)):
         tuning = tuning._replace(mma=mma)
         got = paged_decode(cast(q), cast(k), cast(v), jnp.asarray(table), jnp.asarray(lengths), tuning, True)
         assert got.dtype == jnp.dtype(dtype) and got.shape == q.shape
@@ -388,8 +391,8 @@ def _lowers_to_triton(f, *shapes) -> int:
 def test_gpu_kernels_lower_to_triton(heads, kv_heads):
     """Our GPU kernels lower to Triton (what interpret mode never checks: an op or block shape Pallas's Triton
     lowering refuses fails here, on CI's CPU, not minutes into a GPU lease): the paged decode kernel at every kind of
-    knob (matrix or vector units, one split or several) at Qwen3-0.6B's heads and others, bf16, head dim 128; the
-    training attention forward and its gradient, on segments and on a tree."""
+    knob (matrix or vector units, one split or several, prefetch or not) at Qwen3-0.6B's heads and others, bf16, head
+    dim 128; the training attention forward and its gradient, on segments and on a tree."""
     from arealjax.models import flash_gpu
     from arealjax.models.paged_gpu import Tuning, paged_decode
 
@@ -397,7 +400,9 @@ def test_gpu_kernels_lower_to_triton(heads, kv_heads):
     rows, d, pool, page, width = 256, 128, 600, 16, 32
     pages = s((kv_heads, pool, page, d), jnp.bfloat16)
     decode = (s((rows, heads, d), jnp.bfloat16), pages, pages, s((rows, width), jnp.int32), s((rows,), jnp.int32))
-    for tuning in (Tuning(), Tuning(mma=False), Tuning(block_pages=2, splits=4), Tuning(mma=False, splits=2)):
+    for tuning in (Tuning(), Tuning(mma=False), Tuning(block_pages=2, splits=4), Tuning(mma=False, splits=2),
+                   Tuning(splits=1, prefetch=True), Tuning(mma=False, block_pages=2, splits=1, prefetch=True),
+                   Tuning(block_pages=2, splits=4, prefetch=True), Tuning(mma=False, splits=2, prefetch=True)):
         assert _lowers_to_triton(functools.partial(paged_decode, tuning=tuning), *decode) == 1, tuning
     q, kv, seg = s((1, 128, heads, d), jnp.bfloat16), s((1, 128, kv_heads, d), jnp.bfloat16), s((1, 128), jnp.int32)
     assert _lowers_to_triton(flash_gpu.attention, q, kv, kv, seg) == 1
@@ -464,6 +469,135 @@ def test_flash_gpu_equals_xla_on_packed_rows_in_any_order(t, hkv):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=5e-5, rtol=0, err_msg=f"d{name}")
 
 
+def _flash_tunings():
+    """(tuning, kv heads of 4 query heads): the default, and what a sweep tries (unequal blocks either way, a held
+    backward block of 128, G = 2 or 4 query heads stacked in the dk/dv kernel, launch knobs)."""
+    from arealjax.models.flash_gpu import FlashTuning
+
+    return [pytest.param(tuning, hkv, id=name) for name, tuning, hkv in (
+        ("default", FlashTuning(), 2), ("q128-k64", FlashTuning(block_q=128, block_k=64), 2),
+        ("held128-loop64", FlashTuning(bwd_held=128, bwd_loop=64), 1),
+        ("group2", FlashTuning(group_heads=True), 2), ("group4", FlashTuning(group_heads=True), 1),
+        ("q32-k128-held32-loop64-w8-s3",
+         FlashTuning(block_q=32, block_k=128, bwd_held=32, bwd_loop=64, num_warps=8, num_stages=3), 2),
+        ("q128-held128-loop64-group4", FlashTuning(block_q=128, bwd_held=128, bwd_loop=64, group_heads=True), 1))]
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["segments", "tree"])
+@pytest.mark.parametrize("tuning,hkv", _flash_tunings())
+def test_flash_gpu_tunings_equal_xla(tuning, hkv, tree):
+    """Every tuning of the GPU kernel (interpret mode) == the XLA reference, outputs and dq / dk / dv, on a row of
+    ragged segments and one of decreasing, recurring ids, with and without a tree's `ends` (then the first row is one
+    tree, a 40-token prefix and two branches, and the second's keys are read by the queries up to 40 positions on:
+    key loops skip blocks and dk/dv query loops stop early)."""
+    from arealjax.models import attention as attn
+    from arealjax.models import flash_gpu
+
+    rng = np.random.RandomState(1)
+    b, t, h, d = 2, 256, 4, 16
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32) for n in (h, hkv, hkv))
+    seg, ends = np.concatenate([_packed_segments(rng, 1, t), _unordered_segments(t)[None]]), None
+    if tree:
+        seg[0] = 1
+        ends = jnp.asarray([np.repeat([t, 150, t], [40, 110, t - 150]),
+                            np.minimum(np.arange(t) + 1 + rng.randint(0, 40, t), t)])
+    seg = jnp.asarray(seg)
+    ct = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    kernel = functools.partial(flash_gpu.attention, interpret=True, tuning=tuning)
+
+    def out_and_grads(f):
+        loss = lambda q, k, v: jnp.sum(f(q, k, v, seg, ends=ends) * ct)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    (_, ref_g), (_, g) = out_and_grads(attn.attend_xla), out_and_grads(kernel)
+    np.testing.assert_allclose(np.asarray(jax.jit(kernel)(q, k, v, seg, ends=ends)),
+                               np.asarray(attn.attend_xla(q, k, v, seg, ends=ends)), atol=2e-5, rtol=0)
+    for name, a, r in zip("qkv", g, ref_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=5e-5, rtol=0, err_msg=f"d{name}")
+
+
+def test_flash_gpu_tuning_is_chosen_at_trace_time_and_fits_the_row():
+    """`flash_gpu.tuned` sets the tuning a trace reads and restores it; `attend_pallas` pads a row to the tuning's
+    largest block (200 tokens to 256 for 128-query blocks, exact there); a row the blocks do not split, or G query
+    heads that do not stack (not a power of two), is refused by name before any kernel runs."""
+    from arealjax.models import attention as attn
+    from arealjax.models import flash_gpu
+    from arealjax.models.flash_gpu import FlashTuning
+
+    rng = np.random.RandomState(2)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 200, n, 16)), jnp.float32) for n in (4, 2, 2))
+    seg = jnp.asarray(_packed_segments(rng, 1, 200))
+    big = FlashTuning(block_q=128, bwd_held=128, bwd_loop=64)
+    with flash_gpu.tuned(big):
+        assert flash_gpu.TUNING == big
+        jaxpr = str(jax.make_jaxpr(attn.attend_pallas)(q, k, v, seg))
+        out = jax.jit(attn.attend_pallas)(q, k, v, seg)
+    assert flash_gpu.TUNING == FlashTuning() and "grid=(2, 1, 4)" in jaxpr  # 256 tokens, 128-query blocks
+    np.testing.assert_allclose(np.asarray(out), np.asarray(attn.attend_xla(q, k, v, seg)), atol=2e-5, rtol=0)
+    s = jax.ShapeDtypeStruct
+    kv, seg192 = s((1, 192, 2, 16), jnp.float32), s((1, 192), jnp.int32)
+    with pytest.raises(ValueError, match="does not split into blocks"):
+        jax.eval_shape(functools.partial(flash_gpu.attention, tuning=big), s((1, 192, 4, 16), jnp.float32), kv, kv,
+                       seg192)
+    with pytest.raises(ValueError, match="G=3 is no power of two"):
+        jax.eval_shape(functools.partial(flash_gpu.attention, tuning=FlashTuning(group_heads=True)),
+                       s((1, 128, 3, 16), jnp.float32), *(s((1, 128, 1, 16), jnp.float32),) * 2, s((1, 128), jnp.int32))
+
+
+
+def test_flash_gpu_pairs_hfu_counts_are_the_kernels_loops():
+    """benchmarks/trainer.py `attention_pairs` for 'pallas' (what HFU counts) under the tuning in force == the pairs
+    of the block pairs the kernels' loops visit: the forward's query × key blocks and dq's held × looped (key loops,
+    less the blocks a tree's key loop skips), dk/dv's looped × held (query loops); on packed rows of 200 tokens
+    (padded to 256 as `attend_pallas` pads them), with and without a tree's ends."""
+    from arealjax.models import flash_gpu
+    from arealjax.models.flash_gpu import FlashTuning
+    from benchmarks.trainer import attention_pairs
+
+    rng = np.random.RandomState(3)
+    t, tp = 200, 256
+    seg = _packed_segments(rng, 4, t)
+    padded = jnp.asarray(np.pad(seg, ((0, 0), (0, tp - t)), constant_values=-1))
+    for ends in (None, np.minimum(np.arange(t) + 1 + rng.randint(0, 40, size=seg.shape), t)):
+        tree = None if ends is None else jnp.asarray(np.pad(ends, ((0, 0), (0, tp - t)), constant_values=tp))
+
+        def by_query(bq, bk, tree=tree):
+            loops = np.asarray(flash_gpu.key_loops(padded, bq, bk))
+            j = np.arange(tp // bk)
+            visits = (loops[..., :1] <= j) & (j < loops[..., 1:])
+            if tree is not None:
+                visits &= np.asarray(flash_gpu.reach(tree, bk))[:, None, :] > (np.arange(tp // bq) * bq)[:, None]
+            return visits.sum() * bq * bk
+
+        def by_key(bq, bk, tree=tree):
+            loops = np.asarray(flash_gpu.query_loops(padded, bq, bk, tree))
+            return np.maximum(loops[..., 1] - loops[..., 0], 0).sum() * bq * bk
+
+        for tuning in (FlashTuning(), FlashTuning(block_q=128, block_k=64, bwd_held=128, bwd_loop=32)):
+            held, loop = tuning.bwd_held, tuning.bwd_loop
+            with flash_gpu.tuned(tuning):
+                assert attention_pairs(seg, "pallas", ends) == by_query(tuning.block_q, tuning.block_k), tuning
+                assert attention_pairs(seg, "pallas", ends, (held, loop)) == by_query(held, loop), tuning
+                assert attention_pairs(seg, "pallas", ends, (loop, held)) == by_key(loop, held), tuning
+
+@pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 4)])
+def test_flash_gpu_tunings_lower_to_triton(heads, kv_heads):
+    """Every tuning `test_flash_gpu_tunings_equal_xla` runs lowers to Triton (as `test_gpu_kernels_lower_to_triton`
+    the default) at Qwen3-0.6B's heads (G = 2) and G = 8, bf16, head dim 128, 256 tokens: the gradient's three
+    kernels, on segments and on a tree."""
+    from arealjax.models import flash_gpu
+
+    s = jax.ShapeDtypeStruct
+    q, kv, seg = s((1, 256, heads, 128), jnp.bfloat16), s((1, 256, kv_heads, 128), jnp.bfloat16), s((1, 256), jnp.int32)
+
+    def loss(q, k, v, seg, ends=None, tuning=None):
+        return jnp.sum(flash_gpu.attention(q, k, v, seg, ends=ends, tuning=tuning).astype(jnp.float32))
+
+    for param in _flash_tunings()[1:]:
+        grads = jax.grad(functools.partial(loss, tuning=param.values[0]), argnums=(0, 1, 2))
+        assert _lowers_to_triton(grads, q, kv, kv, seg) == 3, param.id
+        assert _lowers_to_triton(grads, q, kv, kv, seg, seg) == 3, param.id
+
 def _block_pairs(seg, block_q, block_k):
     """[B, nq, nk] bool: (query block, key block) pairs holding at least one same-segment causal query-key pair."""
     t = seg.shape[1]
@@ -489,7 +623,7 @@ def test_flash_gpu_visits_only_key_blocks_of_its_own_segments():
         return by_query, by_key
 
     row = np.repeat(np.arange(1, 9), 64)[None]
-    for bq, bk in ((64, 64), (64, 32), (32, 64)):
+    for bq, bk in ((64, 64), (64, 32), (32, 64), (128, 64), (32, 128)):
         by_query, by_key = visited(row, bq, bk)
         np.testing.assert_array_equal(by_query, _block_pairs(row, bq, bk))
         np.testing.assert_array_equal(by_key, _block_pairs(row, bq, bk))
@@ -499,7 +633,7 @@ def test_flash_gpu_visits_only_key_blocks_of_its_own_segments():
     rng = np.random.RandomState(0)
     rows = np.concatenate([_packed_segments(rng, 16, 256), _unordered_segments(256)[None],
                            rng.randint(0, 4, size=(16, 256))])
-    for bq, bk in ((64, 64), (64, 32), (32, 64)):
+    for bq, bk in ((64, 64), (64, 32), (32, 64), (128, 64), (32, 128)):
         needed = _block_pairs(rows, bq, bk)
         for loops in visited(rows, bq, bk):
             assert not (needed & ~loops).any(), (bq, bk)

@@ -462,13 +462,14 @@ def padded_length(t: int, block: int, platform: str) -> int:
 
 def attend_pallas(q: Array, k: Array, v: Array, segment_ids: Array, kind: str = "pallas",
                   ends: Array | None = None) -> Array:
-    """The Pallas flash kernel `kind` (module docstring). T is padded to the kernel's block multiple with a
-    segment of its own. Off its hardware a GPU kernel runs in interpret mode; a TPU kernel needs
-    `pltpu.force_tpu_interpret_mode()` around the whole traced computation (tests). Our kernels read grouped kv heads
-    themselves and skip other segments' key blocks; for JAX's, kv heads are repeated to the query heads."""
+    """The Pallas flash kernel `kind` (module docstring). T is padded to the kernel's block multiple (ours on GPU:
+    its tuning's largest block, `flash_gpu.TUNING`) with a segment of its own. Off its hardware a GPU kernel runs in
+    interpret mode; a TPU kernel needs `pltpu.force_tpu_interpret_mode()` around the whole traced computation
+    (tests). Our kernels read grouped kv heads themselves and skip other segments' key blocks; for JAX's, kv heads
+    are repeated to the query heads."""
     platform = PLATFORMS[kind]
     t = q.shape[1]
-    block = 128 if platform == "tpu" else 64
+    block = 128 if platform == "tpu" else flash_gpu.TUNING.multiple if kind == "pallas" else 64
     pad = padded_length(t, block, platform) - t
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))

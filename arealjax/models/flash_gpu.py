@@ -10,16 +10,20 @@ Given a tree's `ends` (rl/prefix_tree.py), a key is also read only by the querie
 stop at the last query a key block's keys reach, and a key loop skips (lax.cond) the blocks that do not reach it.
 
 q [B, T, H, D], k / v [B, T, Hkv, D] (grouped-query: query head h reads kv head h // G, no repeat; the dk/dv kernel
-runs per kv head and sums its G query heads). T is a multiple of the blocks (`attention.padded_length`). Blocks:
-forward 64 × 64; backward a held block of 64 and a looped block of 32 (dq: 64 queries over keys by 32; dk/dv: 64
-keys over queries by 32; the held block the larger, as in Triton's fused-attention tutorial). Scores are in
+runs per kv head and sums its G query heads). Blocks and launch knobs are a `FlashTuning` (`TUNING`, or `tuned` for
+a sweep); by default the forward holds 64 queries and loops over keys by 64, the backward holds a block of 64 and
+loops by 32 (dq: 64 queries over keys by 32; dk/dv: 64 keys over queries by 32; the held block the larger, as in
+Triton's fused-attention tutorial). T is a multiple of the largest block (`attention.padded_length`). Scores are in
 base 2 (exp2; the saved log-sum-exp too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +32,44 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 Array = jax.Array
-BLOCK = 64  # forward query and key block; the block each backward kernel holds
-LOOP_BLOCK = 32  # the block each backward kernel loops over
 # finite: a row whose first visited block is all masked gets no NaN (-inf - -inf), and the correction at its
 # first real key zeroes what that block added
 MASKED = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
+
+
+class FlashTuning(NamedTuple):
+    """The kernels' blocks (powers of two) and Triton launch knobs; the defaults are the kernel as first tuned."""
+
+    block_q: int = 64  # forward: the queries a program holds
+    block_k: int = 64  # forward: the keys its loop reads a step
+    bwd_held: int = 64  # the queries a dq program holds, the keys a dk/dv program holds
+    bwd_loop: int = 32  # the keys a dq loop step reads, the queries a dk/dv loop step reads
+    num_warps: int = 0  # 0: 4 for head dims ≤ 64, else 8
+    num_stages: int = 2
+    group_heads: bool = False  # dk/dv: a step reads its kv head's G query heads at once, rows stacked [G·bwd_loop, D]
+    # (fewer, larger matmuls; G a power of two), instead of a loop over them
+
+    @property
+    def multiple(self) -> int:
+        """The block a row's length is a multiple of (`attention.padded_length`): the largest."""
+        return max(self.block_q, self.block_k, self.bwd_held, self.bwd_loop)
+
+
+TUNING = FlashTuning()  # what `attention` runs when given no tuning, read at trace time (`tuned`)
+
+
+@contextlib.contextmanager
+def tuned(tuning: FlashTuning) -> Iterator[FlashTuning]:
+    """`TUNING` set to `tuning` inside, restored after: how a benchmark sweeps tunings without a config field. It is
+    read when a function is traced and JAX reuses a function's trace, so trace inside what should run the tuning (a
+    new Trainer's jitted steps are new functions; one traced before keeps the tuning it was traced with)."""
+    global TUNING
+    saved, TUNING = TUNING, tuning
+    try:
+        yield tuning
+    finally:
+        TUNING = saved
 
 
 def segment_starts(segment_ids: Array) -> Array:
@@ -87,15 +123,25 @@ def reach(ends: Array, block: int) -> Array:
 
 
 def attention(q: Array, k: Array, v: Array, segment_ids: Array, interpret: bool = False,
-              ends: Array | None = None) -> Array:
+              ends: Array | None = None, tuning: FlashTuning | None = None) -> Array:
     """Causal attention within segments [B, T, H, D] (and within a tree's paths, given its `ends`; module
-    docstring); `interpret` runs the kernels in Pallas's interpreter (off GPU: tests)."""
+    docstring); `interpret` runs the kernels in Pallas's interpreter (off GPU: tests); `tuning` by default `TUNING`
+    (as it is now, at trace time)."""
     ends = None if ends is None else ends.astype(jnp.int32)
-    return _attention(q, k, v, segment_ids.astype(jnp.int32), ends, interpret)
+    tuning = _fitted(TUNING if tuning is None else tuning, q.shape[1], q.shape[2] // k.shape[2])
+    return _attention(q, k, v, segment_ids.astype(jnp.int32), ends, interpret, tuning)
 
 
-def _blocks(t: int) -> tuple[int, int]:
-    return min(BLOCK, t), min(LOOP_BLOCK, t)
+def _fitted(tuning: FlashTuning, t: int, groups: int) -> FlashTuning:
+    """`tuning` with its blocks cut to a row shorter than them; a ValueError where Triton's blocks could not tile
+    the row (each a power of two dividing T) or stack the G query heads."""
+    blocks = [min(b, t) for b in tuning[:4]]
+    if any(b < 1 or b & (b - 1) or t % b for b in blocks):
+        raise ValueError(f"flash_gpu: T={t} does not split into blocks {tuple(tuning[:4])} (powers of two): pad "
+                         f"rows to attention.padded_length(t, {tuning.multiple}, 'gpu')")
+    if tuning.group_heads and groups & (groups - 1):
+        raise ValueError(f"flash_gpu: group_heads stacks G query heads per kv head, G={groups} is no power of two")
+    return tuning._replace(block_q=blocks[0], block_k=blocks[1], bwd_held=blocks[2], bwd_loop=blocks[3])
 
 
 def _head_mask(dp: int, d: int) -> Array:
@@ -103,11 +149,9 @@ def _head_mask(dp: int, d: int) -> Array:
     return (jnp.arange(dp) < d)[None, :]
 
 
-def _scores(q, k, q_seg, k_seg, q_start, k_start, scale, k_end=None):
+def _scores(q, k, q_seg, k_seg, q_pos, k_pos, scale, k_end=None):
     """Scores in log2 units [len q, len k], masked to same segment and key ≤ query (< the key's end)."""
     s = plgpu.dot(q, k.T) * (scale * LOG2E)
-    q_pos = q_start + jnp.arange(q.shape[0])
-    k_pos = k_start + jnp.arange(k.shape[0])
     mask = (q_seg[:, None] == k_seg[None, :]) & (q_pos[:, None] >= k_pos[None, :])
     if k_end is not None:
         mask &= q_pos[:, None] < k_end[None, :]
@@ -123,95 +167,103 @@ def _tree(tree_refs, keys):
         reach_ref[j] > first_query, body, lambda c: c, carry)
 
 
-def _forward_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, *refs, scale, block, head_dim):
+def _forward_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, *refs, scale, block_q, block_k, head_dim):
     *tree_refs, o_ref, lse_ref = refs
     i = pl.program_id(0)
     head = _head_mask(q_ref.shape[-1], head_dim)
     q = plgpu.load(q_ref, mask=head, other=0.0)
-    q_seg = seg_ref[pl.ds(i * block, block)]
+    q_seg, q_pos = seg_ref[pl.ds(i * block_q, block_q)], i * block_q + jnp.arange(block_q)
 
     def body(j, carry):  # online softmax over key block j
-        keys = pl.ds(j * block, block)
+        keys = pl.ds(j * block_k, block_k)
         k_end, visit = _tree(tree_refs, keys)
 
         def update(carry):
             o, m, den = carry
             k = plgpu.load(k_ref.at[keys, :], mask=head, other=0.0)
-            s = _scores(q, k, q_seg, seg_ref[keys], i * block, j * block, scale, k_end)
+            s = _scores(q, k, q_seg, seg_ref[keys], q_pos, j * block_k + jnp.arange(block_k), scale, k_end)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             corr = jnp.exp2(m - m_new)
             p = jnp.exp2(s - m_new[:, None])
             v = plgpu.load(v_ref.at[keys, :], mask=head, other=0.0)
             return corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v), m_new, corr * den + jnp.sum(p, axis=1)
 
-        return visit(j, i * block, update, carry)
+        return visit(j, i * block_q, update, carry)
 
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block,), -jnp.inf, jnp.float32),
-            jnp.zeros((block,), jnp.float32))
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
     o, m, den = jax.lax.fori_loop(loop_ref[0], loop_ref[1], body, init)  # each query reads itself: den > 0
     lse_ref[...] = m + jnp.log2(den)
     plgpu.store(o_ref, (o / den[:, None]).astype(o_ref.dtype), mask=head)
 
 
-def _dq_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, *refs, scale, block,
-               loop_block, head_dim):
+def _dq_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, *refs, scale, held, loop,
+               head_dim):
     *tree_refs, dq_ref = refs
     i = pl.program_id(0)
     head = _head_mask(q_ref.shape[-1], head_dim)
     q = plgpu.load(q_ref, mask=head, other=0.0)
     do = plgpu.load(do_ref, mask=head, other=0.0)
     lse, delta = lse_ref[...], delta_ref[...]
-    q_seg = seg_ref[pl.ds(i * block, block)]
+    q_seg, q_pos = seg_ref[pl.ds(i * held, held)], i * held + jnp.arange(held)
 
     def body(j, dq):  # dq_i += ds_ij k_j
-        keys = pl.ds(j * loop_block, loop_block)
+        keys = pl.ds(j * loop, loop)
         k_end, visit = _tree(tree_refs, keys)
 
         def update(dq):
             k = plgpu.load(k_ref.at[keys, :], mask=head, other=0.0)
             v = plgpu.load(v_ref.at[keys, :], mask=head, other=0.0)
-            p = jnp.exp2(_scores(q, k, q_seg, seg_ref[keys], i * block, j * loop_block, scale, k_end) - lse[:, None])
+            s = _scores(q, k, q_seg, seg_ref[keys], q_pos, j * loop + jnp.arange(loop), scale, k_end)
+            p = jnp.exp2(s - lse[:, None])
             ds = p * (plgpu.dot(do, v.T) - delta[:, None]) * scale
             return dq + plgpu.dot(ds.astype(k.dtype), k)
 
-        return visit(j, i * block, update, dq)
+        return visit(j, i * held, update, dq)
 
     dq = jax.lax.fori_loop(loop_ref[0], loop_ref[1], body, jnp.zeros(q.shape, jnp.float32))
     plgpu.store(dq_ref, dq.astype(dq_ref.dtype), mask=head)
 
 
-def _dkv_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, *refs, scale,
-                block, loop_block, head_dim, groups):
+def _dkv_kernel(loop_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, *refs, scale, held, loop,
+                head_dim, groups, group_heads):
     *tree_refs, dk_ref, dv_ref = refs
     j = pl.program_id(0)
     head = _head_mask(k_ref.shape[-1], head_dim)
     k = plgpu.load(k_ref, mask=head, other=0.0)
     v = plgpu.load(v_ref, mask=head, other=0.0)
-    k_seg = seg_ref[pl.ds(j * block, block)]
-    k_end = tree_refs[0][pl.ds(j * block, block)] if tree_refs else None  # (its query loop stops at its reach)
+    k_seg, k_pos = seg_ref[pl.ds(j * held, held)], j * held + jnp.arange(held)
+    k_end = tree_refs[0][pl.ds(j * held, held)] if tree_refs else None  # (its query loop stops at its reach)
 
-    def query_head(g, carry):  # the G query heads that read this kv head
-        def body(i, carry):  # dv_j += p_ijᵀ do_i, dk_j += ds_ijᵀ q_i
-            dk, dv = carry
-            queries = pl.ds(i * loop_block, loop_block)
-            q = plgpu.load(q_ref.at[queries, g, :], mask=head, other=0.0)
-            do = plgpu.load(do_ref.at[queries, g, :], mask=head, other=0.0)
-            s = _scores(q, k, seg_ref[queries], k_seg, i * loop_block, j * block, scale, k_end)
-            p = jnp.exp2(s - lse_ref[g, queries][:, None])
-            ds = p * (plgpu.dot(do, v.T) - delta_ref[g, queries][:, None]) * scale
-            return dk + plgpu.dot(ds.astype(q.dtype).T, q), dv + plgpu.dot(p.astype(do.dtype).T, do)
+    def body(g, i, carry):  # dv_j += p_ijᵀ do_i, dk_j += ds_ijᵀ q_i over query block i of head g (None: all G)
+        dk, dv = carry
+        queries = pl.ds(i * loop, loop)
+        if g is None:  # the G heads' rows stacked query-major: row r is query i·loop + r // G of head r % G
+            n = loop * groups
+            q, do = (plgpu.load(r.at[queries], mask=head[None], other=0.0).reshape(n, -1) for r in (q_ref, do_ref))
+            lse, delta = (r[:, queries].T.reshape(n) for r in (lse_ref, delta_ref))
+            q_seg = jnp.broadcast_to(seg_ref[queries][:, None], (loop, groups)).reshape(n)
+            q_pos = i * loop + jnp.arange(n) // groups
+        else:
+            q, do = (plgpu.load(r.at[queries, g, :], mask=head, other=0.0) for r in (q_ref, do_ref))
+            lse, delta = lse_ref[g, queries], delta_ref[g, queries]
+            q_seg, q_pos = seg_ref[queries], i * loop + jnp.arange(loop)
+        p = jnp.exp2(_scores(q, k, q_seg, k_seg, q_pos, k_pos, scale, k_end) - lse[:, None])
+        ds = p * (plgpu.dot(do, v.T) - delta[:, None]) * scale
+        return dk + plgpu.dot(ds.astype(q.dtype).T, q), dv + plgpu.dot(p.astype(do.dtype).T, do)
 
-        return jax.lax.fori_loop(loop_ref[0], loop_ref[1], body, carry)
+    def query_head(g, carry):  # its query loop
+        return jax.lax.fori_loop(loop_ref[0], loop_ref[1], functools.partial(body, g), carry)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = jax.lax.fori_loop(0, groups, query_head, (zeros, zeros))
+    zeros = (jnp.zeros(k.shape, jnp.float32),) * 2
+    dk, dv = query_head(None, zeros) if group_heads else jax.lax.fori_loop(0, groups, query_head, zeros)
     plgpu.store(dk_ref, dk.astype(dk_ref.dtype), mask=head)
     plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=head)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, seg, ends, interpret):
-    return _forward(q, k, v, seg, ends, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, seg, ends, interpret, tuning):
+    return _forward(q, k, v, seg, ends, interpret, tuning)[0]
 
 
 def _tree_inputs(ends: Array | None, block: int) -> tuple[list, list]:
@@ -223,72 +275,75 @@ def _tree_inputs(ends: Array | None, block: int) -> tuple[list, list]:
                                         pl.BlockSpec((None, t // block), lambda i, b, h: (b, 0))]
 
 
-def _forward(q, k, v, seg, ends, interpret):
+def _compiler(tuning: FlashTuning, d: int) -> plgpu.CompilerParams:
+    return plgpu.CompilerParams(num_warps=tuning.num_warps or (4 if d <= 64 else 8), num_stages=tuning.num_stages)
+
+
+def _forward(q, k, v, seg, ends, interpret, tuning):
     b, t, h, d = q.shape
     g, dp = h // k.shape[2], pl.next_power_of_2(d)
-    block, _ = _blocks(t)
-    kernel = functools.partial(_forward_kernel, scale=1.0 / math.sqrt(d), block=block, head_dim=d)
+    bq, bk = tuning.block_q, tuning.block_k
+    kernel = functools.partial(_forward_kernel, scale=1.0 / math.sqrt(d), block_q=bq, block_k=bk, head_dim=d)
     whole = pl.BlockSpec((None, t, None, dp), lambda i, b, h: (b, 0, jax.lax.div(h, g), 0))  # the kv head's row
-    tree, tree_specs = _tree_inputs(ends, block)
+    tree, tree_specs = _tree_inputs(ends, bk)
     o, lse = pl.pallas_call(
         kernel,
-        grid=(t // block, b, h),
+        grid=(t // bq, b, h),
         in_specs=[pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0)),
-                  pl.BlockSpec((None, block, None, dp), lambda i, b, h: (b, i, h, 0)),
+                  pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
                   whole, whole,
                   pl.BlockSpec((None, t), lambda i, b, h: (b, 0)), *tree_specs],
-        out_specs=[pl.BlockSpec((None, block, None, dp), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))],
+        out_specs=[pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
+        compiler_params=_compiler(tuning, d),
         interpret=interpret,
         name="flash_segments_forward",
-    )(key_loops(seg, block, block), q, k, v, seg, *tree)
+    )(key_loops(seg, bq, bk), q, k, v, seg, *tree)
     return o, (q, k, v, seg, ends, o, lse)
 
 
-def _backward(interpret, res, do):
+def _backward(interpret, tuning, res, do):
     q, k, v, seg, ends, o, lse = res
     b, t, h, d = q.shape
     hkv = k.shape[2]
     g, dp = h // hkv, pl.next_power_of_2(d)
-    block, loop_block = _blocks(t)
+    held, loop = tuning.bwd_held, tuning.bwd_loop
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-    params = dict(scale=1.0 / math.sqrt(d), block=block, loop_block=loop_block, head_dim=d)
-    compiler = plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)  # as the forward's
+    params = dict(scale=1.0 / math.sqrt(d), held=held, loop=loop, head_dim=d)
     row = pl.BlockSpec((None, t), lambda i, b, h: (b, 0))
 
     kv_row = pl.BlockSpec((None, t, None, dp), lambda i, b, h: (b, 0, jax.lax.div(h, g), 0))
-    q_block = pl.BlockSpec((None, block, None, dp), lambda i, b, h: (b, i, h, 0))
-    stat = pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
-    tree, tree_specs = _tree_inputs(ends, loop_block)
+    q_block = pl.BlockSpec((None, held, None, dp), lambda i, b, h: (b, i, h, 0))
+    stat = pl.BlockSpec((None, None, held), lambda i, b, h: (b, h, i))
+    tree, tree_specs = _tree_inputs(ends, loop)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, **params),
-        grid=(t // block, b, h),
+        grid=(t // held, b, h),
         in_specs=[pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0)), q_block, kv_row, kv_row, row,
                   q_block, stat, stat, *tree_specs],
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=compiler,
+        compiler_params=_compiler(tuning, d),
         interpret=interpret,
         name="flash_segments_dq",
-    )(key_loops(seg, block, loop_block), q, k, v, seg, do, lse, delta, *tree)
+    )(key_loops(seg, held, loop), q, k, v, seg, do, lse, delta, *tree)
 
     # per kv head: its G query heads' rows, [B, T, Hkv, G, D] and [B, Hkv, G, T]
     q_rows = pl.BlockSpec((None, t, None, g, dp), lambda j, b, h: (b, 0, h, 0, 0))
     stat_rows = pl.BlockSpec((None, None, g, t), lambda j, b, h: (b, h, 0, 0))
-    kv_block = pl.BlockSpec((None, block, None, dp), lambda j, b, h: (b, j, h, 0))
+    kv_block = pl.BlockSpec((None, held, None, dp), lambda j, b, h: (b, j, h, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, groups=g, **params),
-        grid=(t // block, b, hkv),
+        functools.partial(_dkv_kernel, groups=g, group_heads=tuning.group_heads, **params),
+        grid=(t // held, b, hkv),
         in_specs=[pl.BlockSpec((None, None, 2), lambda j, b, h: (b, j, 0)), q_rows, kv_block, kv_block, row,
                   q_rows, stat_rows, stat_rows, *([] if ends is None else [row])],
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=compiler,
+        compiler_params=_compiler(tuning, d),
         interpret=interpret,
         name="flash_segments_dkv",
-    )(query_loops(seg, loop_block, block, ends), q.reshape(b, t, hkv, g, d), k, v, seg, do.reshape(b, t, hkv, g, d),
+    )(query_loops(seg, loop, held, ends), q.reshape(b, t, hkv, g, d), k, v, seg, do.reshape(b, t, hkv, g, d),
       lse.reshape(b, hkv, g, t), delta.reshape(b, hkv, g, t), *([] if ends is None else [ends]))
     return dq, dk, dv, None, None
 

@@ -4,9 +4,11 @@ One program per (row, kv head[, split]) holds that kv head's G query heads and l
 `block_pages` at a time, only as far as the row's length, with the online softmax of flash attention. What keeps
 memory busy is many small programs in flight per multiprocessor (one warp, one page per step, no software pipeline:
 the H200 sweep's fastest, 57% of peak HBM alone at 256 rows of 512 tokens against 37% for JAX's kernel) rather than
-a deep pipeline in each. With few rows (not enough programs to fill the device) each row's blocks are split over
-`splits` programs whose partial results are combined after; with many rows there is one split and the kernel
-writes the normalised output itself.
+a deep pipeline in each. Each step's loads are a dependent chain (page ids, then the pages) that its math waits on:
+`prefetch` pipelines by hand instead of Triton's `num_stages`, the loop carrying the next block's K and V and the
+page ids of the one after, so each step issues the next loads before its own math. With few rows (not enough
+programs to fill the device) each row's blocks are split over `splits` programs whose partial results are combined
+after; with many rows there is one split and the kernel writes the normalised output itself.
 
 Scores and weighted values come from the matrix units (`mma`: the G heads padded to 16 rows, their smallest tile;
 compute is not what decode is short of) or, for the few heads per kv head of a grouped-query model, from
@@ -37,11 +39,12 @@ MIN_TILE = 16  # rows of the query tile: the matrix units' smallest
 
 
 class Tuning(NamedTuple):
-    """The kernel's knobs (the accelerator benchmark sweeps them): pages per loop step, warps per program, software
-    pipeline depth, programs per row (0: enough to fill `target_programs`), and matrix units or vector units for the
-    scores (`mma`, module docstring). The defaults are the H200 sweep's fastest at 256 rows of 512 tokens (Qwen3-0.6B's
-    heads, pages of 16; benchmarks/results/profile-nvidia-h200-44b6a10-long-tail.md): small programs, many per
-    multiprocessor, beat deep pipelines; the vector units are not measured on a GPU yet, so `mma` stays on."""
+    """The kernel's knobs (the accelerator benchmark sweeps them): pages per loop step, warps per program, Triton's
+    software pipeline depth, programs per row (0: enough to fill `target_programs`), matrix units or vector units for
+    the scores (`mma`) and the next block's loads issued before each step's math (`prefetch`; both module docstring).
+    The defaults are the H200 sweep's fastest at 256 rows of 512 tokens (Qwen3-0.6B's heads, pages of 16;
+    benchmarks/results/profile-nvidia-h200-44b6a10-long-tail.md): small programs, many per multiprocessor, beat deep
+    pipelines; the vector units and `prefetch` are not measured on a GPU yet, so `mma` stays on and `prefetch` off."""
 
     block_pages: int = 1
     num_warps: int = 1
@@ -49,6 +52,7 @@ class Tuning(NamedTuple):
     splits: int = 0
     mma: bool = True
     target_programs: int = 1024
+    prefetch: bool = False
 
 
 def splits_for(rows: int, kv_heads: int, blocks: int, tuning: Tuning) -> int:
@@ -62,7 +66,8 @@ def splits_for(rows: int, kv_heads: int, blocks: int, tuning: Tuning) -> int:
     return min(s, blocks)
 
 
-def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block_pages, blocks_per_split, scale_log2, mma):
+def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block_pages, blocks_per_split, scale_log2, mma,
+            prefetch):
     length = len_ref[0]
     q = q_ref[...] if mma else q_ref[...].astype(jnp.float32) * scale_log2  # [Gp, D]
     page_size, d = k_ref.shape[-2:]
@@ -70,11 +75,13 @@ def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block_pages, blo
     lo = pl.program_id(2) * blocks_per_split
     hi = jnp.minimum(lo + blocks_per_split, pl.cdiv(length, block))
 
-    def body(b, carry):  # online softmax over the b-th block of this row's pages
-        o, m, den = carry
-        pages = table_ref[pl.ds(b * block_pages, block_pages)]
-        k = k_ref[pages].reshape(block, d)
-        v = v_ref[pages].reshape(block, d)
+    def pages_of(b):  # block b's page ids
+        return table_ref[pl.ds(b * block_pages, block_pages)]
+
+    def kv(pages):
+        return k_ref[pages].reshape(block, d), v_ref[pages].reshape(block, d)
+
+    def step(b, o, m, den, k, v):  # online softmax over the b-th block of this row's pages
         if mma:
             s = plgpu.dot(q, k.T) * scale_log2  # [Gp, block] fp32, log2 units
         else:
@@ -91,7 +98,18 @@ def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, block_pages, blo
 
     gp = q.shape[0]
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32))
-    o, m, den = jax.lax.fori_loop(lo, hi, body, init)
+    if prefetch:  # the carry holds block b's K and V and block b+1's page ids (module docstring)
+        def clamped(b):  # past the split's blocks: the row's last (hi ≥ 1), in bounds and just read, so in cache
+            return pages_of(jnp.minimum(b, hi - 1))
+
+        def body(b, carry):  # b+1's K and V and b+2's ids are issued before b's math, from ids already loaded: a
+            o, m, den, pages, k, v = carry  # warp issues in order, so loading b+1's ids here would stall the step
+            nxt = (clamped(b + 2), *kv(pages))
+            return (*step(b, o, m, den, k, v), *nxt)
+
+        o, m, den = jax.lax.fori_loop(lo, hi, body, (*init, clamped(lo + 1), *kv(clamped(lo))))[:3]
+    else:
+        o, m, den = jax.lax.fori_loop(lo, hi, lambda b, c: step(b, *c, *kv(pages_of(b))), init)
     if len(out_refs) == 1:  # one split: the row's first block is its own, so den > 0
         out_refs[0][...] = (o / den[:, None]).astype(out_refs[0].dtype)
     else:  # partial: an empty split leaves o = 0, m = -inf, den = 0, which the combine weighs 0
@@ -121,7 +139,7 @@ def paged_decode(q: Array, k_pages: Array, v_pages: Array, table: Array, lengths
     table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, splits * per_split * bp - table.shape[1])))
     qg = jnp.pad(q.reshape(a, hkv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     kernel = functools.partial(_kernel, block_pages=bp, blocks_per_split=per_split,
-                               scale_log2=LOG2E / math.sqrt(d), mma=tuning.mma)
+                               scale_log2=LOG2E / math.sqrt(d), mma=tuning.mma, prefetch=tuning.prefetch)
     pool = pl.BlockSpec((None, num_pages, page_size, d), lambda r, j, s: (j, 0, 0, 0))  # the kv head's pages
     in_specs = [pl.BlockSpec((1,), lambda r, j, s: (r,)),
                 pl.BlockSpec((None, table.shape[1]), lambda r, j, s: (r, 0)),
@@ -142,7 +160,7 @@ def paged_decode(q: Array, k_pages: Array, v_pages: Array, table: Array, lengths
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
-        name=f"paged_decode_bp{bp}_s{splits}{'' if tuning.mma else '_vec'}",
+        name=f"paged_decode_bp{bp}_s{splits}{'' if tuning.mma else '_vec'}{'_pf' if tuning.prefetch else ''}",
     )(lengths.astype(jnp.int32), table, qg, k_pages, v_pages)
     if splits > 1:  # flash-decoding's combine of the splits' partial sums
         o, m, den = out
