@@ -14,6 +14,8 @@ def test_accelerator_smoke_measures_every_part(tmp_path, smollm2_prepared):
     """benchmarks/accelerator.py --smoke runs every part on CPU (the Pallas kernels in interpret mode) and writes one
     results pair into --out: every part has its numbers, every kernel is within tolerance, 'auto' resolves to the
     CPU kinds, and each goal is judged (HBM bandwidth unmeasured: a CPU has no peak in the table)."""
+    from benchmarks.accelerator import FLASH_CHECKED, PAGED_CHECKED
+
     before = results_digest()
     link_prepared(smollm2_prepared, tmp_path / "arealjax_accelerator" / "smoke" / "real_model")  # made once
     out = tmp_path / "out"
@@ -29,9 +31,12 @@ def test_accelerator_smoke_measures_every_part(tmp_path, smollm2_prepared):
     assert kernels["passed"] and kernels["interpret"]
     assert (kernels["auto"]["training"], kernels["auto"]["decode"], kernels["auto"]["passed"]) == ("sparse", "ragged",
                                                                                                     True)
-    assert sorted((c["kernel"], c["dtype"]) for c in kernels["checks"]) == [
+    assert sorted((c["kernel"], c["dtype"]) for c in kernels["checks"] if "tuning" not in c) == [
         ("attention.attend_pallas", "bfloat16"), ("attention.attend_pallas", "float32"),
         ("paged.paged_pallas", "bfloat16"), ("paged.paged_pallas", "float32")]
+    # and every tuning the profile times, in float32
+    assert [(c["tuning"], c["dtype"]) for c in kernels["checks"] if "tuning" in c] == [
+        (name, "float32") for name in (*FLASH_CHECKED, *PAGED_CHECKED)]
     for c in kernels["checks"]:
         assert c["passed"] and set(c["max_abs_error"]) == ({"out", "dq", "dk", "dv"} if "attend" in c["kernel"]
                                                             else {"out"}), c

@@ -383,6 +383,34 @@ def test_loss_positions_are_bucketed():
     assert loss_positions(mask[:, :16]) is None  # 64 positions: less than one bucket
 
 
+def test_loss_position_sizes_met_before_are_reused_and_change_nothing(model):
+    """A micro-batch shape reuses the smallest loss-position size it has run with that holds what it needs at most
+    twice over (`reused`: few compilations where the loss tokens wander, as agents' shared prefixes make them), and
+    a step at a reused size equals the same step at its own size."""
+    from arealjax.rl.trainer import reused
+
+    met = []
+    assert [reused(k, met, 1024) for k in (384, 256, 128, None, 640, 512)] == [384, 384, 128, None, None, None]
+    assert met == [384, 128, None]
+
+    def batch(prompt: int, out: int, seed: int) -> list[Trajectory]:
+        rng = np.random.RandomState(seed)
+        return [Trajectory.from_completion(rng.randint(3, 64, prompt), rng.randint(3, 64, out),
+                                           rng.normal(-4.2, 0.1, out), np.zeros(out), advantage=rng.normal(),
+                                           group=str(i // 4)) for i in range(16)]
+
+    cfg = TrainerConfig(max_tokens=256, micro_rows=4, optim=OptimConfig(lr=1e-3))
+    first, second = batch(40, 20, 0), batch(45, 15, 1)  # 320 and 240 loss tokens in 4 rows of 256
+    reusing, exact = Trainer(model, cfg), Trainer(model, cfg)
+    for t in (reusing, exact):
+        t.train_step(first)
+    exact._sizes_met.clear()
+    assert reusing._agree(reusing.pack(second))[2] == [[384]] and exact._agree(exact.pack(second))[2] == [[256]]
+    a, b = reusing.train_step(second), exact.train_step(second)
+    for key in ("loss", "grad_norm", "entropy", "approx_kl", "clip_fraction"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+
+
 @pytest.mark.parametrize("case", ["decoupled_kl", "sft", "sharded"])
 def test_loss_position_head_and_fewer_padding_rows_leave_the_step_unchanged(model, case):
     """Two train steps of the trainer as it is (the head at the loss positions only, the last micro-batch of each

@@ -7,7 +7,7 @@ Params and optimizer state live sharded on the trainer mesh by the logical rules
 the batch (data-parallel) axes. Three jitted functions with explicit shardings, compiled for a few shapes only:
 micro-batches are [R, T] but a minibatch's last, which has the fewest power-of-two rows that hold the rest
 (packing.micro_sizes), and the head scores a micro-batch's loss positions only, in slots rounded up to an eighth
-of its positions or 128 (`loss_positions`):
+of its positions or 128 (`loss_positions`), or a size already compiled that holds them at most twice over (`reused`):
   logprobs  no-grad forward -> logprob of each target token (the π_prox pass, and the reference policy's)
   grad      gradient of one micro-batch's share of the minibatch loss, added into an fp32 accumulator
   apply     global-norm clip + AdamW; if the loss or a gradient is not finite, params and state are kept
@@ -191,6 +191,20 @@ def loss_positions(mask: np.ndarray, shards: int = 1) -> int | None:
     granule = max(-(-positions // LOSS_BUCKETS), LOSS_GRANULE)
     size = -(-max(int(per_shard.sum(1).max()), 1) // granule) * granule
     return None if size >= positions else size
+
+
+def reused(size: int | None, met: list[int | None], positions: int) -> int | None:
+    """`size` (`loss_positions` of a micro-batch shape with `positions` per shard), or the smallest size in `met`,
+    those this shape has been run with, that holds it at most twice over (None: every position); `size` joins `met`
+    where none does. Where the loss tokens per micro-batch wander (agents' shared prefixes), each new size is a
+    compilation (minutes on a CPU): this keeps them to ~log2(LOSS_BUCKETS) per shape, at a head over at most twice
+    the slots needed (masked slots: the numbers do not change). Deterministic in the sequence of sizes, so processes
+    that agree on each size agree on this."""
+    slots = lambda k: positions if k is None else k  # noqa: E731
+    if fits := [k for k in met if slots(size) <= slots(k) <= 2 * slots(size)]:
+        return min(fits, key=slots)
+    met.append(size)
+    return size
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -557,6 +571,7 @@ class Trainer:
         self._zeros, self._logprobs, self._grad, self._apply = steps.zeros, steps.logprobs, steps.grad, steps.apply
         self._minibatch_stat = steps.minibatch_stat
         self._drift_warned = False
+        self._sizes_met: dict[tuple[int, ...], list[int | None]] = {}  # per micro-batch shape (`reused`)
         self._schedule = make_schedule(cfg.optim)
         self.optimizer_steps = 0
 
@@ -592,7 +607,7 @@ class Trainer:
         """Every process's minibatches padded to the same micro-batch shapes (those of the most rows among them),
         per minibatch the counts over all processes: [rows (all processes', padding included), loss tokens,
         tokens computed, sequences, tokens represented], and per micro-batch the positions per shard its head scores
-        (the most any needs)."""
+        (the most any needs, or a size its shape ran with that holds it: `reused`)."""
         local = [[b.n_rows, b.n_loss_tokens, b.n_tokens, b.n_sequences, b.n_represented] for b in batches]
         rows = np.array(self.processes.allgather("pack", local) if self.processes else [local], np.int64)
         totals = rows.sum(0)
@@ -602,6 +617,10 @@ class Trainer:
         if self.processes:
             every = self.processes.allgather("loss_positions", sizes)
             sizes = [[None if None in ks else max(ks) for ks in zip(*per_batch)] for per_batch in zip(*every)]
+        if self._local_shards is not None:
+            sizes = [[reused(k, self._sizes_met.setdefault(m.shape, []), m.size // self._local_shards)
+                      for k, m in zip(ks, (b.micro(i)["loss_mask"] for i in range(b.n_micro)))]
+                     for ks, b in zip(sizes, batches)]
         return batches, totals, sizes
 
     def logprobs(self, params: nnx.State, batch: PackedBatch) -> list[jax.Array]:
