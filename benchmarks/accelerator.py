@@ -59,8 +59,10 @@ six files, each written as its stage ends (docs/accelerator.md reads them; --sta
   trace.tar.gz     a `jax.profiler` trace (plugins/profile/<run>/: *.trace.json.gz, perfetto_trace.json.gz and, if it
                    fits in 15 MiB, *.xplane.pb) of one warm decode call and one warm train step, under the host
                    annotations 'decode' and 'train'
-                   First, untraced: 'paged_sweep', the paged decode kernels alone (ours over its knobs, JAX's),
-                   each checked against float32 attention; the fastest correct knobs go to the decode stages.
+                   First, untraced: 'ceilings', the device's copy bandwidth and bf16 matmul rate as measured
+                   (the figures' shares of them beside the datasheet's); 'paged_sweep', the paged decode
+                   kernels alone (ours over its knobs, JAX's), each checked against float32 attention; the
+                   fastest correct knobs go to the decode stages.
                    After the trace: 'decode_full', the decode step of 256 rows of 512 tokens in 256 slots and its
                    share of peak HBM (the issue's target), with our kernel and with JAX's; 'long_tail', useful
                    tokens/s through the Generator per slot count and request count, with the compiles of its

@@ -151,7 +151,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         config.generator.max_prefill_batch = 16
         config.generator.dtype = "float32"
 
-    if arg.reward == "judge":  # the base model grades each reply against the row's reference solution
+    # the base model grades each reply against the row's reference solution: the plumbing end to end; at 135M it
+    # answers "No" to right and wrong replies alike (docs/rewards.md), so a competent judge is what makes it learn
+    if arg.reward == "judge":
         config.rewards.fn = "arealjax.rewards.judge:judge"
         config.rewards.judge.serve = config.model_path
         config.rewards.judge.serve_args = "--max-len=1024 --slots=32"
