@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -420,9 +421,11 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
     out: dict = {"matmul_peak_gflops": peak / 1e9, "matmul_peak_size": size, "trajectories": len(trajs),
                  "tokens": tokens, "variants": {}}
     own = get_config()
-    for name, rank in (("full fine-tune", 0), (f"LoRA r = {own.lora.rank}", own.lora.rank)):
+    for name, rank, share in (("full fine-tune", 0, True), (f"LoRA r = {own.lora.rank}", own.lora.rank, True),
+                              (f"LoRA r = {own.lora.rank}, every trajectory whole", own.lora.rank, False)):
         m = lora.add_lora(model, lora.LoraConfig(rank, own.lora.alpha)) if rank else model
-        trainer = Trainer(m, trainer_config(own.trainer))  # the recipe's rows, micro-batches, unrolled layers
+        tcfg = dataclasses.replace(trainer_config(own.trainer), share_prefixes=share)
+        trainer = Trainer(m, tcfg)  # the recipe's rows, micro-batches, unrolled layers
         times = []
         for _ in range(2 if args.smoke else 3):  # the first compiles
             t0 = time.perf_counter()
@@ -430,8 +433,9 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
             jax.block_until_ready(trainer.params)
             times.append(time.perf_counter() - t0)
         t = min(times[1:])
-        flops = (4 if rank else 6) * n * tokens  # LoRA: no weight gradients of the frozen base
+        flops = (4 if rank else 6) * n * metrics["tokens"]  # the tokens computed; LoRA: no frozen weights' gradients
         out["variants"][name] = dict(seconds=t, compile_seconds=times[0] - t, tokens_per_s=tokens / t,
+                                     computed_tokens=metrics["tokens"], share_prefixes=share,
                                      mfu=flops / t / peak, flop_count="4N/token" if rank else "6N/token",
                                      non_padding_fraction=metrics["non_padding_fraction"],
                                      grad_norm=metrics["grad_norm"], skipped_steps=metrics["skipped_steps"])
@@ -643,9 +647,11 @@ def report(res: dict) -> str:
         lines += [f"## Trainer (commit `{t['commit']}`)", "",
                   f"One RL step on {t['trajectories']} trajectories ({t['tokens']} tokens) shaped like the recipe's; "
                   f"measured fp32 matmul peak {t['matmul_peak_gflops']:.0f} GFLOP/s.", "",
-                  "| variant | tokens/s | MFU | FLOPs counted | non-padding | compile |", "|---|---|---|---|---|---|"]
+                  "| variant | s / step | trajectory tokens/s | tokens computed | MFU (of those) | FLOPs counted | "
+                  "non-padding | compile |", "|---|---|---|---|---|---|---|---|"]
         for name, v in t["variants"].items():
-            lines.append(f"| {name} | {v['tokens_per_s']:.0f} | {v['mfu']:.0%} | {v['flop_count']} | "
+            lines.append(f"| {name} | {v['seconds']:.1f} | {v['tokens_per_s']:.0f} | "
+                         f"{v.get('computed_tokens', t['tokens']):.0f} | {v['mfu']:.0%} | {v['flop_count']} | "
                          f"{v['non_padding_fraction']:.0%} | {v['compile_seconds']:.0f} s |")
         lines += ["", "Peak host memory (process tree, sampled every 0.2 s) of `configs/smollm2.py` for one RL step "
                   "and a 4-problem evaluation:", "",

@@ -413,6 +413,22 @@ def test_gpu_kernels_lower_to_triton(heads, kv_heads):
     assert _lowers_to_triton(jax.grad(tree, argnums=(0, 1, 2)), q, kv, kv, seg, seg) == 3
 
 
+def test_paged_gpu_vector_units_need_no_pad_of_the_queries_nor_slice_of_the_output():
+    """The matrix units pad a kv head's G query heads to a 16-row tile (a pad before the kernel, a slice after it);
+    the vector units take a power-of-two G as it is: nothing around the kernel but reshapes."""
+    from arealjax.models.paged_gpu import Tuning, paged_decode
+
+    q = jnp.ones((4, 4, 16), jnp.bfloat16)  # G = 2
+    pool = jnp.ones((2, 8, 4, 16), jnp.bfloat16)
+    table, lengths = jnp.zeros((4, 2), jnp.int32), jnp.full(4, 5, jnp.int32)
+    for mma, around in ((True, 1), (False, 0)):
+        fn = functools.partial(paged_decode, tuning=Tuning(mma=mma, splits=1), interpret=True)
+        jaxpr = jax.make_jaxpr(fn)(q, pool, pool, table, lengths).jaxpr
+        pads = [e for e in equations(jaxpr, "pad") if len(e.params["padding_config"]) == 4]  # the queries'
+        slices = [e for e in equations(jaxpr, "slice") if len(e.invars[0].aval.shape) == 4]  # the output's
+        assert (len(pads), len(slices)) == (around, around), (mma, jaxpr)
+
+
 def test_paged_gpu_kernel_splits_only_rows_that_do_not_fill_the_device():
     """Splits (programs per row, combined after) only where rows × kv heads leave the device short of programs, at
     most one per block of pages: one split at 256 rows × 8 kv heads (the kernel normalises its own output)."""

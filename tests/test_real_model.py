@@ -92,8 +92,11 @@ def test_benchmark_smoke_measures_every_part_on_two_blocks(tmp_path, smollm2_pre
     assert p["tokenizer_equal_llama_cpp"] == p["tokenizer_round_trip"] == p["tokenizer_strings"]
     (row,) = res["generator"]["rows"]
     assert row["greedy_identical_share"] == 1 and row["arealjax_tokens_per_s"] > 0 and row["speedup"] > 0
-    t = res["trainer"]  # full and LoRA steps on the 2 blocks: a finite non-zero gradient, the step taken
-    assert len(t["variants"]) == 2 and all(v["mfu"] > 0 and v["skipped_steps"] == 0 and 0 < v["grad_norm"] < math.inf
+    t = res["trainer"]  # full and LoRA steps on the 2 blocks (LoRA shared and flat): a finite gradient, the step taken
+    lora_shared, lora_flat = list(t["variants"].values())[1:]  # the same grad norm however the batch is laid
+    assert lora_shared["grad_norm"] == pytest.approx(lora_flat["grad_norm"], rel=1e-4)
+    assert lora_shared["computed_tokens"] < lora_flat["computed_tokens"] == t["tokens"]
+    assert len(t["variants"]) == 3 and all(v["mfu"] > 0 and v["skipped_steps"] == 0 and 0 < v["grad_norm"] < math.inf
                                            for v in t["variants"].values()), t["variants"]
     assert all(m["exit_code"] == 0 and m["peak_rss_gb"] > 0 for m in t["memory"].values())
     (run,) = res["rl"]["runs"]

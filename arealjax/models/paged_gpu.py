@@ -137,7 +137,9 @@ def paged_decode(q: Array, k_pages: Array, v_pages: Array, table: Array, lengths
     splits = splits_for(a, hkv, blocks, tuning)
     per_split = -(-blocks // splits)
     table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, splits * per_split * bp - table.shape[1])))
-    qg = jnp.pad(q.reshape(a, hkv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    qg = q.reshape(a, hkv, g, d)
+    if gp > g:  # the matrix units' 16-row tile (the vector units need no pad for a power-of-two G)
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     kernel = functools.partial(_kernel, block_pages=bp, blocks_per_split=per_split,
                                scale_log2=LOG2E / math.sqrt(d), mma=tuning.mma, prefetch=tuning.prefetch)
     pool = pl.BlockSpec((None, num_pages, page_size, d), lambda r, j, s: (j, 0, 0, 0))  # the kv head's pages
@@ -167,4 +169,4 @@ def paged_decode(q: Array, k_pages: Array, v_pages: Array, table: Array, lengths
         top = jnp.max(m, axis=0)
         w = jnp.exp2(m - top[None])  # an empty split: exp2(-inf) = 0
         out = (jnp.sum(w[..., None] * o, axis=0) / jnp.sum(w * den, axis=0)[..., None]).astype(q.dtype)
-    return out[:, :, :g].reshape(a, h, d)
+    return (out[:, :, :g] if gp > g else out).reshape(a, h, d)
