@@ -24,8 +24,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 
 # the first variant is also the train stage's (traced); the others each change one thing, the last all of them
 variants=pallas:save_dots,pallas:save_dots:logits_chunk=0,pallas:save_dots:block_q=128
-variants+=,pallas:save_dots:bwd_held=128:bwd_loop=64,pallas:save_dots:group_heads=1
-variants+=,pallas:save_dots:logits_chunk=0:block_q=128:bwd_held=128:bwd_loop=64:group_heads=1
+variants+=,pallas:save_dots:group_heads=1,pallas:save_dots:logits_chunk=0:block_q=128:group_heads=1
 # rows:block_pages:num_warps:num_stages:splits:mma:prefetch around the H200's fastest (1 page, 1 warp, 1 stage)
 sweep="256:1,2:1,2:1:1,2,4:1,0:0,1;64:1:1:1:0,4:1,0:0,1"
 rows=256 large=qwen3-1.7b
@@ -45,7 +44,7 @@ two() {
   mkdir -p "$OUT/two"
   timeout 150 $py benchmarks/accelerator.py $smoke --profile --out="$OUT/two/q17" --models=$large \
     --stages=ceilings,train,train_attention --train-repeats=3 \
-    --train-variants=pallas:save_dots,pallas:save_dots:logits_chunk=0:block_q=128:bwd_held=128:bwd_loop=64:group_heads=1 \
+    --train-variants=pallas:save_dots,pallas:save_dots:logits_chunk=0:block_q=128:group_heads=1 \
     2>&1 | tee "$OUT/two/q17.log"
   for gemm in true false; do
     XLA_FLAGS="--xla_gpu_enable_triton_gemm=$gemm" timeout 75 $py benchmarks/accelerator.py $smoke --profile \
