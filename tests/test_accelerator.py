@@ -158,7 +158,9 @@ def test_profile_smoke_writes_its_files_and_profile_table_reads_its_trace(tmp_pa
     fastest = min((r for r in sweep if r["kernel"] == "pallas" and r["rows"] == 16), key=lambda r: r["seconds"])
     # the decode stages run the fastest knobs
     assert (res["tuning"]["splits"], res["tuning"]["mma"]) == (fastest["splits"], fastest["mma"])
-    assert set(res["decode_full"]["by_attention"]) == {"ragged"} and res["decode_full"]["seconds_per_step"] > 0
+    full = res["decode_full"]  # ours sampling (the headline) and greedy, each timed
+    assert set(full["by_attention"]) == {"ragged", "ragged greedy"} and full["seconds_per_step"] > 0
+    assert all(x["seconds_per_step"] > 0 for x in full["by_attention"].values()), full
     assert [(r["slots"], r["requests"]) for r in res["long_tail"]] == [(4, 4), (4, 8)]
     assert all(r["tokens_per_s"] > 0 and r["useful_tokens"] > 0 for r in res["long_tail"])
     assert set(res["train_attention"]["pallas_mha:auto"]) >= {"seconds", "loss", "grad_norm", "remat"}
@@ -281,3 +283,28 @@ def test_train_variants_are_parsed_or_refused_with_what_was_expected():
     for bad in ("pallas", "pallas:", "pallas:auto:block_q", "pallas:auto:blockq=128", "pallas:auto:block_q=x"):
         with pytest.raises(ValueError, match=f"--train-variants '{bad}'"):
             parse_train_variant(bad)
+
+
+def test_a_refused_tuning_fails_its_own_row_and_the_report_still_renders():
+    """A tuning the device refuses (a backward asking for more shared memory than the GPU has) fails its check row
+    with the error; the parts report renders that row beside a passing one, and the kernels goal reads missed."""
+    from benchmarks.accelerator import goals, report, tuned_check
+
+    def refused():
+        raise ValueError("Shared memory size limit exceeded: requested 296 KB, available: 232 KB")
+
+    row = tuned_check("attention.attend_pallas", "bwd 128/64", refused)
+    assert not row["passed"] and "296 KB" in row["error"] and row["tuning"] == "bwd 128/64"
+    ok = tuned_check("paged.paged_pallas", "prefetch", lambda: {
+        "kernel": "paged.paged_pallas", "dtype": "float32", "max_abs_error": {"out": 1e-7},
+        "max_abs_reference": {"out": 1.0}, "tolerance": 1e-5, "passed": True})
+    auto = {"training": "pallas", "decode": "pallas", "expected": {"training": "pallas", "decode": "pallas"},
+            "passed": True}
+    parts = {"kernels": {"interpret": False, "auto": auto, "checks": [ok, row], "passed": False, "seconds": 3.0}}
+    res = {"device": "NVIDIA H200", "command": "python benchmarks/accelerator.py --parts=kernels", "commit": "abc1234",
+           "date": "2026-11-30 03:00", "devices": 1, "platform": "gpu", "smoke": False, "parts": parts,
+           "goals": goals(parts)}
+    assert [g["status"] for g in res["goals"] if g["goal"].startswith("every kernel")] == ["missed"]
+    md = report(res)
+    assert "| attention.attend_pallas (bwd 128/64) | float32 | ValueError: Shared memory" in md, md
+    assert "| paged.paged_pallas (prefetch) | float32 | out 1.00e-07 (÷ 1) | 1e-05 | yes |" in md, md
