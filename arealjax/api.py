@@ -199,6 +199,11 @@ class WeightTransport(Protocol):
         """A digest of what the backend would serve for `params` (equal across processes when they agree)."""
 
 
+class RewardFatal(Exception):
+    """Raised by a reward function whose every call will fail (an endpoint that cannot be reached): the reward
+    service stops at once with its message, instead of after `failure_window` calls."""
+
+
 @runtime_checkable
 class Rewards(Protocol):
     """Scores completions off the caller's thread (rewards/service.py: a pool of worker processes, timeouts,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -16,10 +16,12 @@ from arealjax.api import RolloutBackend, WeightTransport
 from arealjax.distributed import Processes
 from arealjax.rewards import judge
 from arealjax.rewards.service import RewardService
-from arealjax.rl.losses import PPOConfig
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+from arealjax.rl.trainer import Trainer
 from arealjax.sharding import normalize_rules, role_meshes
 from arealjax.tokenizer import Tokenizer, tokenizer_of
+
+if TYPE_CHECKING:
+    from arealjax.config import Config
 
 
 @dataclasses.dataclass
@@ -32,7 +34,7 @@ class Base:
     model: models.Model
 
 
-def base(config: Any) -> Base:
+def base(config: Config) -> Base:
     """`config`'s rules, meshes, tokenizer and model."""
     rules = normalize_rules(config.sharding_rules)
     meshes = role_meshes_for(config)
@@ -49,7 +51,7 @@ class Rollouts:
     rewards: RewardService
 
 
-def rollouts(config: Any, model: models.Model, version: int, base: Base, stack: contextlib.ExitStack, *,
+def rollouts(config: Config, model: models.Model, version: int, base: Base, stack: contextlib.ExitStack, *,
              workdir: str | None = None) -> Rollouts:
     """The backend serving `model`'s params as `version`, its transport and the reward service, each closed by
     `stack` (the reward service first: it is built last; then a judge the run serves)."""
@@ -58,64 +60,45 @@ def rollouts(config: Any, model: models.Model, version: int, base: Base, stack: 
     return Rollouts(backend, transport, make_rewards(config, stack))
 
 
-def build(config: Any, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, models.Model]:
+def build(config: Config, mesh: jax.sharding.Mesh, rules) -> tuple[Tokenizer, models.Model]:
     """Tokenizer and model from `config.model_path` (a HF directory) or, when empty, a random tiny model."""
     tokenizer = tokenizer_of(config)
     if config.model_path:
         return tokenizer, models.load_pretrained(config.model_path, mesh=mesh, rules=rules)
-    cfg = models.ModelConfig.make(**config.model.to_dict(), vocab_size=tokenizer.vocab_size,
+    cfg = models.ModelConfig.make(**config.model, vocab_size=tokenizer.vocab_size,
                                   eos_token_id=tokenizer.eos_ids[0], bos_token_id=tokenizer.bos_id)
     return tokenizer, models.from_config(cfg, seed=config.seed, mesh=mesh, rules=rules)
 
 
-def make_trainer(config: Any, model: models.Model, mesh, rules, processes: Processes | None = None) -> Trainer:
+def make_trainer(config: Config, model: models.Model, mesh, rules, processes: Processes | None = None) -> Trainer:
     """The RL trainer of `config.trainer` on `mesh`; with `lora.rank` > 0 it trains fresh adapters on `model`."""
     lora = models.LoraConfig.of(config.lora)
     if lora is not None:
         model = models.lora.add_lora(model, lora, seed=config.seed, mesh=mesh, rules=rules)
-    return Trainer(model, trainer_config(config.trainer), mesh=mesh, rules=rules, processes=processes)
+    return Trainer(model, config.trainer, mesh=mesh, rules=rules, processes=processes)
 
 
-def trainer_config(c: Any, loss: str = "ppo", steps: int = 0, knobs: Any = None) -> TrainerConfig:
-    """`steps` fills an optim.total_steps of 0 (schedules that need the run length); the memory/speed knobs
-    (attention, remat, ...) come from `knobs` (default `c`; the SFT stage takes config.trainer's; absent ones keep
-    TrainerConfig's defaults)."""
-    knobs = c if knobs is None else knobs
-    ppo = PPOConfig(**c.ppo.to_dict()) if loss == "ppo" else PPOConfig()
-    optim = c.optim.to_dict()
-    optim["total_steps"] = optim.get("total_steps") or steps  # 0 or absent: the run's length
-    return TrainerConfig(loss=loss, ppo=ppo, optim=OptimConfig(**optim), max_tokens=c.max_tokens,
-                         micro_rows=c.micro_rows, ppo_n_minibatches=c.ppo_n_minibatches if loss == "ppo" else 1,
-                         router_replay=loss == "ppo" and c.router_replay,
-                         **{k: knobs[k] for k in ("attention", "remat", "scan_layers", "logits_chunk",
-                                                  "compute_dtype", "share_prefixes") if k in knobs})
-
-
-def make_backend(config: Any, model: models.Model, version: int, meshes: dict[str, jax.sharding.Mesh],
+def make_backend(config: Config, model: models.Model, version: int, meshes: dict[str, jax.sharding.Mesh],
                  rules, *, workdir: str | None = None) -> tuple[RolloutBackend, WeightTransport]:
     """The rollout backend `config.generator.backend` (generation/__init__.py) serving `model`'s params as
     `version`, and the transport that brings trainer params to it."""
     return generation.backend(config.generator.backend).build(config, model, version, meshes, rules, workdir)
 
 
-def role_meshes_for(config: Any) -> dict[str, jax.sharding.Mesh]:
+def role_meshes_for(config: Config) -> dict[str, jax.sharding.Mesh]:
     """This process's meshes: where the backend's generator devices are not this process's (generation servers),
     the trainer's process takes only its own."""
-    mesh = config.mesh
+    mesh = dataclasses.asdict(config.mesh)
     if not generation.backend(config.generator.backend).OWNS_GENERATOR_DEVICES:
-        mesh = {"trainer": mesh.trainer, "generator": {"devices": 0, "axes": dict(mesh.trainer.axes)}}
+        mesh["generator"] = {"devices": 0, "axes": dict(mesh["trainer"]["axes"])}
     return role_meshes(mesh)
 
 
-def make_rewards(config: Any, stack: contextlib.ExitStack) -> RewardService:
+def make_rewards(config: Config, stack: contextlib.ExitStack) -> RewardService:
     """The reward service of `config.rewards`, closed by `stack`; a judge the run serves itself
     (rewards.judge.serve) is started before it and stopped after it."""
     r = config.rewards
-    context = {"judge": r.judge.to_dict()} if "judge" in r else {}
-    if r.fn == judge.FN and r.judge.serve:
-        context["judge"]["base_url"] = stack.enter_context(judge.served(r.judge))
-    rewards = RewardService(r.fn, workers=r.workers, timeout=r.timeout, retries=r.retries,
-                            failure_reward=r.failure_reward, max_failure_rate=r.max_failure_rate,
-                            failure_window=r.failure_window, concurrency=r.get("concurrency", 32), context=context)
+    url = stack.enter_context(judge.served(r.judge)) if r.fn == judge.FN and r.judge.serve else ""
+    rewards = RewardService.of(r, judge_url=url)
     stack.callback(rewards.close)
     return rewards

@@ -18,6 +18,7 @@ only sees complete ones.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -29,6 +30,17 @@ from etils import epath
 
 from arealjax.rl.trainer import Trainer
 from arealjax.validate import Problems, number
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """The `checkpoint` section: where (`dir`, "" = workdir/checkpoints; gs:// works), when (every `every_steps`
+    steps or `every_seconds` seconds, 0 = off), and how many are kept."""
+
+    dir: str = ""
+    every_steps: int = 20
+    every_seconds: float = 0.0
+    max_to_keep: int = 3
 
 
 def check(config: Any, problems: Problems) -> None:

@@ -22,15 +22,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arealjax.api import RolloutBackend
+
+if TYPE_CHECKING:
+    from arealjax.config import Config
 
 
 class ConcurrentEval:
     """Evaluations of frozen weights on a generator of their own, one at a time, on a thread (module docstring)."""
 
-    def __init__(self, config: Any, model: Any, version: int, meshes: dict, rules,
+    def __init__(self, config: Config, model: Any, version: int, meshes: dict, rules,
                  run: Callable[[RolloutBackend, int], dict[str, float]]):
         from arealjax.generation import local
 

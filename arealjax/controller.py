@@ -31,12 +31,34 @@ from arealjax.rl.trajectory import Trajectory
 from arealjax.runtime import error_text
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import Tokenizer
-from arealjax.validate import Problems, number
+from arealjax.validate import Problems, ints, number
 from arealjax.workflows import RLVR, Episode, Prompt, Workflow
 from arealjax.workflows.base import wind_down
 
-__all__ = ["ControllerStats", "Group", "Prompt", "RolloutController", "TaskSolved", "check", "staleness_of",
-           "token_staleness"]
+__all__ = ["ControllerConfig", "ControllerStats", "Group", "Prompt", "RolloutController", "TaskSolved", "check",
+           "staleness_of", "token_staleness"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    """The `rl` section: `steps` RL steps of `batch_size` prompts × `group_size` samples, admitted while staleness ≤
+    `max_staleness` with at most `max_concurrent` prompts in flight; rollout sampling (temperature, top-k, top-p,
+    token cap); when filtered groups end the run (`Stopping`); an evaluation every `eval_every` steps."""
+
+    steps: int = 60
+    batch_size: int = 16
+    group_size: int = 8
+    max_staleness: int = 2
+    max_concurrent: int = 64
+    max_filtered_in_a_row: int = 500
+    solved_reward: float = 1.0
+    solved_window: int = 0
+    solved_share: float = 1.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 40
+    eval_every: int = 10
 
 
 def check(config: Any, problems: Problems) -> None:
@@ -47,7 +69,7 @@ def check(config: Any, problems: Problems) -> None:
                       minimum=0)
     need(number(rl.temperature) and rl.temperature > 0, "rl.temperature",
          "> 0 (at 0 all samples of a prompt are the same greedy answer: no group has a learning signal)")
-    need(isinstance(rl.top_k, int) and rl.top_k >= 0, "rl.top_k", "an integer ≥ 0 (0 = off)")
+    need(ints(rl.top_k) and rl.top_k >= 0, "rl.top_k", "an integer ≥ 0 (0 = off)")
     need(number(rl.top_p) and 0 < rl.top_p <= 1, "rl.top_p", "in (0, 1] (1 = off)")
     need(number(rl.solved_share) and 0 < rl.solved_share <= 1, "rl.solved_share", "a share in (0, 1]")
 
@@ -108,8 +130,8 @@ class Stopping:
     solved_share: float = 1.0
 
     @classmethod
-    def of(cls, rl: Any) -> Stopping:
-        """From a config's rl section."""
+    def of(cls, rl: ControllerConfig) -> Stopping:
+        """From the rl section."""
         return cls(rl.max_filtered_in_a_row, rl.solved_reward, rl.solved_window, rl.solved_share)
 
 

@@ -27,13 +27,16 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
 
 from arealjax.api import RolloutBackend, SamplingParams
 from arealjax.runtime import Stop
+
+if TYPE_CHECKING:
+    from arealjax.config import Config
 
 MAJ_EXACT = 20_000
 MAJ_DRAWS = 2_000
@@ -91,7 +94,7 @@ class EvalSpec:
     greedy: bool = True
 
     @classmethod
-    def of(cls, config: Any) -> EvalSpec:
+    def of(cls, config: Config) -> EvalSpec:
         """From a config: eval.* where set, else the RL sampling (rl.*)."""
         e, r = config.eval, config.rl
         temperature = e.temperature if e.temperature >= 0 else r.temperature
@@ -256,7 +259,7 @@ def table(summary: dict[str, float]) -> str:
     return "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {summary[k]:.4f} |\n" for k in keys)
 
 
-def eval_workflow(config: Any) -> Any:
+def eval_workflow(config: Config) -> Any:
     """A new instance of the run's workflow if eval.workflow (its counters and servers apart from training's), else
     None."""
     from arealjax.workflows import load_workflow
@@ -264,30 +267,26 @@ def eval_workflow(config: Any) -> Any:
     return load_workflow(config.workflow.path, config.workflow.kwargs) if config.eval.workflow else None
 
 
-def served(config: Any, model_path: str = "", workdir: str = "") -> Any:
-    """A copy of `config` for serving the model at `model_path` (default config.model_path) or `workdir`'s run."""
-    config = config.copy_and_resolve_references()
-    with config.unlocked():
-        config.model_path = model_path or config.model_path
-        if not workdir:
-            config.sft.steps = 0  # nothing is trained here
-    return config
+def served(config: Any, model_path: str = "", workdir: str = "") -> Config:
+    """`config` (a ConfigDict or a Config) parsed for serving the model at `model_path` (default config.model_path)
+    or `workdir`'s run: nothing is trained here, so no warm start unless the run's (LoRA's base) is needed."""
+    from arealjax.config import parse
+
+    config = parse(config, check=False)
+    changes = {"model_path": model_path or config.model_path, **({} if workdir else {"sft__steps": 0})}
+    return parse(config.replace(**changes))
 
 
 def serving(config: Any, model_path: str = "", workdir: str = "", stop: Stop | None = None):
     """(backend, rewards, tokenizer, wait) for evaluation: the model at `model_path` (default config.model_path)
     or, with `workdir`, the params of that run's latest checkpoint; served by config.generator's backend.
     Everything is stopped on exit; `wait` raises Interrupted once `stop` is set."""
-    from arealjax.checks import check_config
-
-    config = served(config, model_path, workdir)
-    check_config(config)
-    return _serving(config, workdir, stop)
+    return _serving(served(config, model_path, workdir), workdir, stop)
 
 
 @contextlib.contextmanager
-def _serving(config: Any, workdir: str, stop: Stop | None):
-    """serving() of a config that served() made and check_config() passed."""
+def _serving(config: Config, workdir: str, stop: Stop | None):
+    """serving() of a config that served() made."""
     from arealjax import builders
 
     stop = stop or Stop()
@@ -296,7 +295,7 @@ def _serving(config: Any, workdir: str, stop: Stop | None):
 
 
 @contextlib.contextmanager
-def frozen(config: Any, workdir: str = ""):
+def frozen(config: Config, workdir: str = ""):
     """(backend, tokenizer): config.generator's backend serving config.model_path or, with `workdir`, the params of
     that run's latest checkpoint (LoRA as config.lora.generator says), frozen; stopped on exit."""
     from arealjax import builders
@@ -319,18 +318,13 @@ def run(config: Any, out: str | Path, *, model: str = "", workdir: str = "", pro
         stop=None) -> dict[str, float]:
     """The command: config → model (a HF directory, or a run's latest checkpoint) → rollout backend + reward workers →
     `evaluate` over the first `eval.num_problems` problems of `data.eval_split` (0 = all) → files in `out`."""
-    from arealjax.checks import check_config
     from arealjax.data.prompts import eval_prompts
     from arealjax.tokenizer import tokenizer_of
 
-    e = config.eval
-    if any(k > e.n for k in e.k):
-        raise ValueError(f"eval.k = {list(e.k)}: every k must be ≤ eval.n = {e.n} (samples per problem)")
-    answer_fn = load_fn(e.answer_fn)
+    config = served(config, model, workdir)
+    answer_fn = load_fn(config.eval.answer_fn)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = served(config, model, workdir)
-    check_config(config)
     # The problems are read before anything starts: a mistake in them is refused at once, and the dataset library
     # loads before any thread runs (tensorflow_datasets swaps builtins.__import__ while it imports, breaking other
     # threads' imports).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -17,6 +17,9 @@ from arealjax.rl.trainer import Trainer
 from arealjax.runtime import Stop
 from arealjax.sft import warm_start
 from arealjax.tokenizer import CharTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from arealjax.config import Config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "vocab.json", "merges.txt")
@@ -41,7 +44,7 @@ def save_model(model: models.Model, tokenizer: Tokenizer, out: str | Path, model
                 shutil.copyfile(Path(model_path) / name, Path(out) / name)
 
 
-def restore_trainer(config: Any, workdir: str | Path, base: Base) -> tuple[Trainer, int]:
+def restore_trainer(config: Config, workdir: str | Path, base: Base) -> tuple[Trainer, int]:
     """The trainer of the run in `workdir` at its latest checkpoint, and that step. A LoRA checkpoint holds only
     the adapters: their base is `base.model` after the run's SFT stage (reused from its cache)."""
     model, mesh = base.model, base.meshes["trainer"]
@@ -61,6 +64,9 @@ def restore_trainer(config: Any, workdir: str | Path, base: Base) -> tuple[Train
 def export(config: Any, workdir: str, out: str) -> int:
     """The latest checkpoint's params as a Hugging Face directory (config.json, safetensors, tokenizer) for
     serving — merged, or with LoRA and lora.export = 'adapters' the adapters in PEFT's format; returns its step."""
+    from arealjax.config import parse
+
+    config = parse(config)
     parts = base(config)
     trainer, step = restore_trainer(config, workdir, parts)
     save_model(trainer.model, parts.tokenizer, out, config.model_path, config.lora.export)

@@ -5,6 +5,7 @@ A component marks its metrics' kinds where it reports them; counters (`_total` k
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -105,6 +106,18 @@ class WandbRun:
 
     def close(self) -> None:
         self.run.finish()
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    """The `wandb` section: off while `project` is empty; `mode` "offline" writes workdir/wandb for a later sync."""
+
+    project: str = ""
+    entity: str = ""
+    name: str = ""
+    group: str = ""
+    tags: tuple[str, ...] = ()
+    mode: str = "online"
 
 
 def check(config: Any, problems: Problems) -> None:

@@ -163,15 +163,10 @@ def main(argv: list[str]) -> None:
 
     def body():
         config = f.config if f.config is not None else default_config(f.model, f.max_len, f.slots)
-        if f.model:
-            with config.unlocked():
-                config.model_path = f.model
         runtime.setup(config)
-        from arealjax.checks import check_config
         from arealjax.evaluate import frozen, served
 
-        config = served(config, config.model_path, f.workdir)
-        check_config(config)
+        config = served(config, f.model, f.workdir)
         name = f.name or Path(f.model or f.workdir).resolve().name
         with frozen(config, f.workdir) as (backend, tokenizer):
             server = ModelServer(backend, tokenizer, name, host=f.host, port=f.port, key=key,

@@ -3,28 +3,66 @@ task) before RL, cached by config and checkpointed so a killed run continues whe
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
 
 from arealjax import models
-from arealjax.builders import trainer_config
 from arealjax.checkpoint import Checkpointer
 from arealjax.data import TASKS
 from arealjax.data.pipeline import SFTStream, format_prompt
 from arealjax.data.prompts import task_problems
 from arealjax.distributed import Processes
-from arealjax.rl.trainer import OptimConfig, Trainer
+from arealjax.rl.losses import PPOConfig
+from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
 from arealjax.runtime import Stop
 from arealjax.tokenizer import Tokenizer
-from arealjax.validate import Problems, accepts
+from arealjax.validate import Problems
+
+if TYPE_CHECKING:
+    from arealjax.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTData:
+    """`sft.data`: a converted SFT dataset (layout 'sft') instead of the task's demonstrations."""
+
+    path: str = ""
+    split: str = "train"
+    epochs: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """The `sft` section: a warm start of `steps` steps (0 = none) on `data` or the synthetic task's demonstrations
+    (each step wrong with probability `demo_error`), `batch_size` conversations of at most `max_tokens` packed into
+    micro-batches of `micro_rows`, with `optim` (total_steps 0: `steps`); cached in `cache_dir` (empty:
+    workdir/sft)."""
+
+    steps: int = 0
+    cache_dir: str = ""
+    batch_size: int = 64
+    demo_error: float = 0.0
+    data: SFTData = SFTData()
+    max_tokens: int = 128
+    micro_rows: int = 32
+    optim: OptimConfig = OptimConfig()
+
+    @staticmethod
+    def arrange(values: dict[str, Any]) -> dict[str, Any]:
+        """optim.total_steps 0 (or absent) is the warm start's length."""
+        optim = dict(values.get("optim", {}))
+        if not optim.get("total_steps"):
+            optim["total_steps"] = values.get("steps", 0)
+        return {**values, "optim": optim}
 
 
 def check(config: Any, problems: Problems) -> None:
@@ -37,17 +75,14 @@ def check(config: Any, problems: Problems) -> None:
         path = Path(s.data.path)
         need(path.is_dir() and (path / "dataset_info.json").is_file(), "sft.data.path",
              "a converted dataset directory (python -m arealjax.data.convert --layout=sft ...)")
-    optim = dict(s.optim)
-    optim["total_steps"] = optim.get("total_steps") or s.steps  # what the warm start fills in
-    accepts(problems, "sft.optim", OptimConfig, optim)
-    if isinstance(s.steps, int):
-        warmup = s.optim.warmup_steps
-        need(s.steps > warmup, "sft.steps", f"more than sft.optim.warmup_steps = {warmup} (the learning rate "
-             f"would never finish warming up)")
-        problems.positive("sft.batch_size", "sft.max_tokens", "sft.micro_rows")
+    s.optim.check("sft.optim", problems)
+    warmup = s.optim.warmup_steps
+    need(s.steps > warmup, "sft.steps", f"more than sft.optim.warmup_steps = {warmup} (the learning rate would never "
+         f"finish warming up)")
+    problems.positive("sft.batch_size", "sft.max_tokens", "sft.micro_rows")
 
 
-def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rules, workdir: Path,
+def warm_start(config: Config, tokenizer: Tokenizer, model: models.Model, mesh, rules, workdir: Path,
                stop: Stop, processes: Processes | None = None) -> models.Model:
     """The SFT stage: `sft.steps` steps of masked next-token cross-entropy on `sft.data.path` (a converted
     dataset of conversations, layout 'sft': loss on the assistant turns) or, without one, on imperfect
@@ -64,8 +99,7 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
     if all(processes.allgather("sft_cache", cached)):
         logging.info("SFT warm start: reusing %s", out)
         return models.load_pretrained(out, mesh=mesh, rules=rules)
-    trainer = Trainer(model, trainer_config(s, loss="sft", steps=s.steps, knobs=config.trainer), mesh=mesh,
-                      rules=rules, processes=processes)
+    trainer = Trainer(model, trainer_config(s, config.trainer), mesh=mesh, rules=rules, processes=processes)
     if processes.primary:
         out.mkdir(parents=True, exist_ok=True)
         if (out / "sft_key.json").is_file() and (out / "sft_key.json").read_text() != key:
@@ -111,16 +145,23 @@ def warm_start(config: Any, tokenizer: Tokenizer, model: models.Model, mesh, rul
     return trainer.model
 
 
-def cache_key(config: Any) -> str:
+def trainer_config(s: SFTConfig, rl: TrainerConfig) -> TrainerConfig:
+    """The warm start's trainer: masked next-token cross-entropy with the sft section's optimizer, rows and
+    micro-batches, and the RL trainer's memory and speed knobs (attention, remat, layers, logits chunk, dtype)."""
+    return dataclasses.replace(rl, loss="sft", ppo=PPOConfig(), optim=s.optim, max_tokens=s.max_tokens,
+                               micro_rows=s.micro_rows, ppo_n_minibatches=1, router_replay=False)
+
+
+def cache_key(config: Config) -> str:
     """What a warm start depends on (the SFT settings, the model, the task, the prompt format, the seed): a cached
     one (`sft_config.json`) is reused only when this matches."""
     s, t, d = config.sft, config.task, config.data
-    return json.dumps({"sft": {k: v for k, v in s.to_dict().items() if k != "cache_dir"},
-                       "model": config.model.to_dict(), "model_path": config.model_path, "task": t.to_dict(),
+    return json.dumps({"sft": {k: v for k, v in dataclasses.asdict(s).items() if k != "cache_dir"},
+                       "model": config.model, "model_path": config.model_path, "task": dataclasses.asdict(t),
                        "prompt": [d.template, d.instruction], "seed": config.seed}, sort_keys=True)
 
 
-def demonstrations(config: Any, tokenizer: Tokenizer, shard: int = 0, shards: int = 1):
+def demonstrations(config: Config, tokenizer: Tokenizer, shard: int = 0, shards: int = 1):
     """Batches of `sft.batch_size` imperfect demonstrations of the synthetic task, one per SFT step (of which
     process `shard` of `shards` takes its share)."""
     s, t, d = config.sft, config.task, config.data

@@ -105,6 +105,22 @@ def local_devices_by_process() -> list[list[jax.Device]]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class RoleMesh:
+    """One role's devices (per host; the generator's 0: the trainer's, colocated) and mesh axes (one -1: the rest)."""
+
+    devices: int
+    axes: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The `mesh` section: the trainer's and the generator's devices and axes (`role_meshes`)."""
+
+    trainer: RoleMesh = RoleMesh(2, {"data": 1, "fsdp": -1, "tensor": 1})
+    generator: RoleMesh = RoleMesh(2, {"data": 1, "fsdp": 1, "tensor": -1})
+
+
 def role_meshes(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None = None) -> dict[str, Mesh]:
     """Meshes for the trainer and the generator from config.
 

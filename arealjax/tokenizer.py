@@ -6,6 +6,7 @@ Both render chat prompts through a Jinja chat template the way transformers does
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -204,6 +205,14 @@ def _read_json(file: Path) -> dict[str, Any]:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}: invalid JSON at line {e.lineno}: {e.msg}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    """The `tokenizer` section: the character tokenizer's alphabet (the random tiny model's; a model_path brings
+    its own tokenizer)."""
+
+    alphabet: str = "0123456789+-*=?.,:; abcdefghijklmnopqrstuvwxyz\n"
 
 
 def tokenizer_of(config: Any) -> Tokenizer:

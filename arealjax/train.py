@@ -30,8 +30,8 @@ from arealjax import builders
 from arealjax import evaluate as evaluation
 from arealjax.api import RolloutBackend, SamplingParams
 from arealjax.checkpoint import Checkpointer
-from arealjax.checks import check_config, output_dir
 from arealjax.concurrent_eval import ConcurrentEval
+from arealjax.config import Config, output_dir, parse
 from arealjax.controller import (
     Group,
     Prompt,
@@ -46,7 +46,7 @@ from arealjax.distributed import Processes
 from arealjax.export import save_model
 from arealjax.metrics import Count, Meter, MetricsWriter, Peak, plot_curves, reduce_processes
 from arealjax.rewards.service import RewardService
-from arealjax.rl.advantages import AdvantageConfig, assign_advantages
+from arealjax.rl.advantages import assign_advantages
 from arealjax.runtime import Interrupted, Stop, error_text
 from arealjax.sft import warm_start
 from arealjax.staleness import StalenessManager
@@ -55,9 +55,10 @@ from arealjax.workflows import load_workflow
 
 
 def run(config: Any, workdir: str, stop: Stop | None = None) -> dict[str, Any]:
-    """The RL job. However it ends (its last step, a dataset that runs out, an error, a signal), the controller,
-    the generator and the reward workers are stopped and summary.json says how it ended and accounts for every
-    admitted prompt; on SIGTERM (preemption) a checkpoint is saved first, so `resume` loses nothing.
+    """The RL job of `config` (a configs/*.py ConfigDict, or a Config parsed already). However it ends (its last
+    step, a dataset that runs out, an error, a signal), the controller, the generator and the reward workers are
+    stopped and summary.json says how it ended and accounts for every admitted prompt; on SIGTERM (preemption) a
+    checkpoint is saved first, so `resume` loses nothing.
 
     On several processes (arealjax/distributed.py) every process runs this with the same config: they agree on
     every step, stop and checkpoint; process 0 writes the logs, metrics, plots, summary and model; a failure in
@@ -67,7 +68,7 @@ def run(config: Any, workdir: str, stop: Stop | None = None) -> dict[str, Any]:
     processes = Processes(stop, grace_seconds=config.heartbeat_seconds / 2)
     summary: dict[str, Any] = {"status": "failed"}
     try:
-        check_config(config, processes.count)  # every size, count and name: seconds, before anything is built
+        config = parse(config, processes.count)  # every size, count and name: seconds, before anything is built
         shared_workdir(workdir, processes)
         with contextlib.ExitStack() as stack:
             start = Start.of(config, workdir, stop, stack, processes)
@@ -112,7 +113,7 @@ def shared_workdir(workdir: Path, processes: Processes) -> None:
 
 
 def held_out_metrics(backend: RolloutBackend, rewards: RewardService, tokenizer: Tokenizer, prompts: list[Prompt],
-                     config: Any, stop: Stop, step: int, workdir: Path, processes: Processes,
+                     config: Config, stop: Stop, step: int, workdir: Path, processes: Processes,
                      progress: bool = True) -> dict[str, float]:
     """Held-out evaluation inside training (arealjax/evaluate.py: pass@k, maj@k, greedy accuracy, lengths); the
     per-problem rows go to workdir/eval/<step>.jsonl, its progress (`progress`) to a bar of its own (process 0's
@@ -204,7 +205,7 @@ class Start:
         return self.base.tokenizer
 
     @classmethod
-    def of(cls, config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, processes: Processes) -> Start:
+    def of(cls, config: Config, workdir: Path, stop: Stop, stack: contextlib.ExitStack, processes: Processes) -> Start:
         c = config.checkpoint
         base = builders.base(config)
         ckpt = Checkpointer(c.dir or workdir / "checkpoints", every_steps=c.every_steps,
@@ -229,7 +230,7 @@ class RLLoop:
     """run()'s body after the `Start`: builds the trainer and the rollout components (each stopped by `stack` on any
     exit), then trains step by step in the phases of the module docstring; `summary` is filled in as it goes."""
 
-    def __init__(self, config: Any, workdir: Path, stop: Stop, stack: contextlib.ExitStack, summary: dict[str, Any],
+    def __init__(self, config: Config, workdir: Path, stop: Stop, stack: contextlib.ExitStack, summary: dict[str, Any],
                  processes: Processes, start: Start):
         self.config, self.workdir, self.stop, self.summary, self.processes = config, workdir, stop, summary, processes
         rl = config.rl
@@ -248,9 +249,9 @@ class RLLoop:
             for name in ("metrics.jsonl", "trained_prompts.jsonl"):  # rows a killed run wrote after its checkpoint
                 truncate_jsonl(workdir / name, self.done)
             # what produced the run (the capacity planner reads it: python -m arealjax.plan)
-            write_json(workdir / "config.json", json.loads(config.to_json_best_effort()))
+            write_json(workdir / "config.json", config.to_dict())
         writer = MetricsWriter(workdir, purge_step=self.done + 1 if self.restored else None, wandb=config.wandb,
-                               run_config=json.loads(config.to_json_best_effort())) if processes.primary else None
+                               run_config=config.to_dict()) if processes.primary else None
         if writer is not None:
             stack.callback(writer.close)
         self.log = writer.write if writer is not None else lambda step, metrics: None
@@ -270,7 +271,7 @@ class RLLoop:
         sampling = SamplingParams(temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
                                   max_new_tokens=rl.max_new_tokens, n=rl.group_size,
                                   stop_token_ids=tuple(self.tokenizer.eos_ids), seed=config.seed)
-        self.advantage = AdvantageConfig(**config.advantage.to_dict())
+        self.advantage = config.advantage
         self.controller = RolloutController(
             self.backend, self.rewards, self.tokenizer, prompts, share, sampling, self.advantage,
             stopping=Stopping.of(rl), workflow=workflow, max_tokens=int(config.trainer.max_tokens))

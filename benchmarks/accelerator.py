@@ -601,7 +601,7 @@ def real_model(size: dict, args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from arealjax.builders import trainer_config
+    from arealjax.config import parse
     from arealjax.generation.engine import Engine
     from arealjax.models import load_pretrained, lora
     from arealjax.rl.trainer import Trainer
@@ -647,7 +647,7 @@ def real_model(size: dict, args) -> dict:
     n = base.cfg.num_params(active=True)  # tied: the embedding is the head's matmul
     for name, rank in (("full fine-tune", 0), (f"LoRA r = {recipe.lora.rank}", recipe.lora.rank)):
         m = lora.add_lora(base, lora.LoraConfig(rank, recipe.lora.alpha)) if rank else base
-        train = Trainer(m, dataclasses.replace(trainer_config(recipe.trainer), scan_layers=True, attention="auto",
+        train = Trainer(m, dataclasses.replace(parse(recipe, check=False).trainer, scan_layers=True, attention="auto",
                                                compute_dtype="float32" if on_cpu else "bfloat16"))
         t = best_of(lambda train=train: (train.train_step(trajs), jax.block_until_ready(train.params)),
                     size["repeats"])

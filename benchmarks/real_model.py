@@ -405,7 +405,7 @@ def rss_peak_of(cmd: list[str], env: dict) -> tuple[int, float, int]:
 def part_trainer(args, model_dir: Path, data: Path) -> dict:
     import jax
 
-    from arealjax.builders import trainer_config
+    from arealjax.config import parse
     from arealjax.models import load_pretrained, lora
     from arealjax.rl.trainer import Trainer
     from benchmarks.trainer import matmul_peak
@@ -424,7 +424,7 @@ def part_trainer(args, model_dir: Path, data: Path) -> dict:
     for name, rank, share in (("full fine-tune", 0, True), (f"LoRA r = {own.lora.rank}", own.lora.rank, True),
                               (f"LoRA r = {own.lora.rank}, every trajectory whole", own.lora.rank, False)):
         m = lora.add_lora(model, lora.LoraConfig(rank, own.lora.alpha)) if rank else model
-        tcfg = dataclasses.replace(trainer_config(own.trainer), share_prefixes=share)
+        tcfg = dataclasses.replace(parse(own, check=False).trainer, share_prefixes=share)
         trainer = Trainer(m, tcfg)  # the recipe's rows, micro-batches, unrolled layers
         times = []
         for _ in range(2 if args.smoke else 3):  # the first compiles

@@ -100,10 +100,12 @@ def load_config(path: str, overrides: tuple[str, ...] = ()):
 def task_side(config, sft_dir: str | None):
     """What comes from arealjax, no Tunix needed: (tokenizer, its Tunix adapter, reward function, held-out prompts,
     the training prompt stream, the static prompt width)."""
+    from arealjax.config import parse
     from arealjax.data.prompts import SyntheticPrompts, eval_prompts
     from arealjax.rewards.service import resolve
     from arealjax.tokenizer import CHAR_FILE, CharTokenizer, load_tokenizer
 
+    config = parse(config, check=False)
     if config.data.path:
         raise ValueError("train_tunix: synthetic tasks only (config.data.path is set)")
     tokenizer = (load_tokenizer(sft_dir) if sft_dir and (Path(sft_dir) / CHAR_FILE).is_file()
@@ -303,8 +305,10 @@ def train_tunix(sft_dir: str, config_path: str, steps: int, eval_every: int, eva
 def write_warm_start(config, out: Path) -> None:
     """A random model of `config.model` and its tokenizer as the HF directory arealjax's SFT stage writes."""
     from arealjax import builders, export
+    from arealjax.config import parse
     from arealjax.sharding import normalize_rules
 
+    config = parse(config, check=False)
     tokenizer, model = builders.build(config, None, normalize_rules(config.sharding_rules))
     export.save_model(model, tokenizer, out)
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from arealjax import builders, models  # noqa: E402
+from arealjax.config import parse  # noqa: E402
 from arealjax.runtime import child_env  # noqa: E402
 from arealjax.sharding import normalize_rules  # noqa: E402
 from configs.default import get_config  # noqa: E402
@@ -66,6 +67,7 @@ def case(shape: str, dtype: str, servers: int, reps: int, work: Path) -> dict:
     c.generator.update(backend="remote", dtype=dtype)
     c.generator.servers.spawn = servers
     c.mesh.generator.devices = 1
+    c = parse(c)
     rules = normalize_rules(c.sharding_rules)
     meshes = builders.role_meshes_for(c)
     if shape == "default":

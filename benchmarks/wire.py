@@ -76,8 +76,9 @@ def peer(port: int, name: str, read: bool) -> None:
 
 def measure(peers: list[tuple[str, bool]], updates: int, mb: int, workdir: str) -> dict:
     from arealjax import builders
+    from arealjax.config import parse
     from arealjax.generation.remote import SEND_HWM
-    from arealjax.sharding import normalize_rules, role_meshes
+    from arealjax.sharding import normalize_rules
     from configs.default import get_config
 
     with socket.socket() as s:
@@ -87,8 +88,9 @@ def measure(peers: list[tuple[str, bool]], updates: int, mb: int, workdir: str) 
     c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
     c.generator.update(backend="remote", max_len=48)
     c.generator.servers.update(address=f"127.0.0.1:{port}", spawn=0, min=1, start_seconds=60.0)
+    c = parse(c)
     rules = normalize_rules(c.sharding_rules)
-    _, model = builders.build(c, role_meshes(c.mesh)["trainer"], rules)
+    _, model = builders.build(c, builders.role_meshes_for(c)["trainer"], rules)
     procs = [subprocess.Popen([sys.executable, __file__, f"--peer={port}", f"--name={name}"]
                               + ([] if read else ["--no-read"]), cwd=ROOT) for name, read in peers]
     backend = None

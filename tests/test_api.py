@@ -9,11 +9,12 @@ import pytest
 
 from arealjax import builders, evaluate
 from arealjax.api import RolloutBackend, SamplingParams, WeightTransport
+from arealjax.config import ConfigError, parse
 from arealjax.controller import RolloutController
 from arealjax.data.prompts import eval_prompts, train_prompts
 from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig
-from arealjax.sharding import normalize_rules, role_meshes
+from arealjax.sharding import normalize_rules
 from arealjax.staleness import StalenessManager
 from arealjax.workflows import MultiTurn
 from configs.default import get_config
@@ -76,9 +77,9 @@ def test_backends_and_transports_satisfy_the_protocols_and_serve_through_them(ki
     c.generator.backend = kind
     c.generator.servers.spawn = 1
     rules = normalize_rules(c.sharding_rules)
-    meshes = builders.role_meshes_for(c)
-    tokenizer, model = builders.build(c, meshes["trainer"], rules)
-    backend, transport = builders.make_backend(c, model, 0, meshes, rules, workdir=str(tmp_path))
+    meshes = builders.role_meshes_for(parse(c))
+    tokenizer, model = builders.build(parse(c), meshes["trainer"], rules)
+    backend, transport = builders.make_backend(parse(c), model, 0, meshes, rules, workdir=str(tmp_path))
     try:
         assert isinstance(backend, RolloutBackend) and isinstance(transport, WeightTransport)
         assert backend.max_len == 48 and transport.bytes > 0
@@ -88,7 +89,7 @@ def test_backends_and_transports_satisfy_the_protocols_and_serve_through_them(ki
         # the controller with a multi-turn workflow, through the protocol only
         sampling = SamplingParams(max_new_tokens=6, n=2, stop_token_ids=tuple(tokenizer.eos_ids), seed=1)
         with RewardService(c.rewards.fn, workers=1) as rewards:
-            controller = RolloutController(proxy, rewards, tokenizer, train_prompts(c, tokenizer),
+            controller = RolloutController(proxy, rewards, tokenizer, train_prompts(parse(c), tokenizer),
                                            StalenessManager(2, 1, 4), sampling, AdvantageConfig(filter_uniform=False),
                                            workflow=MultiTurn(max_turns=2, feedback="again")).start()
             try:
@@ -105,7 +106,7 @@ def test_backends_and_transports_satisfy_the_protocols_and_serve_through_them(ki
             monkeypatch.setattr(evaluate, "BAR_SECONDS", 0.0)
             capsys.readouterr()
             spec = evaluate.EvalSpec(SamplingParams(max_new_tokens=6), n=2, ks=(1, 2))
-            summary, rows = evaluate.evaluate(proxy, rewards, tokenizer, eval_prompts(c, tokenizer)[:3], spec,
+            summary, rows = evaluate.evaluate(proxy, rewards, tokenizer, eval_prompts(parse(c), tokenizer)[:3], spec,
                                               progress=True, desc="held out")
         assert summary["problems"] == 3 and len(rows) == 3
         # the bar counts samples as they are scored (3 problems x 2, then 3 greedy) with the running accuracies,
@@ -120,13 +121,18 @@ def test_backends_and_transports_satisfy_the_protocols_and_serve_through_them(ki
 
 
 def test_unknown_backend_is_refused_by_name():
+    """At start-up (the config's check), and by the builder of a config changed after it."""
     c = small_config()
     c.generator.backend = "vllm"
-    rules = normalize_rules(c.sharding_rules)
-    meshes = role_meshes(c.mesh)
-    _, model = builders.build(c, meshes["trainer"], rules)
+    with pytest.raises(ConfigError, match="generator.backend = 'vllm'"):
+        parse(c)
+    c.generator.backend = "local"
+    config = parse(c)
+    rules = normalize_rules(config.sharding_rules)
+    meshes = builders.role_meshes_for(config)
+    _, model = builders.build(config, meshes["trainer"], rules)
     with pytest.raises(ValueError, match="generator.backend = 'vllm'"):
-        builders.make_backend(c, model, 0, meshes, rules)
+        builders.make_backend(config.replace(generator__backend="vllm"), model, 0, meshes, rules)
 
 
 
@@ -164,7 +170,6 @@ def build(config, model, version, meshes, rules, workdir=None):
 def test_a_backend_of_ones_own_is_one_file(tmp_path, monkeypatch):
     """generator.backend names any module with build, check and OWNS_GENERATOR_DEVICES: the start-up check runs
     its check, the builders build it, and it serves the controller; nothing else in arealjax changes."""
-    from arealjax.checks import ConfigError, check_config
 
     (tmp_path / "counting_backend.py").write_text(BACKEND_OF_ONES_OWN)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -172,20 +177,20 @@ def test_a_backend_of_ones_own_is_one_file(tmp_path, monkeypatch):
     c.generator.backend = "counting_backend"
     c.generator.slots = 32
     with pytest.raises(ConfigError, match=r"generator\.slots = 32: expected ≤ 16 with the counting backend"):
-        check_config(c)
+        parse(c)
     c.generator.slots = 8
-    check_config(c)
+    parse(c)
     rules = normalize_rules(c.sharding_rules)
-    meshes = builders.role_meshes_for(c)
-    tokenizer, model = builders.build(c, meshes["trainer"], rules)
-    backend, transport = builders.make_backend(c, model, 0, meshes, rules)
+    meshes = builders.role_meshes_for(parse(c))
+    tokenizer, model = builders.build(parse(c), meshes["trainer"], rules)
+    backend, transport = builders.make_backend(parse(c), model, 0, meshes, rules)
     import counting_backend
 
     try:
         assert isinstance(backend, counting_backend.Counting) and isinstance(backend, RolloutBackend)
         sampling = SamplingParams(max_new_tokens=4, n=2, stop_token_ids=tuple(tokenizer.eos_ids), seed=1)
         with RewardService(c.rewards.fn, workers=1) as rewards:
-            controller = RolloutController(backend, rewards, tokenizer, train_prompts(c, tokenizer),
+            controller = RolloutController(backend, rewards, tokenizer, train_prompts(parse(c), tokenizer),
                                            StalenessManager(2, 0, 2), sampling,
                                            AdvantageConfig(filter_uniform=False)).start()
             try:

@@ -34,7 +34,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "arealjax.controller": ("arealjax.generation",),
     "arealjax.workflows": ("arealjax.generation",),
     # the backends sit below the loop that builds them (a generation server runs one without the loop)
-    "arealjax.generation": ("arealjax.builders", "arealjax.train", "arealjax.export", "arealjax.checks",
+    "arealjax.generation": ("arealjax.builders", "arealjax.train", "arealjax.export", "arealjax.config",
                             "arealjax.controller", "arealjax.sft", "arealjax.evaluate"),
     "arealjax.validate": ("arealjax",),  # what every component's check imports
 }

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from arealjax.config import parse
 from arealjax.runtime import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,8 +238,8 @@ def test_the_kl_reference_policy_is_checkpointed(tmp_path):
 
     def trainer(seed):
         c.seed = seed
-        model = builders.build(c, mesh, rules)[1]
-        return Trainer(model, builders.trainer_config(c.trainer), mesh=mesh, rules=rules)
+        model = builders.build(parse(c), mesh, rules)[1]
+        return Trainer(model, parse(c).trainer, mesh=mesh, rules=rules)
 
     first = trainer(0)
     ckpt = Checkpointer(tmp_path, every_steps=1)

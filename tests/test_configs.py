@@ -9,6 +9,7 @@ from pathlib import Path
 import ml_collections
 import pytest
 
+from arealjax.config import parse
 from arealjax.data import TASKS
 from arealjax.models import ModelConfig
 from arealjax.validate import parse_arg
@@ -75,8 +76,11 @@ def variant(name: str, arg: str) -> ml_collections.ConfigDict:
 
 @pytest.mark.parametrize("name, arg", VARIANTS)
 def test_every_recipe_variant_builds(name, arg):
+    """And parses into typed sections: every key it sets is a field of its section, of the field's kind (the
+    values' checks need the model and data paths, absent here)."""
     config = variant(name, arg)
     assert config.rl.max_new_tokens > 0 and config.trainer.max_tokens >= config.data.max_prompt_tokens
+    assert parse(config, check=False).rl.max_new_tokens == config.rl.max_new_tokens
     if "model=tiny" in arg:
         assert config.model_path.startswith(f"{math.TINY}/") and config.cpu_devices == 4
     if name == "math" and "data=" in arg:

@@ -16,6 +16,7 @@ from conftest import scored
 
 from arealjax import builders, train
 from arealjax.api import SamplingParams
+from arealjax.config import parse
 from arealjax.controller import Prompt, RolloutController, Stopping
 from arealjax.data.pipeline import format_prompt
 from arealjax.data.prompts import train_prompts
@@ -161,8 +162,8 @@ def test_generator_scores_like_the_trainer_after_a_sync():
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
     assert not set(meshes["trainer"].devices.flat) & set(meshes["generator"].devices.flat)
-    tokenizer, model = builders.build(c, meshes["trainer"], rules)
-    trainer = Trainer(model, builders.trainer_config(c.trainer), mesh=meshes["trainer"], rules=rules)
+    tokenizer, model = builders.build(parse(c), meshes["trainer"], rules)
+    trainer = Trainer(model, parse(c).trainer, mesh=meshes["trainer"], rules=rules)
     gen_model = model.to_mesh(meshes["generator"], rules)
     shard = LogicalSharding(meshes["generator"], rules)
     prompt = format_prompt(tokenizer, "12+34=")
@@ -193,7 +194,7 @@ def test_a_batch_put_back_is_taken_again_and_kept_by_a_checkpoint():
     """Multi-host: when another process cannot train the step, this one puts its batch back; the same groups are
     the next batch, the counts are as before, and a checkpoint taken meanwhile re-issues them."""
     c = small_config(1)
-    prompts = train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
+    prompts = train_prompts(parse(c), CharTokenizer(c.tokenizer.alphabet))
     controller = RolloutController(None, None, None, prompts, StalenessManager(2, 1, 4), SamplingParams(n=2),
                                    AdvantageConfig())
     for _ in range(4):  # admitted and scored, rewards 0 and 1: every group is kept
@@ -216,12 +217,12 @@ def test_stop_with_groups_in_flight_is_quiet_and_accounted(caplog):
     c = small_config(4)
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
-    tokenizer, model = builders.build(c, meshes["generator"], rules)
+    tokenizer, model = builders.build(parse(c), meshes["generator"], rules)
     engine = Engine(model, slots=2, max_len=32, shard=LogicalSharding(meshes["generator"], rules))
     generator = Generator(engine, model.params)
     sampling = SamplingParams(max_new_tokens=20, n=2, stop_token_ids=tuple(tokenizer.eos_ids))
     with RewardService(c.rewards.fn, workers=1) as rewards:
-        controller = RolloutController(generator, rewards, tokenizer, train_prompts(c, tokenizer),
+        controller = RolloutController(generator, rewards, tokenizer, train_prompts(parse(c), tokenizer),
                                        StalenessManager(4, 4, 16), sampling, AdvantageConfig()).start()
         deadline = time.monotonic() + 60
         while controller.stats.submitted < 16:
@@ -257,7 +258,7 @@ def test_fast_late_groups_do_not_strand_slow_early_ones():
     c = small_config(2)
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
-    tokenizer, model = builders.build(c, meshes["generator"], rules)
+    tokenizer, model = builders.build(parse(c), meshes["generator"], rules)
     gates = {f"p{i}": threading.Event() for i in range(8)}
     prompts = iter([Prompt(pid, format_prompt(tokenizer, f"{i}+{i}="), {}) for i, pid in enumerate(gates)])
     generator = Generator(Engine(model, slots=4, max_len=32, shard=LogicalSharding(meshes["generator"], rules)),
@@ -313,7 +314,7 @@ def test_prompts_draw_independent_samples_and_a_reissued_prompt_the_same_ones():
     c = small_config(0)
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
-    tokenizer, model = builders.build(c, meshes["generator"], rules)
+    tokenizer, model = builders.build(parse(c), meshes["generator"], rules)
     zero = jax.tree.map(jax.numpy.zeros_like, model.params)
     tokens = format_prompt(tokenizer, "12+34=")
     batch = [Prompt("a", tokens, {}), Prompt("b", tokens, {}), Prompt("a", tokens, {}, epoch=1)]
@@ -346,7 +347,7 @@ def test_an_episode_that_yields_several_trajectories_is_one_sample_of_its_group(
     """An agent episode returning two trajectories and a plain one beside it: the group holds all three, each
     tagged with its episode, so advantages count two samples (rl/advantages.py), not three."""
     c = small_config(1)
-    prompts = train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
+    prompts = train_prompts(parse(c), CharTokenizer(c.tokenizer.alphabet))
     controller = RolloutController(None, None, None, prompts, StalenessManager(2, 1, 4), SamplingParams(n=2),
                                    AdvantageConfig(filter_uniform=False))
     traj = lambda r: Trajectory.from_completion([1, 2], [3], [-1.0], [0], reward=r)  # noqa: E731
@@ -364,7 +365,7 @@ def test_episodes_are_counted_once_rejected_ones_are_not_right_and_a_checkpoint_
     which lost an episode (rejected, or an empty list) is not 'every sample right'; a checkpoint's counters leave
     out the queued groups it will re-run on resume, so they are not counted twice."""
     c = small_config(1)
-    prompts = train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
+    prompts = train_prompts(parse(c), CharTokenizer(c.tokenizer.alphabet))
     controller = RolloutController(None, None, None, prompts, StalenessManager(2, 1, 4), SamplingParams(n=3),
                                    AdvantageConfig(filter_uniform=False), stopping=Stopping(solved_window=2))
     traj = lambda r: Trajectory.from_completion([1, 2], [3], [-1.0], [0], reward=r)  # noqa: E731
@@ -385,7 +386,7 @@ def test_a_trajectory_longer_than_the_trainers_rows_fails_the_run_naming_the_wor
     """A custom workflow that appends past the context: the run stops at once with the workflow, the prompt and
     the limit, not later inside a training step."""
     c = small_config(1)
-    prompts = train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
+    prompts = train_prompts(parse(c), CharTokenizer(c.tokenizer.alphabet))
     controller = RolloutController(None, None, None, prompts, StalenessManager(1, 1, 4), SamplingParams(n=1),
                                    AdvantageConfig(filter_uniform=False), max_tokens=8)
     controller._on_scored(controller._admit(), [Trajectory.from_completion([1] * 6, [3] * 3, np.zeros(3),
@@ -417,7 +418,7 @@ def test_a_workflow_that_rejects_every_episode_stops_the_run_saying_so():
     """Groups dropped because every episode was rejected (an agent failing on every prompt) stop the run naming the
     rejections, not as uniformly low rewards."""
     c = small_config(1)
-    prompts = train_prompts(c, CharTokenizer(c.tokenizer.alphabet))
+    prompts = train_prompts(parse(c), CharTokenizer(c.tokenizer.alphabet))
     controller = RolloutController(None, None, None, prompts, StalenessManager(2, 1, 8), SamplingParams(n=2),
                                    AdvantageConfig(), stopping=Stopping(max_filtered_in_a_row=3))
     for _ in range(3):

@@ -154,20 +154,20 @@ def test_a_template_field_the_row_lacks_is_named():
 def test_the_config_is_checked_at_start():
     """rewards.judge: the URL is required, the timeout below rewards.timeout, parse one of its forms, a template
     that formats."""
-    from arealjax.checks import ConfigError, check_config
+    from arealjax.config import ConfigError, parse
     from configs.default import get_config
 
     c = get_config()
     c.rewards.fn = FN
     c.rewards.judge.update(timeout=20.0, parse="score", prompt="{completion")
     with pytest.raises(ConfigError) as e:
-        check_config(c)
+        parse(c)
     for key in ("rewards.judge.base_url", "rewards.judge.timeout", "rewards.judge.parse", "rewards.judge.prompt"):
         assert key in str(e.value), (key, str(e.value))
     c.rewards.judge.update(timeout=4.0, parse="number", prompt="", base_url="http://127.0.0.1:1/v1",
                            serve="/no/such/model", serve_env="JAX_PLATFORMS")  # both places, no dir, no NAME=VALUE
     with pytest.raises(ConfigError) as e:
-        check_config(c)
+        parse(c)
     for key in ("rewards.judge.base_url", "rewards.judge.serve ", "rewards.judge.serve_env"):
         assert key in str(e.value), (key, str(e.value))
 

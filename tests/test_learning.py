@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from arealjax import train
+from arealjax.config import parse
 from arealjax.sft import cache_key
 from configs.default import get_config
 
@@ -57,7 +58,7 @@ def guard_config(seed: int = 0):
 
 
 def test_the_shipped_warm_start_is_the_default_jobs():
-    assert (WARM_START / "sft_config.json").read_text() == cache_key(get_config()), \
+    assert (WARM_START / "sft_config.json").read_text() == cache_key(parse(get_config())), \
         f"the default job's SFT warm start changed: make the fixture again ({REMAKE})"
 
 

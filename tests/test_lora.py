@@ -167,11 +167,11 @@ def test_bad_lora_settings_are_clear_errors():
         LoraConfig(rank=4, targets=("qproj",))
     with pytest.raises(ValueError, match="lora.rank"):
         LoraConfig(rank=0)
-    from arealjax.checks import ConfigError, check_config
+    from arealjax.config import ConfigError, parse
     from configs import default
 
     config = default.get_config()
     config.lora.rank, config.lora.targets, config.lora.generator = 8, ("q_proj", "attn"), "fused"
     with pytest.raises(ConfigError) as e:
-        check_config(config)
+        parse(config)
     assert "lora.targets" in str(e.value) and "lora.generator" in str(e.value)

@@ -164,12 +164,14 @@ def test_rl_loop_keeps_one_copy_of_the_weights_on_the_trainer(tmp_path):
     import jax
 
     from arealjax import train
+    from arealjax.config import parse
     from arealjax.distributed import Processes
     from arealjax.runtime import Stop
     from configs import default
 
     config = default.get_config()
     config.sft.steps, config.rl.steps, config.model.hidden_size = 0, 1, 48  # a width no other array has
+    config = parse(config)
     stop = Stop()
     with contextlib.ExitStack() as stack:
         processes = Processes(stop)

@@ -19,6 +19,7 @@ import pytest
 
 from arealjax import builders, runtime
 from arealjax.api import SamplingParams
+from arealjax.config import parse
 from arealjax.sharding import normalize_rules, role_meshes
 from configs.default import get_config
 
@@ -40,11 +41,11 @@ def small_config(**servers):
 def backends(c, tmp_path, kinds=("local", "remote")):
     """(tokenizer, model, {kind: (backend, transport)}) for the same model."""
     rules = normalize_rules(c.sharding_rules)
-    tokenizer, model = builders.build(c, role_meshes(c.mesh)["trainer"], rules)
+    tokenizer, model = builders.build(parse(c), role_meshes(c.mesh)["trainer"], rules)
     out = {}
     for kind in kinds:
         c.generator.backend = kind
-        out[kind] = builders.make_backend(c, model, 0, builders.role_meshes_for(c), rules,
+        out[kind] = builders.make_backend(parse(c), model, 0, builders.role_meshes_for(parse(c)), rules,
                                             workdir=str(tmp_path))
     return tokenizer, model, out
 
@@ -162,12 +163,12 @@ def test_under_lora_and_bf16_only_the_adapters_travel_cast_and_servers_serve_the
     c = small_config()
     c.lora.rank, c.generator.dtype = 2, "bfloat16"
     rules = normalize_rules(c.sharding_rules)
-    tokenizer, base = builders.build(c, role_meshes(c.mesh)["trainer"], rules)
-    trainer = builders.make_trainer(c, base, role_meshes(c.mesh)["trainer"], rules)
+    tokenizer, base = builders.build(parse(c), role_meshes(c.mesh)["trainer"], rules)
+    trainer = builders.make_trainer(parse(c), base, role_meshes(c.mesh)["trainer"], rules)
     made = {}
     for kind in ("local", "remote"):
         c.generator.backend = kind
-        made[kind] = builders.make_backend(c, trainer.model, 0, builders.role_meshes_for(c), rules,
+        made[kind] = builders.make_backend(parse(c), trainer.model, 0, builders.role_meshes_for(parse(c)), rules,
                                              workdir=str(tmp_path))
     (local, _), (remote, transport) = made["local"], made["remote"]
     try:

@@ -14,6 +14,7 @@ from arealjax.rl.losses import OBJECTIVES, PPOConfig
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, make_optimizer, make_schedule
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import make_mesh
+from arealjax.validate import Problems
 
 CFG = ModelConfig.make(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8)
@@ -223,8 +224,13 @@ def test_schedules():
     np.testing.assert_allclose([cos(0), cos(5), cos(10), cos(60), cos(110)], [0, 0.5, 1.0, 0.55, 0.1], atol=1e-6)
     const = make_schedule(OptimConfig(lr=2.0, warmup_steps=4))
     np.testing.assert_allclose([const(0), const(2), const(4), const(100)], [0, 1, 2, 2], atol=1e-6)
+    short = OptimConfig(schedule="cosine", warmup_steps=10, total_steps=5)  # the run's length may come later
     with pytest.raises(ValueError, match="total_steps"):
-        OptimConfig(schedule="cosine", warmup_steps=10, total_steps=5)
+        make_schedule(short)
+    problems = Problems(None)
+    short.check("sft.optim", problems)
+    assert problems == ["sft.optim.total_steps = 5: expected > sft.optim.warmup_steps = 10 with a cosine "
+                        "schedule"], problems
     with pytest.raises(ValueError, match="loss = 'dpo'"):
         TrainerConfig(loss="dpo")
 

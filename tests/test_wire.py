@@ -22,6 +22,7 @@ import zmq
 
 from arealjax import builders
 from arealjax.api import SamplingParams
+from arealjax.config import parse
 from arealjax.generation import routing, rpc
 from arealjax.sharding import normalize_rules, role_meshes
 from configs.default import get_config
@@ -151,10 +152,10 @@ def trainer(tmp_path, peers=({"name": "honest"},), **servers):
     c = small_config(port, **{"min": len(peers), **servers})
     started = [Peer(port, **p) for p in peers]
     rules = normalize_rules(c.sharding_rules)
-    _, model = builders.build(c, role_meshes(c.mesh)["trainer"], rules)
+    _, model = builders.build(parse(c), role_meshes(c.mesh)["trainer"], rules)
     backend = None
     try:
-        backend, _ = builders.make_backend(c, model, 0, builders.role_meshes_for(c), rules,
+        backend, _ = builders.make_backend(parse(c), model, 0, builders.role_meshes_for(parse(c)), rules,
                                              workdir=str(tmp_path))
         yield backend, port, started
     finally:
@@ -308,11 +309,10 @@ def test_a_server_pins_the_trainer_key_and_refuses_another_trainer(tmp_path):
 
 def test_loopback_runs_go_without_keys_and_other_addresses_need_them():
     c = small_config(5555, address="0.0.0.0:5555")
-    from arealjax.checks import check_config
     with pytest.raises(ValueError, match=r"generator.servers.keys_dir.*not loopback.*--new-keys=DIR"):
-        check_config(c)
+        parse(c)
     c.generator.servers.auth = "none"
-    check_config(c)
+    parse(c)
     assert rpc.loopback("127.0.0.1:0") and rpc.loopback("localhost:1") and not rpc.loopback("0.0.0.0:5555")
 
 

@@ -13,6 +13,7 @@ from test_controller import small_config
 
 from arealjax import builders
 from arealjax.api import Completion, SamplingParams
+from arealjax.config import parse
 from arealjax.controller import Prompt, RolloutController
 from arealjax.data.pipeline import format_prompt
 from arealjax.generation.engine import Engine
@@ -20,6 +21,7 @@ from arealjax.generation.generator import Generator
 from arealjax.rewards.service import RewardService
 from arealjax.rl.advantages import AdvantageConfig
 from arealjax.rl.trainer import Trainer
+from arealjax.sft import trainer_config
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes, tree_shardings
 from arealjax.staleness import StalenessManager
 from arealjax.tokenizer import CharTokenizer
@@ -31,7 +33,7 @@ ALPHABET = "0123456789+-*=?.,:; abcdefghijklmnopqrstuvwxyz\n<>/()"
 def setup(c):
     rules = normalize_rules(c.sharding_rules)
     meshes = role_meshes(c.mesh)
-    tokenizer, model = builders.build(c, meshes["trainer"], rules)
+    tokenizer, model = builders.build(parse(c), meshes["trainer"], rules)
     gen_model = model.to_mesh(meshes["generator"], rules)
     shard = LogicalSharding(meshes["generator"], rules)
     return rules, meshes, tokenizer, model, gen_model, shard
@@ -59,7 +61,7 @@ def test_multi_turn_masks_logprobs_and_versions(tmp_path):
     c = small_config(1)
     c.trainer.max_tokens = 96
     rules, meshes, tokenizer, model, gen_model, shard = setup(c)
-    trainer = Trainer(model, builders.trainer_config(c.trainer), mesh=meshes["trainer"], rules=rules)
+    trainer = Trainer(model, parse(c).trainer, mesh=meshes["trainer"], rules=rules)
     params_v0 = jax.tree.map(np.asarray, trainer.params)
     prompt = Prompt("p", format_prompt(tokenizer, "12+34="), {})
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=tuple(tokenizer.eos_ids), seed=3)
@@ -145,13 +147,13 @@ def test_tool_call_episode_end_to_end_on_a_tiny_model():
     assert isinstance(tokenizer, CharTokenizer)
     # teach it the protocol (call the tool, then answer from its output) at a high learning rate: 60 steps, where
     # 25 already make every greedy episode right
-    c.sft.update(max_tokens=64, micro_rows=8)
+    c.sft.update(max_tokens=64, micro_rows=8, steps=60)
     c.sft.optim.update(lr=1e-2, warmup_steps=5)
-    sft = Trainer(model, builders.trainer_config(c.sft, loss="sft", steps=60), mesh=meshes["trainer"], rules=rules)
+    sft = Trainer(model, trainer_config(parse(c).sft, parse(c).trainer), mesh=meshes["trainer"], rules=rules)
     demos = tool_demonstrations(tokenizer)
     for _ in range(60):
         sft.train_step(demos * 4)
-    trainer = Trainer(sft.model, builders.trainer_config(c.trainer), mesh=meshes["trainer"], rules=rules)
+    trainer = Trainer(sft.model, parse(c).trainer, mesh=meshes["trainer"], rules=rules)
     gen_model = sft.model.to_mesh(meshes["generator"], rules)
 
     prompts = iter([Prompt(f"q{i}", format_prompt(tokenizer, q), {"answer": a})

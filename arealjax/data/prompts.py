@@ -4,25 +4,27 @@ held-out evaluation set."""
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 
-from arealjax.data import TASKS
+from arealjax.data import TASKS, TaskConfig
 from arealjax.data.pipeline import PromptStream, ReissueFirst, format_prompt
 from arealjax.tokenizer import Tokenizer
 from arealjax.workflows import Prompt
 
+if TYPE_CHECKING:
+    from arealjax.config import Config
 
-def task_problems(task: Any, n: int, seed: int) -> list:
-    """`n` problems of the synthetic task `task.name`, its other keys (but seed) passed to `sample_problems`."""
+
+def task_problems(task: TaskConfig, n: int, seed: int) -> list:
+    """`n` problems of the synthetic task `task.name`, its options passed to `sample_problems`."""
     if task.name not in TASKS:
         raise ValueError(f"config.task.name = '{task.name}'; expected one of {sorted(TASKS)}")
-    kwargs = {k: v for k, v in task.items() if k not in ("name", "seed")}
-    return TASKS[task.name].sample_problems(n, seed=seed, **kwargs)
+    return TASKS[task.name].sample_problems(n, seed=seed, **task.options)
 
 
-def train_prompts(config: Any, tokenizer: Tokenizer) -> ReissueFirst:
+def train_prompts(config: Config, tokenizer: Tokenizer) -> ReissueFirst:
     """This process's prompts: its shard of the converted dataset at `data.path` (grain: shuffled) or, when
     empty, of an endless seeded stream of the synthetic task; either way checkpointable, with prompts to re-issue
     after a resume."""
@@ -40,7 +42,7 @@ class SyntheticPrompts:
 
     CHUNK = 1024
 
-    def __init__(self, config: Any, tokenizer: Tokenizer, shard: int = 0, shards: int = 1):
+    def __init__(self, config: Config, tokenizer: Tokenizer, shard: int = 0, shards: int = 1):
         self.task, self.template, self.tokenizer = config.task, config.data.template, tokenizer
         self.instruction = config.data.instruction
         self.shard, self.shards = shard, shards
@@ -69,7 +71,7 @@ class SyntheticPrompts:
         return {}  # every synthetic prompt fits
 
 
-def eval_prompts(config: Any, tokenizer: Tokenizer) -> list[Prompt]:
+def eval_prompts(config: Config, tokenizer: Tokenizer) -> list[Prompt]:
     """`eval.num_problems` held-out prompts: the first of `data.eval_split` (unshuffled; 0 = all of them), or
     synthetic problems from a seed never trained on."""
     d, n = config.data, config.eval.num_problems

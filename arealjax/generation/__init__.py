@@ -13,11 +13,53 @@ nothing heavy (a generation server imports `generation.rpc` before it configures
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from types import ModuleType
 
 BACKENDS = {"local": "arealjax.generation.local", "remote": "arealjax.generation.remote"}
 PROTOCOL = ("build", "check", "OWNS_GENERATOR_DEVICES")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServersConfig:
+    """The `generator.servers` section (the remote backend, docs/servers.md): where the trainer listens, the servers
+    it spawns on its host and how many it waits for, their time limits, the wire's trust (`auth`, `keys_dir`), the
+    weight fingerprints (`verify`), restarts, and their cores."""
+
+    address: str = "127.0.0.1:0"
+    spawn: int = 0
+    min: int = 1
+    start_seconds: float = 300.0
+    wait_seconds: float = 300.0
+    heartbeat_seconds: float = 10.0
+    verify: bool = False
+    auth: str = "auto"
+    keys_dir: str = ""
+    progress_seconds: float = 300.0
+    respawns: int = 3
+    cpus: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorConfig:
+    """The `generator` section: the rollout `backend` (BACKENDS or a module path) and the generator it runs: `slots`
+    sequences of at most `max_len` tokens in a paged KV cache (`page_size`, `kv_pages`: 0 = room for every slot),
+    `decode_steps` per device call, prompts prefilled `max_prefill_batch` at a time, what a weight swap does to
+    sequences in flight (`mode`), the attention kernels, and the params' and cache's `dtype`."""
+
+    backend: str = "local"
+    servers: ServersConfig = ServersConfig()
+    slots: int = 128
+    max_len: int = 64
+    mode: str = "recompute"
+    decode_steps: int = 8
+    max_prefill_batch: int = 16
+    page_size: int = 16
+    kv_pages: int = 0
+    attention: str = "auto"
+    prefill_attention: str = "auto"
+    dtype: str = "float32"
 
 
 def backend(name: str) -> ModuleType:

@@ -31,7 +31,7 @@ from arealjax.generation import rpc
 def wire_keys(config: Any) -> Path | None:
     """The CURVE keys folder of this run's wire, or None for a plain one. `servers.auth`: 'curve', 'none', or
     'auto' (CURVE unless the address is loopback). Without `servers.keys_dir`, spawned servers get a pair made for
-    this run (a temporary folder, removed at close); hand-started servers need `servers.keys_dir` (checks.py says so
+    this run (a temporary folder, removed at close); hand-started servers need `servers.keys_dir` (config.py says so
     first)."""
     s = config.generator.servers
     if s.auth == "none" or s.auth == "auto" and rpc.loopback(str(s.address)):

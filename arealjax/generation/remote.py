@@ -26,7 +26,6 @@ naming the servers that died.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -111,7 +110,7 @@ class RemoteBackend:
         self._tokens = itertools.count()
         self._error: str | None = None
         full = host_snapshot(model.params, self.dtype)  # what a joining server gets first
-        self._welcome = rpc.pack({"protocol": rpc.PROTOCOL, "config": json.loads(config.to_json_best_effort()),
+        self._welcome = rpc.pack({"protocol": rpc.PROTOCOL, "config": config.to_dict(),
                                   "model": rpc.model_config_to_wire(model.cfg), "lora": self.lora,
                                   "dtype": config.generator.dtype})
         # A multi-host trainer: every process drives servers of its own (as every process has its own generator

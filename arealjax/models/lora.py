@@ -13,6 +13,7 @@ separates them from the base by variable type.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -33,6 +34,18 @@ SERVING = ("merged", "on_the_fly")  # how the generator applies adapters
 EXPORTS = ("merged", "adapters")  # what a run's exported model is
 _MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """The `lora` section: rank > 0 trains adapters (`LoraConfig.of` this: rank, alpha, targets) and freezes the
+    rest; the generator serves them `generator` (SERVING), the run's model is exported `export` (EXPORTS)."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = TARGETS
+    generator: str = "merged"
+    export: str = "merged"
 
 
 def check(config: Any, problems: Problems) -> None:

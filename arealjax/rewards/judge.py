@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from arealjax.rewards.service import RewardFatal
+from arealjax.api import RewardFatal
 from arealjax.runtime import child_env
 
 FN = "arealjax.rewards.judge:judge"
@@ -53,13 +54,33 @@ SERVE_START_SECONDS = 600.0  # for a served judge to load its model and listen
 SERVE_STOP_SECONDS = 60.0  # for it to finish its requests after SIGTERM, before SIGKILL
 
 
-def serve_env(section: Any) -> dict[str, str]:
+@dataclasses.dataclass(frozen=True)
+class JudgeConfig:
+    """The `rewards.judge` section: an OpenAI-compatible endpoint (`base_url`, its `model`: "" = the first of its
+    GET /models; `api_key_env` names the variable holding its key), or a model directory the run serves itself
+    (`serve`, with `serve_args` flags, in `serve_env`); how a completion is put to it (`prompt`, "" =
+    DEFAULT_PROMPT) and its reply read (`parse`, over `max_score`), the reply's `max_tokens` and `timeout`."""
+
+    base_url: str = ""
+    model: str = ""
+    prompt: str = ""
+    parse: str = "number"
+    max_score: float = 10.0
+    max_tokens: int = 16
+    timeout: float = 8.0
+    api_key_env: str = ""
+    serve: str = ""
+    serve_args: str = ""
+    serve_env: str = "JAX_PLATFORMS=cpu"
+
+
+def serve_env(section: JudgeConfig) -> dict[str, str]:
     """rewards.judge.serve_env's NAME=VALUE pairs."""
     return dict(kv.split("=", 1) for kv in shlex.split(section.serve_env))
 
 
 @contextlib.contextmanager
-def served(section: Any, start_seconds: float = SERVE_START_SECONDS) -> Iterator[str]:
+def served(section: JudgeConfig, start_seconds: float = SERVE_START_SECONDS) -> Iterator[str]:
     """`python -m arealjax.serve --model=section.serve` on loopback (a free port), in `section.serve_env`; yields
     its base URL once it serves, and stops it on exit. A server that exits or does not serve within `start_seconds`
     is an error with the tail of its output."""

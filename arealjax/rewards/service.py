@@ -16,7 +16,7 @@ stops with it (instead of training on `failure_reward` everywhere and ending "su
 
 An `async def` function (a judge model behind an HTTP endpoint: arealjax/rewards/judge.py) runs instead on an event
 loop in this process, `concurrency` calls at once, under the same timeout, retries and failure accounting; it may
-raise `RewardFatal` (its endpoint cannot be reached at all) to stop the service at once. A function that declares a
+raise `api.RewardFatal` (its endpoint cannot be reached at all) to stop the service at once. A function that declares a
 parameter `prompt` gets the prompt's text, and one named as a key of `context` (e.g. `judge`: the config's
 rewards.judge section) gets that value: what a function needs beyond the completion and the row.
 
@@ -53,7 +53,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from arealjax.api import RewardFatal
 from arealjax.metrics import Count
+from arealjax.rewards.judge import JudgeConfig
 from arealjax.validate import Problems, number
 
 _STOP = object()
@@ -74,9 +76,22 @@ def resolve(path: str, what: str = "reward function") -> Callable:
     return fn
 
 
-class RewardFatal(Exception):
-    """Raised by a reward function whose every call will fail (an endpoint that cannot be reached): the service
-    stops at once with its message, instead of after `failure_window` calls."""
+@dataclasses.dataclass(frozen=True)
+class RewardsConfig:
+    """The `rewards` section: the function `fn` ('package.module:function'), run by `workers` processes (an `async
+    def` one: `concurrency` calls at once, no workers) under `timeout` seconds per attempt and `retries` more
+    attempts; a call that fails every attempt scores `failure_reward`, and more than `max_failure_rate` of the last
+    `failure_window` calls failing stops the run. `judge`: the judge function's section (rewards/judge.py)."""
+
+    fn: str = "arealjax.data.arithmetic:reward"
+    workers: int = 2
+    timeout: float = 10.0
+    retries: int = 1
+    failure_reward: float = 0.0
+    max_failure_rate: float = 0.5
+    failure_window: int = 64
+    concurrency: int = 32
+    judge: JudgeConfig = JudgeConfig()
 
 
 def check(config: Any, problems: Problems) -> None:
@@ -163,6 +178,15 @@ class _Job:
 
 
 class RewardService:
+    @classmethod
+    def of(cls, section: RewardsConfig, judge_url: str = "") -> RewardService:
+        """The service of a config's rewards section; its judge section is every call's `judge` keyword (a function
+        that declares it), at `judge_url` where the run serves the judge itself."""
+        judge = dataclasses.asdict(section.judge) | ({"base_url": judge_url} if judge_url else {})
+        return cls(section.fn, workers=section.workers, timeout=section.timeout, retries=section.retries,
+                   failure_reward=section.failure_reward, max_failure_rate=section.max_failure_rate,
+                   failure_window=section.failure_window, concurrency=section.concurrency, context={"judge": judge})
+
     def __init__(self, fn: str, *, workers: int = 2, timeout: float = 10.0, retries: int = 1,
                  failure_reward: float = 0.0, max_failure_rate: float = 1.0, failure_window: int = 64,
                  concurrency: int = 32, context: dict[str, Any] | None = None):

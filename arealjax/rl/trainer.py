@@ -51,7 +51,7 @@ from arealjax.rl.losses import PPOConfig, lag_metrics, ppo_loss
 from arealjax.rl.packing import FIELDS, FLOATS, PackedBatch, micro_sizes, pack, split_minibatches
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, constrain, tree_shardings
-from arealjax.validate import Problems, accepts, ints
+from arealjax.validate import Problems, ints
 
 LOSSES = ("ppo", "sft")
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: compute in the params' dtype
@@ -86,13 +86,19 @@ class OptimConfig:
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"OptimConfig.schedule = '{self.schedule}'; expected one of {SCHEDULES}")
+
+    def check(self, key: str, problems: Problems) -> None:
+        """What the schedule needs of the run's length (`key`: the section, e.g. 'sft.optim')."""
         if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
-            raise ValueError(f"cosine schedule needs total_steps (= {self.total_steps}) > warmup_steps "
-                             f"(= {self.warmup_steps})")
+            problems.append(f"{key}.total_steps = {self.total_steps}: expected > {key}.warmup_steps = "
+                            f"{self.warmup_steps} with a cosine schedule")
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
     if cfg.schedule == "cosine":
+        if cfg.total_steps <= cfg.warmup_steps:
+            raise ValueError(f"cosine schedule needs total_steps (= {cfg.total_steps}) > warmup_steps "
+                             f"(= {cfg.warmup_steps})")
         return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.total_steps,
                                                   cfg.lr * cfg.min_lr_ratio)
     if cfg.warmup_steps:
@@ -137,6 +143,7 @@ class TrainerConfig:
     scan_layers: bool = True  # False unrolls the layers (compile time grows with depth)
     logits_chunk: int = 1024  # tokens per row whose logits exist at once (0: the whole row)
     compute_dtype: str = "float32"  # "bfloat16": bf16 matmuls on fp32 master params; softmax/logprobs stay fp32
+    max_skipped_in_a_row: int = 3  # steps skipped for a non-finite loss or gradient before the run stops
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -146,9 +153,11 @@ class TrainerConfig:
                              f"{sorted(COMPUTE_DTYPES)}")
         if self.logits_chunk < 0:
             raise ValueError(f"TrainerConfig.logits_chunk = {self.logits_chunk}; expected ≥ 0 (0: no chunking)")
-        attn.pick(self.attention)
-        if self.remat != "auto":
-            remat_policy(self.remat)
+        for name, known in (("attention", attn.pick), ("remat", lambda r: r == "auto" or remat_policy(r))):
+            try:
+                known(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"TrainerConfig.{name} = {getattr(self, name)!r}: {e}") from None
 
 
 def check(config: Any, problems: Problems) -> None:
@@ -165,8 +174,7 @@ def check(config: Any, problems: Problems) -> None:
     need(isinstance(t.router_replay, bool), "trainer.router_replay", "True or False")
     need(isinstance(t.share_prefixes, bool), "trainer.share_prefixes", "True or False")
     need(t.compute_dtype in COMPUTE_DTYPES, "trainer.compute_dtype", f"one of {sorted(COMPUTE_DTYPES)}")
-    accepts(problems, "trainer.ppo", PPOConfig, t.ppo)
-    accepts(problems, "trainer.optim", OptimConfig, t.optim)
+    t.optim.check("trainer.optim", problems)
     g, rl = config.generator, config.rl
     if ints(g.max_len, t.max_tokens):
         need(t.max_tokens >= g.max_len, "trainer.max_tokens", f"≥ generator.max_len = {g.max_len}: a trajectory "

@@ -195,6 +195,14 @@ def user_turn(tokenizer: Tokenizer, text: str, after_eos: bool) -> list[int]:
     return tokenizer.encode(tail)
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkflowConfig:
+    """The `workflow` section: the episode's class or factory ('package.module:Class') and its keyword arguments."""
+
+    path: str = "arealjax.workflows:RLVR"
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 def check(config: Any, problems: Problems) -> None:
     """The workflow section (its import path), at start-up."""
     path = config.workflow.path
