@@ -21,7 +21,7 @@ from arealjax.data.pipeline import SFTStream, format_prompt
 from arealjax.data.prompts import task_problems
 from arealjax.distributed import Processes
 from arealjax.rl.losses import PPOConfig
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, check_schedule
 from arealjax.rl.trajectory import Trajectory
 from arealjax.runtime import Stop
 from arealjax.tokenizer import Tokenizer
@@ -75,7 +75,7 @@ def check(config: Any, problems: Problems) -> None:
         path = Path(s.data.path)
         need(path.is_dir() and (path / "dataset_info.json").is_file(), "sft.data.path",
              "a converted dataset directory (python -m arealjax.data.convert --layout=sft ...)")
-    s.optim.check("sft.optim", problems)
+    check_schedule(s.optim, "sft.optim", problems)
     warmup = s.optim.warmup_steps
     need(s.steps > warmup, "sft.steps", f"more than sft.optim.warmup_steps = {warmup} (the learning rate would never "
          f"finish warming up)")

@@ -58,11 +58,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     ckpt, tfds = arg.ckpt or (TINY if tiny else CKPT), arg.tfds or (f"{TINY}/tfds" if tiny else TFDS)
 
     config = default.get_config()
-    config.cpu_devices = 0  # real accelerators
+    default.on_accelerators(config, MAX_PROMPT, max_new)
     config.model_path = f"{ckpt}/{model_dir}"
     config.data.path, config.data.eval_split, config.data.max_prompt_tokens = f"{tfds}/{DATA}", "test", MAX_PROMPT
-    config.data.template = "chat"
     config.data.instruction = INSTRUCTION
+    config.rewards.fn = "arealjax.rewards.code:code_reward"
+    config.rewards.workers = 32  # test runs are CPU-bound: one worker per host core
+    config.rewards.timeout = 60.0  # per completion; each test is bounded by code_reward's own timeouts
+    config.eval.num_problems = 0  # the whole held-out split
+    config.eval.answer_fn = ""  # programs have no final answer to vote on: pass@k only
 
     # SFT stage (the warm start real code recipes use): conversations, loss on the assistant turns.
     config.sft.steps = 200
@@ -73,64 +77,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sft.optim = dict(lr=1e-5, schedule="cosine", warmup_steps=10, total_steps=0, min_lr_ratio=0.1,
                             weight_decay=0.05)
 
-    # One host of 8: 4 accelerators train (FSDP), 4 generate (tensor parallel).
-    config.mesh.trainer = dict(devices=4, axes=dict(data=1, fsdp=-1, tensor=1))
-    config.mesh.generator = dict(devices=4, axes=dict(data=1, fsdp=1, tensor=-1))
-
-    config.rl.steps = 250
-    config.rl.batch_size = 64
-    config.rl.group_size = 16
-    config.rl.max_staleness = 4
-    config.rl.solved_window = 0  # real datasets: easy prompts all right is no reason to stop training the rest
-    config.rl.max_concurrent = 256
-    config.rl.temperature = 1.0
-    config.rl.max_new_tokens = max_new
-    config.rl.eval_every = 25
-    config.advantage = dict(estimator="grpo", filter_uniform=True, reward_bias=-0.5, reward_scale=10.0,
-                            normalize_batch=True)
-    config.rewards.fn = "arealjax.rewards.code:code_reward"
-    config.rewards.workers = 32  # test runs are CPU-bound: one worker per host core
-    config.rewards.timeout = 60.0  # per completion; each test is bounded by code_reward's own timeouts
-
-    config.trainer.max_tokens = MAX_PROMPT + max_new  # one row holds the longest trajectory
-    config.trainer.micro_rows = 1
-    config.trainer.ppo_n_minibatches = 4
-    config.trainer.optim = dict(lr=2e-5, weight_decay=0.05, b1=0.9, b2=0.95, eps=1e-5, grad_clip=1.0)
-    config.trainer.attention = "auto"
-    config.trainer.remat = "full"
-    config.trainer.compute_dtype = "bfloat16"
-    config.trainer.logits_chunk = 1024
-
-    config.generator.slots = 256
-    config.generator.max_len = MAX_PROMPT + max_new
-    config.generator.decode_steps = 16
-    config.generator.max_prefill_batch = 32
-    config.generator.dtype = "bfloat16"
-    config.generator.kv_pages = 0
-
-    config.checkpoint.every_steps = 10
-    config.eval.num_problems = 0  # the whole held-out split
-    config.eval.n = 4
-    config.eval.k = (1, 4)
-    config.eval.answer_fn = ""  # programs have no final answer to vote on: pass@k only
-
-    if tiny:  # the same recipe at a size that runs on 2 CPU cores (CI, tests/test_main.py)
-        config.cpu_devices = 4  # fake CPU devices, two per role
+    if tiny:
+        default.on_two_cores(config)
         config.data.path, config.data.max_prompt_tokens = f"{tfds}/code/1.0.0", 96
         config.sft.steps, config.sft.batch_size, config.sft.max_tokens, config.sft.micro_rows = 4, 8, 128, 4
         config.sft.data = dict(path=f"{tfds}/sft/1.0.0", split="train", epochs=0)
         config.sft.optim = dict(lr=1e-3, schedule="constant", warmup_steps=0, weight_decay=0.0)
-        config.mesh.trainer = dict(devices=2, axes=dict(data=1, fsdp=-1, tensor=1))
-        config.mesh.generator = dict(devices=2, axes=dict(data=1, fsdp=1, tensor=-1))
-        config.rl.steps, config.rl.batch_size, config.rl.group_size = 3, 4, 4
-        config.rl.max_staleness, config.rl.max_concurrent = 2, 16
-        config.rl.eval_every = 3
-        config.advantage.filter_uniform = False  # a random model scores all samples alike: train on them anyway
-        config.rewards.workers, config.rewards.timeout = 2, 10.0
-        config.trainer.max_tokens, config.trainer.micro_rows = 128, 4
-        config.trainer.remat, config.trainer.compute_dtype = "none", "float32"
-        config.generator.slots, config.generator.max_len, config.generator.decode_steps = 32, 128, 8
-        config.generator.max_prefill_batch, config.generator.dtype = 8, "float32"
-        config.checkpoint.every_steps = 3
-        config.eval.num_problems, config.eval.n, config.eval.k = 8, 4, (1, 2, 4)
     return config

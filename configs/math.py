@@ -86,71 +86,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     data_path = f"{arg.tfds or (f'{TINY}/tfds' if tiny else TFDS)}/{data_dir}"
 
     config = default.get_config()
-    config.cpu_devices = 0  # real accelerators
+    default.on_accelerators(config, max_prompt, max_new)
     config.model_path = model_path
     config.data.path, config.data.eval_split, config.data.max_prompt_tokens = data_path, eval_split, max_prompt
     # The chat template with the instruction the math models were tuned on (Qwen2.5-Math's and DeepSeek-R1's).
-    config.data.template = "chat"
     config.data.instruction = PROMPT
     config.sft.steps = 0  # the checkpoints are instruction-tuned; a dataset SFT stage is configs/code.py's
-
-    # One host of 8: 4 accelerators train (FSDP), 4 generate (tensor parallel).
-    config.mesh.trainer = dict(devices=4, axes=dict(data=1, fsdp=-1, tensor=1))
-    config.mesh.generator = dict(devices=4, axes=dict(data=1, fsdp=1, tensor=-1))
-
-    config.rl.steps = 250
-    config.rl.batch_size = 64
-    config.rl.group_size = 16
-    config.rl.max_staleness = 4
-    config.rl.solved_window = 0  # real datasets: easy prompts all right is no reason to stop training the rest
-    config.rl.max_concurrent = 256
-    config.rl.temperature = 1.0
-    config.rl.max_new_tokens = max_new
-    config.rl.eval_every = 25
-    config.advantage = dict(estimator="grpo", filter_uniform=True, reward_bias=-0.5, reward_scale=10.0,
-                            normalize_batch=True)
     config.rewards.fn = "arealjax.rewards.math:math_reward"
-    config.rewards.workers = 16
-    config.rewards.timeout = 30.0
-
-    config.trainer.max_tokens = max_prompt + max_new  # one row holds the longest trajectory
-    config.trainer.micro_rows = 1
-    config.trainer.ppo_n_minibatches = 4
-    config.trainer.optim = dict(lr=2e-5, weight_decay=0.05, b1=0.9, b2=0.95, eps=1e-5, grad_clip=1.0)
-    config.trainer.attention = "auto"
-    config.trainer.remat = "full"
-    config.trainer.compute_dtype = "bfloat16"
-    config.trainer.logits_chunk = 1024
-
-    config.generator.slots = 256
-    config.generator.max_len = max_prompt + max_new
-    config.generator.decode_steps = 16
-    config.generator.max_prefill_batch = 32
-    config.generator.dtype = "bfloat16"
-    config.generator.kv_pages = 0
-
-    config.checkpoint.every_steps = 10
     config.eval.num_problems = 0  # the whole held-out split
-    config.eval.n = 4
-    config.eval.k = (1, 4)
     config.eval.answer_fn = "arealjax.rewards.math:extract_answer"
 
     if arg.model in MOE:  # expert parallelism: whole experts on each trainer device (generator: tensor parallel)
         config.sharding_rules = [(n, "fsdp" if n == "expert" else a) for n, a in config.sharding_rules]
 
-    if tiny:  # the same recipe at a size that runs on 2 CPU cores (CI, tests/test_main.py)
-        config.cpu_devices = 4  # fake CPU devices, two per role
-        config.mesh.trainer = dict(devices=2, axes=dict(data=1, fsdp=-1, tensor=1))
-        config.mesh.generator = dict(devices=2, axes=dict(data=1, fsdp=1, tensor=-1))
-        config.rl.steps, config.rl.batch_size, config.rl.group_size = 3, 4, 4
-        config.rl.max_staleness, config.rl.max_concurrent = 2, 16
-        config.rl.eval_every = 3
-        config.advantage.filter_uniform = False  # a random model scores all samples alike: train on them anyway
-        config.rewards.workers, config.rewards.timeout = 2, 10.0
-        config.trainer.max_tokens, config.trainer.micro_rows = 128, 4
-        config.trainer.remat, config.trainer.compute_dtype = "none", "float32"
-        config.generator.slots, config.generator.max_len, config.generator.decode_steps = 32, 128, 8
-        config.generator.max_prefill_batch, config.generator.dtype = 8, "float32"
-        config.checkpoint.every_steps = 3
-        config.eval.num_problems, config.eval.n, config.eval.k = 8, 4, (1, 2, 4)
+    if tiny:
+        default.on_two_cores(config)
     return config

@@ -63,53 +63,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         raise ValueError(f"configs/smollm2.py: agent={arg.agent}: expected one of none, {', '.join(AGENTS)}")
 
     config = default.get_config()
-    config.cpu_devices = 0  # real accelerators
+    default.on_accelerators(config, MAX_PROMPT, MAX_NEW)
     config.model_path = f"{arg.root}/model"
     config.data.path, config.data.eval_split = f"{arg.root}/tfds/gsm8k/1.0.0", "test"
     config.data.max_prompt_tokens = MAX_PROMPT
-    config.data.template = "chat"
     config.data.instruction = INSTRUCTION
     config.sft.steps = 0  # an instruct model: RL from the start
-
-    # One host of 8: 4 accelerators train (FSDP), 4 generate (tensor parallel).
-    config.mesh.trainer = dict(devices=4, axes=dict(data=1, fsdp=-1, tensor=1))
-    config.mesh.generator = dict(devices=4, axes=dict(data=1, fsdp=1, tensor=-1))
-
-    config.rl.steps = 250
-    config.rl.batch_size = 64
-    config.rl.group_size = 16
-    config.rl.max_staleness = 4
-    config.rl.solved_window = 0  # real datasets: easy prompts all right is no reason to stop training the rest
-    config.rl.max_concurrent = 256
-    config.rl.temperature = 1.0
-    config.rl.max_new_tokens = MAX_NEW
-    config.rl.eval_every = 25
-    config.advantage = dict(estimator="grpo", filter_uniform=True, reward_bias=-0.5, reward_scale=10.0,
-                            normalize_batch=True)
     config.rewards.fn = "arealjax.rewards.math:math_reward"
-    config.rewards.workers = 16
-    config.rewards.timeout = 30.0
-
-    config.trainer.max_tokens = MAX_PROMPT + MAX_NEW  # one row holds the longest trajectory
-    config.trainer.micro_rows = 1
-    config.trainer.ppo_n_minibatches = 4
-    config.trainer.optim = dict(lr=2e-5, weight_decay=0.05, b1=0.9, b2=0.95, eps=1e-5, grad_clip=1.0)
-    config.trainer.attention = "auto"
-    config.trainer.remat = "full"
-    config.trainer.compute_dtype = "bfloat16"
-    config.trainer.logits_chunk = 1024
-
-    config.generator.slots = 256
-    config.generator.max_len = MAX_PROMPT + MAX_NEW
-    config.generator.decode_steps = 16
-    config.generator.max_prefill_batch = 32
-    config.generator.dtype = "bfloat16"
-    config.generator.kv_pages = 0
-
-    config.checkpoint.every_steps = 10
     config.eval.num_problems = 200
-    config.eval.n = 4
-    config.eval.k = (1, 4)
     config.eval.answer_fn = "arealjax.rewards.math:extract_answer"
 
     if arg.device == "cpu":  # the size 2 CPU cores train (docs/real_model.md has the run times)

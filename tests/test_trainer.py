@@ -11,7 +11,7 @@ from conftest import equations
 
 from arealjax.models import ModelConfig, forward, from_config
 from arealjax.rl.losses import OBJECTIVES, PPOConfig
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, make_optimizer, make_schedule
+from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, check_schedule, make_optimizer, make_schedule
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import make_mesh
 from arealjax.validate import Problems
@@ -228,7 +228,7 @@ def test_schedules():
     with pytest.raises(ValueError, match="total_steps"):
         make_schedule(short)
     problems = Problems(None)
-    short.check("sft.optim", problems)
+    check_schedule(short, "sft.optim", problems)
     assert problems == ["sft.optim.total_steps = 5: expected > sft.optim.warmup_steps = 10 with a cosine "
                         "schedule"], problems
     with pytest.raises(ValueError, match="loss = 'dpo'"):

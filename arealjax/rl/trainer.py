@@ -87,11 +87,12 @@ class OptimConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"OptimConfig.schedule = '{self.schedule}'; expected one of {SCHEDULES}")
 
-    def check(self, key: str, problems: Problems) -> None:
-        """What the schedule needs of the run's length (`key`: the section, e.g. 'sft.optim')."""
-        if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
-            problems.append(f"{key}.total_steps = {self.total_steps}: expected > {key}.warmup_steps = "
-                            f"{self.warmup_steps} with a cosine schedule")
+
+def check_schedule(optim: OptimConfig, key: str, problems: Problems) -> None:
+    """What `optim`'s schedule needs of the run's length (`key`: its section, e.g. 'sft.optim')."""
+    if optim.schedule == "cosine" and optim.total_steps <= optim.warmup_steps:
+        problems.append(f"{key}.total_steps = {optim.total_steps}: expected > {key}.warmup_steps = "
+                        f"{optim.warmup_steps} with a cosine schedule")
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -174,7 +175,7 @@ def check(config: Any, problems: Problems) -> None:
     need(isinstance(t.router_replay, bool), "trainer.router_replay", "True or False")
     need(isinstance(t.share_prefixes, bool), "trainer.share_prefixes", "True or False")
     need(t.compute_dtype in COMPUTE_DTYPES, "trainer.compute_dtype", f"one of {sorted(COMPUTE_DTYPES)}")
-    t.optim.check("trainer.optim", problems)
+    check_schedule(t.optim, "trainer.optim", problems)
     g, rl = config.generator, config.rl
     if ints(g.max_len, t.max_tokens):
         need(t.max_tokens >= g.max_len, "trainer.max_tokens", f"≥ generator.max_len = {g.max_len}: a trajectory "
