@@ -148,7 +148,7 @@ def warm_start(config: Config, tokenizer: Tokenizer, model: models.Model, mesh, 
 def trainer_config(s: SFTConfig, rl: TrainerConfig) -> TrainerConfig:
     """The warm start's trainer: masked next-token cross-entropy with the sft section's optimizer, rows and
     micro-batches, and the RL trainer's memory and speed knobs (attention, remat, layers, logits chunk, dtype)."""
-    return dataclasses.replace(rl, loss="sft", ppo=PPOConfig(), optim=s.optim, max_tokens=s.max_tokens,
+    return dataclasses.replace(rl, ppo=PPOConfig(objective="sft"), optim=s.optim, max_tokens=s.max_tokens,
                                micro_rows=s.micro_rows, ppo_n_minibatches=1, router_replay=False)
 
 

@@ -85,7 +85,7 @@ def model_flops(cfg: ModelConfig, trajs: list[Trajectory], tcfg: TrainerConfig |
     head = cfg.hidden_size * cfg.vocab_size  # the head is a matmul; the embedding is not
     scored = sum(t.n_model_tokens for t in trajs)
     if tcfg is not None and shares_prefixes(tcfg):
-        n_mb = tcfg.ppo_n_minibatches if tcfg.loss == "ppo" else 1
+        n_mb = 1 if tcfg.supervised else tcfg.ppo_n_minibatches
         laid = [pack(mb, tcfg.max_tokens, tcfg.micro_rows, share_prefixes=True)
                 for mb in split_minibatches(trajs, n_mb)]
         tokens = sum(b.n_tokens for b in laid)
@@ -173,7 +173,7 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
         raise ValueError("hardware_flops: pass the Trainer's cfg, where remat 'auto' is resolved")
     kind = attn.pick(tcfg.attention)
     rows, t = tcfg.micro_rows, tcfg.max_tokens
-    n_mb = tcfg.ppo_n_minibatches if tcfg.loss == "ppo" else 1
+    n_mb = 1 if tcfg.supervised else tcfg.ppo_n_minibatches
     unit = shards if rows % shards == 0 else rows
     per_pos, head, attn_pair = 2 * layer_params(cfg), 2 * cfg.hidden_size * cfg.vocab_size, (
         4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
@@ -185,7 +185,7 @@ def hardware_flops(cfg: ModelConfig, trajs: Sequence[Trajectory], tcfg: TrainerC
     for i, trajectories in enumerate(split_minibatches(trajs, n_mb)):
         batch = pack(trajectories, t, rows, packed=tcfg.packing, unit=unit, share_prefixes=shares_prefixes(tcfg))
         passes = 0
-        if tcfg.loss == "ppo":
+        if not tcfg.supervised:
             spec = tcfg.ppo.spec
             passes = int(spec.needs_prox and (i > 0 or spec.minibatch is not None)) + int(bool(tcfg.ppo.kl_coef))
         for j in range(batch.n_micro):

@@ -28,6 +28,7 @@ from arealjax.models import (
 from arealjax.models.lora import add_lora
 from arealjax.models.paged import write_prefill
 from arealjax.models.transformer import grouped_experts
+from arealjax.rl.losses import PPOConfig
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh
 from benchmarks.moe import case, dense_experts
 
@@ -483,7 +484,7 @@ def test_sft_adds_the_routers_load_balancing_loss():
     grads = {}
     for coef in (0.0, 0.5):
         model = from_config(moe_config(router_aux_loss_coef=coef), seed=0)
-        trainer = Trainer(model, TrainerConfig(loss="sft", max_tokens=32, micro_rows=4))
+        trainer = Trainer(model, TrainerConfig(ppo=PPOConfig(objective="sft"), max_tokens=32, micro_rows=4))
         g, loss, sums = trainer.gradients(trainer.pack(demos)[0])
         grads[coef] = np.asarray(g["layers"]["mlp"]["gate"]["kernel"])
         if coef:

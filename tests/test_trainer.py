@@ -64,7 +64,7 @@ def assert_trees_close(a, b, atol):
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_on_policy_gradient_is_the_policy_gradient(model, objective):
     """μ = π_prox = π_θ: the trainer's packed gradient equals ∇ −Σ A·log π / N computed without packing, for every
-    objective (on policy they are all the policy gradient)."""
+    RL objective (on policy they are all the policy gradient); for the supervised one (sft), ∇ −Σ log π / N."""
     trajs = trajectories()
     ref_logp = np.asarray(unpacked_logprobs(model, model.params, trajs))
     for i, t in enumerate(trajs):  # the behaviour policy is the current policy
@@ -87,8 +87,14 @@ def test_on_policy_gradient_is_the_policy_gradient(model, objective):
     grads, loss, sums = trainer.gradients(batch)
     mask, adv = masks(trajs)
     n = mask.sum()
+    supervised = OBJECTIVES[objective].supervised
+    adv = np.ones_like(adv) if supervised else adv  # SFT: every loss token's log-likelihood, weight 1
     pg = jax.grad(lambda p: -jnp.sum(jnp.where(mask, adv * unpacked_logprobs(model, p, trajs), 0.0)) / n)
     assert_trees_close(grads, pg(model.params), 1e-5)
+    if supervised:
+        assert sums["tokens"] == n and "clipped_tokens" not in sums
+        assert loss == pytest.approx(-float(np.sum(np.where(mask, ref_logp, 0.0))) / n, abs=1e-5)
+        return
     assert sums["valid_tokens"] == n and sums["clipped_tokens"] == 0
     value = adv * (ref_logp if objective == "cispo" else 1.0)  # CISPO's surrogate is A·log π
     assert loss == pytest.approx(-float(np.sum(np.where(mask, value, 0.0))) / n, abs=1e-5)
@@ -231,16 +237,16 @@ def test_schedules():
     check_schedule(short, "sft.optim", problems)
     assert problems == ["sft.optim.total_steps = 5: expected > sft.optim.warmup_steps = 10 with a cosine "
                         "schedule"], problems
-    with pytest.raises(ValueError, match="loss = 'dpo'"):
-        TrainerConfig(loss="dpo")
+    with pytest.raises(ValueError, match="objective = 'dpo'"):
+        PPOConfig(objective="dpo")
 
 
 def test_sft_learns_a_toy_task():
     """Reverse a digit string: masked next-token CE on the answer tokens falls well below its start."""
     cfg = ModelConfig.make(family="qwen3", vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
                            num_heads=4, num_kv_heads=2, head_dim=8)
-    trainer = Trainer(from_config(cfg, seed=1), TrainerConfig(loss="sft", max_tokens=16, micro_rows=8,
-                                                              optim=OptimConfig(lr=1e-2, warmup_steps=5)))
+    trainer = Trainer(from_config(cfg, seed=1), TrainerConfig(ppo=PPOConfig(objective="sft"), max_tokens=16,
+                                                              micro_rows=8, optim=OptimConfig(lr=1e-2, warmup_steps=5)))
     rng = np.random.RandomState(0)
     nll = []
     for _ in range(60):
@@ -429,7 +435,7 @@ def test_loss_position_head_and_fewer_padding_rows_leave_the_step_unchanged(mode
     # Rows of 64 with long prompts: a micro-batch's loss tokens fit in half its positions per shard (128 slots)
     kw = dict(max_tokens=64, micro_rows=4, logits_chunk=24, optim=OptimConfig(lr=1e-3))
     cfg = {"decoupled_kl": TrainerConfig(ppo_n_minibatches=2, ppo=PPOConfig(kl_coef=0.1), **kw),
-           "sft": TrainerConfig(loss="sft", **kw),
+           "sft": TrainerConfig(ppo=PPOConfig(objective="sft"), **kw),
            "sharded": TrainerConfig(ppo_n_minibatches=2, **{**kw, "micro_rows": 8})}[case]  # last: 2, 4 or 8 rows
     mesh = make_mesh(dict(data=1, fsdp=2, tensor=4), jax.devices()[:8]) if case == "sharded" else None
     new, old = Trainer(model, cfg, mesh=mesh), Trainer(model, cfg, mesh=mesh)

@@ -145,6 +145,8 @@ class Objective:
     minibatch         a statistic of a whole minibatch, (log π_prox/μ, loss mask, PPOConfig) -> scalar, computed
                       before its gradients, and `keep(log π_prox/μ, statistic)` -> the tokens it keeps (M2PO's
                       second-moment mask); None: none
+    supervised        the loss is the loss tokens' negative log-likelihood (the SFT warm start's): no behaviour
+                      policy, advantage, π_prox, reference or minibatches; a MoE model adds its router's load balance
     """
 
     loss: Callable[[Tokens, PPOConfig], tuple[jax.Array, jax.Array, jax.Array]]
@@ -153,6 +155,7 @@ class Objective:
     needs_prox: bool = False
     minibatch: Callable[[jax.Array, jax.Array, PPOConfig], jax.Array] | None = None
     keep: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+    supervised: bool = False
 
 
 def clipped_ratio_loss(t: Tokens, ratio: jax.Array, lo: float, hi: float, c_clip: float | None
@@ -203,6 +206,11 @@ def m2po(t: Tokens, cfg: PPOConfig):
     return -jnp.exp(t.log_ratio) * t.adv, jnp.zeros_like(t.valid), jnp.zeros_like(t.valid)
 
 
+def nll(t: Tokens, cfg: PPOConfig):
+    """Supervised fine-tuning: the negative log-likelihood of each loss token."""
+    return -t.logp, jnp.zeros_like(t.valid), jnp.zeros_like(t.valid)
+
+
 OBJECTIVES: dict[str, Objective] = {
     "decoupled": Objective(decoupled, anchor="prox", behaviour_weight=True, needs_prox=True),
     "standard": Objective(standard),
@@ -210,6 +218,7 @@ OBJECTIVES: dict[str, Objective] = {
     "cispo": Objective(cispo),
     "m2po": Objective(m2po, needs_prox=True, minibatch=lambda log_w, mask, cfg: m2_cut(log_w, mask, cfg.m2_threshold),
                       keep=lambda log_w, cut: jnp.square(log_w) < cut),
+    "sft": Objective(nll, supervised=True),
 }
 
 

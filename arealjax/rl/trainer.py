@@ -53,7 +53,6 @@ from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, Rules, constrain, tree_shardings
 from arealjax.validate import Problems, ints
 
-LOSSES = ("ppo", "sft")
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: compute in the params' dtype
 SCHEDULES = ("constant", "cosine")
 # The head scores a micro-batch's loss positions in slots of 1/LOSS_BUCKETS of its positions per shard, and never
@@ -126,7 +125,9 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-    loss: str = "ppo"  # "ppo" (RL) | "sft" (masked next-token cross-entropy, for warm starts)
+    """The `trainer` section: the objective and its hyper-parameters (`ppo`: an RL objective of rl/losses.py, or
+    "sft" for the warm start), the optimizer, the packed rows and micro-batches, and the memory and speed knobs."""
+
     ppo: PPOConfig = PPOConfig()
     optim: OptimConfig = OptimConfig()
     max_tokens: int = 256  # T: tokens per packed row (≥ the longest trajectory)
@@ -147,8 +148,6 @@ class TrainerConfig:
     max_skipped_in_a_row: int = 3  # steps skipped for a non-finite loss or gradient before the run stops
 
     def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise ValueError(f"TrainerConfig.loss = '{self.loss}'; expected one of {LOSSES}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"TrainerConfig.compute_dtype = '{self.compute_dtype}'; expected one of "
                              f"{sorted(COMPUTE_DTYPES)}")
@@ -159,6 +158,11 @@ class TrainerConfig:
                 known(getattr(self, name))
             except ValueError as e:
                 raise ValueError(f"TrainerConfig.{name} = {getattr(self, name)!r}: {e}") from None
+
+    @property
+    def supervised(self) -> bool:
+        """Whether the objective is supervised fine-tuning (`ppo.objective = "sft"`, the warm start's)."""
+        return self.ppo.spec.supervised
 
 
 def check(config: Any, problems: Problems) -> None:
@@ -171,10 +175,8 @@ def check(config: Any, problems: Problems) -> None:
     need(t.remat in (*REMAT, "auto"), "trainer.remat", f"one of {(*REMAT, 'auto')}")
     need(t.remat != "offload" or jax.default_backend() in ("gpu", "tpu"), "trainer.remat",
          f"not 'offload' on {jax.default_backend()} (host offload needs a GPU or TPU)")
-    need(isinstance(t.scan_layers, bool), "trainer.scan_layers", "True or False")
-    need(isinstance(t.router_replay, bool), "trainer.router_replay", "True or False")
-    need(isinstance(t.share_prefixes, bool), "trainer.share_prefixes", "True or False")
     need(t.compute_dtype in COMPUTE_DTYPES, "trainer.compute_dtype", f"one of {sorted(COMPUTE_DTYPES)}")
+    need(t.ppo.objective != "sft", "trainer.ppo.objective", "an RL objective ('sft' is the warm start's: sft.*)")
     check_schedule(t.optim, "trainer.optim", problems)
     g, rl = config.generator, config.rl
     if ints(g.max_len, t.max_tokens):
@@ -393,11 +395,11 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
 
     def loss(params, frozen, mb, prox, ref, scalars, size):
         model_cfg = nnx.merge(graphdef, params, frozen).cfg  # (at trace time)
-        aux_coef = model_cfg.router_aux_loss_coef if model_cfg.num_experts and cfg.loss == "sft" else 0.0
+        aux_coef = model_cfg.router_aux_loss_coef if model_cfg.num_experts and cfg.supervised else 0.0
         routing = bool(aux_coef) or "routes" in mb
         logp, entropy, *routed = forward(params, frozen, mb, size, routing)
         mask = mb["loss_mask"]
-        if cfg.loss == "sft":
+        if cfg.supervised:
             nll = jnp.where(mask, -logp, 0.0)
             value = jnp.sum(nll) / scalars["n_tokens"]
             metrics = {"tokens": jnp.sum(mask.astype(jnp.float32)), "nll_sum": jnp.sum(nll)}
@@ -431,7 +433,7 @@ def make_steps(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfig, tx
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
         return keep(new_params, params), keep(new_state, opt_state), grad_norm, ok
 
-    minibatch = cfg.ppo.spec.minibatch if cfg.loss == "ppo" else None
+    minibatch = cfg.ppo.spec.minibatch
     return Steps(
         copy=jit(lambda p: jax.tree.map(jnp.copy, p), (p_sh,), p_sh), init=jit(tx.init, (p_sh,), o_sh),
         zeros=jit(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), (p_sh,), p_sh),
@@ -485,7 +487,7 @@ def grad_step_bytes(graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainerConfi
     mb = {f: batch(bool if f == "loss_mask" else jnp.float32 if f in FLOATS else jnp.int32) for f in FIELDS}
     if routes:
         mb["routes"] = batch(jnp.int16, *routes)
-    kl = cfg.loss == "ppo" and cfg.ppo.kl_coef
+    kl = not cfg.supervised and cfg.ppo.kl_coef
     scalars = jax.tree.map(lambda x: jax.ShapeDtypeStruct((), x.dtype), scalar_args(1))
     acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
     compiled = steps.grad.lower(_abstract(params, steps.p_sh), _abstract(frozen, steps.f_sh),
@@ -570,7 +572,7 @@ class Trainer:
         # Each process's rows are whole shards of the micro-batch when the shards are a multiple of the processes;
         # otherwise loss positions are not counted per shard here and the head scores every position.
         self._local_shards = steps.shards // count if steps.shards % count == 0 else None
-        if cfg.loss == "ppo" and cfg.ppo.kl_coef and ref_params is None:
+        if not cfg.supervised and cfg.ppo.kl_coef and ref_params is None:
             ref_params = trainable  # the initial policy is the reference
         self.ref_params = ref_params if mesh is None or ref_params is None else jax.device_put(ref_params, steps.p_sh)
         # The step donates params: own a copy so the caller's model (and a colocated generator) stay valid.
@@ -602,7 +604,7 @@ class Trainer:
     def pack(self, trajectories: Sequence[Trajectory]) -> list[PackedBatch]:
         """The RL step's minibatches (this process's share of each), packed into micro-batches."""
         cfg = self.cfg
-        n = cfg.ppo_n_minibatches if cfg.loss == "ppo" else 1
+        n = 1 if cfg.supervised else cfg.ppo_n_minibatches
         return [pack(mb, cfg.max_tokens, self._rows, packed=cfg.packing, routes=bool(self.model_cfg.num_experts),
                      unit=self._unit, share_prefixes=shares_prefixes(cfg)) for mb in split_minibatches(trajectories, n)]
 
@@ -654,9 +656,8 @@ class Trainer:
         a separate pass (with one minibatch, every micro-batch does); the later ones need the pass, before the first
         update. An objective's minibatch statistic (M2PO's mask) needs π_prox of a whole minibatch before its
         gradients: the pass for every minibatch. The reference's: with a KL penalty."""
-        ppo = self.cfg.loss == "ppo"
-        prox = ppo and self.cfg.ppo.spec.needs_prox and (not first or self._minibatch_stat is not None)
-        ref = ppo and bool(self.cfg.ppo.kl_coef)
+        prox = self.cfg.ppo.spec.needs_prox and (not first or self._minibatch_stat is not None)
+        ref = not self.cfg.supervised and bool(self.cfg.ppo.kl_coef)
         passes = lambda params, on: [self._logprobs(params, self.frozen, m, k) if on else None  # noqa: E731
                                      for m, k in zip(micro, sizes)]
         return passes(self.params, prox), passes(self.ref_params, ref)
@@ -707,7 +708,7 @@ class Trainer:
     def _warn_drift(self, out: dict[str, float]) -> None:
         """Once per run: stale tokens whose behaviour policy has drifted further than ppo.drift_warning from π_prox
         (the objective's correction is then doing much of the work, or failing to)."""
-        limit = self.cfg.ppo.drift_warning if self.cfg.loss == "ppo" else 0
+        limit = 0 if self.cfg.supervised else self.cfg.ppo.drift_warning
         stale = {k: v for k, v in out.items() if k.endswith("_kl_behaviour_prox") and not k.startswith("lag0_")}
         if self._drift_warned or not limit or not stale or max(stale.values()) <= limit:
             return
