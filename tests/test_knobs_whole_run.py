@@ -63,12 +63,13 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def run_all(tmp_path: Path) -> tuple[Path, Path, list]:
-    """Runs every knob on, then off; returns their workdirs and (loss, knobs) of every Trainer each run built."""
+    """Runs every knob on, then off; returns their workdirs and (objective, knobs) of every Trainer each run
+    built."""
     built = []
     make_steps = trainer.make_steps
 
     def recording(graphdef, params, cfg, *args, **kwargs):
-        built[-1].append((cfg.loss, {k: getattr(cfg, k) for k in ON}))
+        built[-1].append((cfg.ppo.objective, {k: getattr(cfg, k) for k in ON}))
         return make_steps(graphdef, params, cfg, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -86,7 +87,7 @@ def run_all(tmp_path: Path) -> tuple[Path, Path, list]:
 def test_knobs_leave_a_whole_run_unchanged(tmp_path):
     on, off, built = run_all(tmp_path)
     # The knobs reached both trainers of each run: the SFT warm start's and the RL one's.
-    assert built == [[("sft", ON), ("ppo", ON)], [("sft", OFF), ("ppo", OFF)]]
+    assert built == [[("sft", ON), ("standard", ON)], [("sft", OFF), ("standard", OFF)]]
     assert_same_run(on, off)
 
 

@@ -18,6 +18,7 @@ from arealjax.generation.generator import Generator
 from arealjax.generation.local import WeightSync
 from arealjax.models import LoraConfig, ModelConfig, from_config, save_pretrained
 from arealjax.models.lora import SERVING, adapter_pairs, add_lora, merge, save_adapters, split
+from arealjax.rl.losses import PPOConfig
 from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh
@@ -69,12 +70,12 @@ def test_fresh_adapters_compute_the_base_and_merged_equals_on_the_fly():
     assert merge(model).lora is None and not split(merge(model).params)[0]
 
 
-@pytest.mark.parametrize("loss", ["ppo", "sft"])
-def test_adapter_gradients_are_the_full_gradients_projected(loss):
+@pytest.mark.parametrize("objective", ["decoupled", "sft"])
+def test_adapter_gradients_are_the_full_gradients_projected(objective):
     """W_eff = W + s·A·B, so dL/dA = s·G·Bᵀ and dL/dB = s·Aᵀ·G with G = dL/dW_eff, the gradient of the merged
     model's kernel. The LoRA trainer runs on a 2×2 mesh, the full one on none."""
     _, model = adapted()
-    cfg = TrainerConfig(loss=loss, max_tokens=T, micro_rows=4)
+    cfg = TrainerConfig(ppo=PPOConfig(objective=objective), max_tokens=T, micro_rows=4)
     full = Trainer(merge(model), cfg)
     g_full, loss_full, _ = full.gradients(full.pack(trajectories())[0])
     lora = Trainer(model, cfg, mesh=make_mesh({"fsdp": 2, "tensor": 2}, jax.devices()[:4]))
