@@ -21,7 +21,8 @@ from arealjax.data.pipeline import SFTStream, format_prompt
 from arealjax.data.prompts import task_problems
 from arealjax.distributed import Processes
 from arealjax.rl.losses import PPOConfig
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, check_schedule
+from arealjax.rl.optim import OptimConfig, check_schedule
+from arealjax.rl.trainer import Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
 from arealjax.runtime import Stop
 from arealjax.tokenizer import Tokenizer

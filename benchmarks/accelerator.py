@@ -523,7 +523,8 @@ def ppo_trainer(model, tr: dict):
     """The trainer part's PPO trainer of `model` (fp32 master weights): bf16 compute, scanned layers, remat 'auto'
     (the least recomputation that fits the device), attention 'auto' (or `tr`'s), micro-batches of `tr`'s rows and
     row length."""
-    from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+    from arealjax.rl.optim import OptimConfig
+    from arealjax.rl.trainer import Trainer, TrainerConfig
 
     return Trainer(model, TrainerConfig(max_tokens=tr["max_tokens"], micro_rows=tr["micro_rows"],
                                         compute_dtype="bfloat16", scan_layers=True, remat=tr.get("remat", "auto"),

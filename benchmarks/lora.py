@@ -40,7 +40,8 @@ from arealjax.generation.engine import Engine  # noqa: E402
 from arealjax.generation.generator import Generator  # noqa: E402
 from arealjax.generation.local import WeightSync  # noqa: E402
 from arealjax.models.lora import add_lora  # noqa: E402
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig  # noqa: E402
+from arealjax.rl.optim import OptimConfig  # noqa: E402
+from arealjax.rl.trainer import Trainer, TrainerConfig  # noqa: E402
 from arealjax.rl.trajectory import Trajectory  # noqa: E402
 from arealjax.runtime import child_env  # noqa: E402
 from arealjax.sharding import LogicalSharding, normalize_rules, role_meshes  # noqa: E402

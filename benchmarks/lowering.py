@@ -34,8 +34,10 @@ from arealjax.generation.engine import Engine
 from arealjax.models import DecodeIndex, Model, ModelConfig, abstract_model, flash_tpu, prefill_packed
 from arealjax.models import attention as attn
 from arealjax.models.paged import pick_attention
+from arealjax.rl.optim import OptimConfig, make_optimizer
 from arealjax.rl.packing import FIELDS, FLOATS
-from arealjax.rl.trainer import OptimConfig, TrainerConfig, make_optimizer, make_steps, scalar_args
+from arealjax.rl.steps import make_steps, scalar_args
+from arealjax.rl.trainer import TrainerConfig
 
 _SYMBOL = r'@("(?:[^"\\]|\\.)*"|[\w.$-]+)\('  # a function's name: bare, or quoted (a lambda's: @"<lambda>")
 _FUNC = re.compile(r"func\.func (?:public|private) " + _SYMBOL)

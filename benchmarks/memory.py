@@ -45,8 +45,10 @@ from arealjax.generation.engine import DecodeState, Engine, SlotSampling  # noqa
 from arealjax.models import DecodeIndex, LoraConfig, Model, ModelConfig, PagedKV, abstract_model  # noqa: E402
 from arealjax.models.lora import split as split_lora  # noqa: E402
 from arealjax.models.paged import pool_axes, pool_shapes  # noqa: E402
+from arealjax.rl.optim import OptimConfig, make_optimizer  # noqa: E402
 from arealjax.rl.packing import FIELDS  # noqa: E402
-from arealjax.rl.trainer import OptimConfig, TrainerConfig, make_optimizer, make_steps, scalar_args  # noqa: E402
+from arealjax.rl.steps import make_steps, scalar_args  # noqa: E402
+from arealjax.rl.trainer import TrainerConfig  # noqa: E402
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh, tree_shardings  # noqa: E402
 
 GiB = 2**30

@@ -30,8 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arealjax.models import ModelConfig, flash_gpu, from_config  # noqa: E402
 from arealjax.models import attention as attn  # noqa: E402
+from arealjax.rl.optim import OptimConfig  # noqa: E402
 from arealjax.rl.packing import pack, split_minibatches  # noqa: E402
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, loss_positions, shares_prefixes  # noqa: E402
+from arealjax.rl.steps import shares_prefixes  # noqa: E402
+from arealjax.rl.trainer import Trainer, TrainerConfig, loss_positions  # noqa: E402
 from arealjax.rl.trajectory import Trajectory  # noqa: E402
 
 

@@ -127,7 +127,8 @@ def test_a_recipe_parses_into_typed_sections_its_overrides_included():
     start's length; the tree is frozen and `replace` changes a copy."""
     from arealjax.config import Config
     from arealjax.controller import ControllerConfig
-    from arealjax.rl.trainer import OptimConfig, TrainerConfig
+    from arealjax.rl.optim import OptimConfig
+    from arealjax.rl.trainer import TrainerConfig
 
     c = default.get_config()
     c.rl.temperature = 1  # an int where a float is expected

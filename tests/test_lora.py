@@ -19,7 +19,8 @@ from arealjax.generation.local import WeightSync
 from arealjax.models import LoraConfig, ModelConfig, from_config, save_pretrained
 from arealjax.models.lora import SERVING, adapter_pairs, add_lora, merge, save_adapters, split
 from arealjax.rl.losses import PPOConfig
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+from arealjax.rl.optim import OptimConfig
+from arealjax.rl.trainer import Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import DEFAULT_RULES, LogicalSharding, make_mesh
 

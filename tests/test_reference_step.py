@@ -27,7 +27,8 @@ from safetensors.numpy import load_file
 
 from arealjax.models import ModelConfig, from_config, save_pretrained
 from arealjax.rl.losses import PPOConfig
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig
+from arealjax.rl.optim import OptimConfig
+from arealjax.rl.trainer import Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import make_mesh
 

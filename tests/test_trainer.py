@@ -11,7 +11,8 @@ from conftest import equations
 
 from arealjax.models import ModelConfig, forward, from_config
 from arealjax.rl.losses import OBJECTIVES, PPOConfig
-from arealjax.rl.trainer import OptimConfig, Trainer, TrainerConfig, check_schedule, make_optimizer, make_schedule
+from arealjax.rl.optim import OptimConfig, check_schedule, make_optimizer, make_schedule
+from arealjax.rl.trainer import Trainer, TrainerConfig
 from arealjax.rl.trajectory import Trajectory
 from arealjax.sharding import make_mesh
 from arealjax.validate import Problems
@@ -323,7 +324,7 @@ def test_loss_position_logprobs_equal_the_full_log_softmax_values_and_gradients(
     chunks (1 and 5 slots per row: several chunks, one padded) or at once: logprobs, entropy and their gradients
     w.r.t. the hidden states and the output projection equal the full log-softmax's at the loss positions, and
     are 0 elsewhere."""
-    from arealjax.rl.trainer import loss_logprobs
+    from arealjax.rl.steps import loss_logprobs
 
     rng = np.random.RandomState(0)
     hidden = jnp.asarray(rng.normal(size=(4, 12, 16)), jnp.float32)
@@ -355,7 +356,7 @@ def test_bf16_head_backward_runs_in_bf16_and_matches_fp32(eq):
     """In bf16 compute the head's gradient GEMMs take bf16 operands (autodiff of an fp32-output einsum gave them the
     fp32 cotangent: TF32 GEMMs on a GPU, a tenth of an H200 train step), for the lm_head and the tied embedding;
     logprobs, entropy and both gradients stay within bf16 rounding of the same function computed in fp32."""
-    from arealjax.rl.trainer import loss_logprobs
+    from arealjax.rl.steps import loss_logprobs
 
     rng = np.random.RandomState(1)
     hidden = jnp.asarray(rng.normal(size=(2, 16, 32)), jnp.float32)
@@ -430,7 +431,7 @@ def test_loss_position_head_and_fewer_padding_rows_leave_the_step_unchanged(mode
     log-softmax) with every micro-batch full size: the same params, losses and metrics. Decoupled PPO with two
     minibatches (a π_prox pass) and a KL reference pass, chunked logits; SFT; and on fsdp 2 × tensor 4 (the loss
     positions gathered per batch shard)."""
-    from arealjax.rl import trainer as trainer_module
+    from arealjax.rl import steps as steps_module
 
     # Rows of 64 with long prompts: a micro-batch's loss tokens fit in half its positions per shard (128 slots)
     kw = dict(max_tokens=64, micro_rows=4, logits_chunk=24, optim=OptimConfig(lr=1e-3))
@@ -450,7 +451,7 @@ def test_loss_position_head_and_fewer_padding_rows_leave_the_step_unchanged(mode
     for trajs in batches:
         m_new = new.train_step(trajs)
         with pytest.MonkeyPatch.context() as mp:  # traced on the first step, inside the patch
-            mp.setattr(trainer_module, "loss_logprobs", every_position)
+            mp.setattr(steps_module, "loss_logprobs", every_position)
             m_old = old.train_step(trajs)
         keys = ("loss", "grad_norm", "entropy", *(("nll",) if case == "sft" else ("approx_kl", "clip_fraction",
                                                                                   "masked_fraction")))
@@ -532,14 +533,7 @@ def test_auto_remat_picks_the_least_recomputation_that_fits(model, caplog):
     nothing fits. A policy whose peak fits the free memory but whose temporaries (one allocation) exceed the
     allocator's largest free block is passed over (an H200 with 94 GiB free gave at most 32 GiB at once, and 'none'
     asked for 47). Without memory statistics (CPU) the default, compiling nothing."""
-    from arealjax.rl.trainer import (
-        REMAT_AUTO,
-        REMAT_DEFAULT,
-        REMAT_MARGIN,
-        choose_remat,
-        grad_step_bytes,
-        memory_budget,
-    )
+    from arealjax.rl.steps import REMAT_AUTO, REMAT_DEFAULT, REMAT_MARGIN, choose_remat, grad_step_bytes, memory_budget
 
     cfg = TrainerConfig(max_tokens=64, micro_rows=2, attention="xla")
     tx = make_optimizer(cfg.optim)
