@@ -135,6 +135,56 @@ class Stopping:
         return cls(rl.max_filtered_in_a_row, rl.solved_reward, rl.solved_window, rl.solved_share)
 
 
+class Starvation:
+    """The stopping rules' view of the scored groups: the current run of groups dynamic filtering dropped (how many,
+    the sum and the least of their rewards, one each: a group's are all equal; how many had every episode rejected)
+    and whether each of the last `solved_window` groups had every sample right."""
+
+    def __init__(self, rules: Stopping):
+        self.rules, self.in_a_row = rules, 0
+        self._sum, self._least, self._rejected = 0.0, float("inf"), 0
+        self._all_right: collections.deque[bool] = collections.deque(maxlen=rules.solved_window)
+
+    def record(self, kept: bool, rewards: list[float], rejected: int) -> None:
+        """One scored group: kept for training (which ends the run of filtered groups) or filtered; its episodes'
+        rewards, and how many of its episodes the workflow rejected (a rejected episode is not right)."""
+        if kept:
+            self.in_a_row, self._sum, self._least, self._rejected = 0, 0.0, float("inf"), 0
+        else:
+            self.in_a_row += 1
+            self._sum += rewards[0] if rewards else 0.0
+            self._least = min(self._least, rewards[0] if rewards and not rejected else -float("inf"))
+            self._rejected += not rewards
+        self._all_right.append(bool(rewards) and not rejected and min(rewards) >= self.rules.solved_reward)
+
+    def verdict(self, workflow: str) -> BaseException | None:
+        """TaskSolved where the task is solved, an error naming the cause where the trainer would starve (the
+        `workflow`'s rejections, or uniformly low rewards), else None."""
+        rules, n = self.rules, self.in_a_row
+        starved = 0 < rules.max_filtered_in_a_row <= n
+        window, right = self._all_right.maxlen, sum(self._all_right)
+        if starved and self._least >= rules.solved_reward:
+            return TaskSolved(f"every sample of the last {n} groups got reward ≥ {rules.solved_reward} "
+                              f"(rl.solved_reward), so dynamic filtering left the trainer nothing to learn from "
+                              f"(rl.max_filtered_in_a_row={rules.max_filtered_in_a_row})")
+        if 0 < window == len(self._all_right) and right >= rules.solved_share * window:
+            return TaskSolved(f"{right} of the last {window} groups had every sample at reward ≥ {rules.solved_reward} "
+                              f"(rl.solved_share={rules.solved_share}, rl.solved_window={window})")
+        if starved and self._rejected == n:
+            return RuntimeError(
+                f"the workflow rejected every episode of the last {n} groups ({workflow}: the log's 'rejected' lines "
+                f"and its *_rejected_* counters say why), so the trainer has nothing to learn from "
+                f"(rl.max_filtered_in_a_row={rules.max_filtered_in_a_row})")
+        if starved:
+            return RuntimeError(
+                f"dynamic filtering dropped {n} groups in a row (every sample of each got the same reward; mean of "
+                f"those rewards {self._sum / n:.3f}, below rl.solved_reward={rules.solved_reward}): no group carries "
+                f"a learning signal, so the trainer would wait forever. Uniformly low rewards mean the policy "
+                f"collapsed or the task is too hard. Raise rl.group_size or rl.temperature, change the task, or set "
+                f"advantage.filter_uniform=False (rl.max_filtered_in_a_row={rules.max_filtered_in_a_row})")
+        return None
+
+
 class RolloutController:
     def __init__(self, backend: RolloutBackend, rewards: Rewards, tokenizer: Tokenizer, prompts: PromptSource,
                  staleness: StalenessManager, sampling: SamplingParams, advantage: AdvantageConfig, *,
@@ -146,7 +196,7 @@ class RolloutController:
         if sampling.n < 1:
             raise ValueError("sampling.n must be >= 1")
         self.stopping, self.max_tokens = stopping, max_tokens
-        self._all_right: collections.deque[bool] = collections.deque(maxlen=stopping.solved_window)  # per group
+        self.starvation = Starvation(stopping)
         self.backend, self.rewards, self.tokenizer = backend, rewards, tokenizer
         self.prompts, self.staleness, self.sampling, self.advantage = prompts, staleness, sampling, advantage
         self.workflow = workflow if workflow is not None else RLVR()
@@ -158,9 +208,6 @@ class RolloutController:
         self._stop = False
         self._error: BaseException | None = None
         self._exhausted = False
-        self._filtered_reward_sum = 0.0  # over the current run of filtered groups (one reward each: all equal)
-        self._filtered_reward_min = float("inf")  # the same run's lowest reward (rejected groups: -inf)
-        self._rejected_in_a_row = 0  # groups of that run whose every episode the workflow rejected
         self._loop = asyncio.new_event_loop()
         self._wake = asyncio.Event()  # capacity may have changed (set on the loop's thread only)
         self._thread = threading.Thread(target=self._run_loop, name="rollout-controller", daemon=True)
@@ -257,48 +304,15 @@ class RolloutController:
             if kept:
                 self.staleness.on_accept(group.seq)
                 self._queue[group.seq] = group
-                self.stats.filtered_in_a_row, self._filtered_reward_sum = 0, 0.0
-                self._filtered_reward_min, self._rejected_in_a_row = float("inf"), 0
             else:
                 self.staleness.on_reject(group.seq)
                 self.stats.filtered += 1
-                self.stats.filtered_in_a_row += 1
-                self._filtered_reward_sum += rewards[0] if rewards else 0.0
-                self._filtered_reward_min = min(self._filtered_reward_min,  # a rejected episode is not right
-                                                rewards[0] if rewards and not group.rejected else -float("inf"))
-                self._rejected_in_a_row += not rewards
+            self.starvation.record(bool(kept), rewards, group.rejected)
+            self.stats.filtered_in_a_row = self.starvation.in_a_row
             self._cv.notify_all()
-            rules = self.stopping
-            all_rejected = self._rejected_in_a_row == self.stats.filtered_in_a_row
-            starved = 0 < rules.max_filtered_in_a_row <= self.stats.filtered_in_a_row
-            mean = self._filtered_reward_sum / max(self.stats.filtered_in_a_row, 1)
-            solved = self._filtered_reward_min >= rules.solved_reward
-            self._all_right.append(bool(rewards) and not group.rejected and min(rewards) >= rules.solved_reward)
-            window = self._all_right.maxlen
-            right = sum(self._all_right)
-            mostly_right = 0 < window == len(self._all_right) and right >= rules.solved_share * window
-        if starved and solved:
-            self._fail(TaskSolved(
-                f"every sample of the last {self.stats.filtered_in_a_row} groups got reward ≥ {rules.solved_reward} "
-                f"(rl.solved_reward), so dynamic filtering left the trainer nothing to learn from "
-                f"(rl.max_filtered_in_a_row={rules.max_filtered_in_a_row})"))
-        elif mostly_right:
-            self._fail(TaskSolved(
-                f"{right} of the last {window} groups had every sample at reward ≥ {rules.solved_reward} "
-                f"(rl.solved_share={rules.solved_share}, rl.solved_window={window})"))
-        elif starved and all_rejected:
-            self._fail(RuntimeError(
-                f"the workflow rejected every episode of the last {self.stats.filtered_in_a_row} groups "
-                f"({type(self.workflow).__name__}: the log's 'rejected' lines and its *_rejected_* counters say why), "
-                f"so the trainer has nothing to learn from (rl.max_filtered_in_a_row={rules.max_filtered_in_a_row})"))
-        elif starved:
-            self._fail(RuntimeError(
-                f"dynamic filtering dropped {self.stats.filtered_in_a_row} groups in a row (every sample of each got "
-                f"the same reward; "
-                f"mean of those rewards {mean:.3f}, below rl.solved_reward={rules.solved_reward}): no group carries a "
-                f"learning signal, so the trainer would wait forever. Uniformly low rewards mean the policy "
-                f"collapsed or the task is too hard. Raise rl.group_size or rl.temperature, change the task, or set "
-                f"advantage.filter_uniform=False (rl.max_filtered_in_a_row={rules.max_filtered_in_a_row})"))
+            verdict = self.starvation.verdict(type(self.workflow).__name__)
+        if verdict is not None:
+            self._fail(verdict)
 
     def _fail(self, e: BaseException) -> None:
         with self._cv:
