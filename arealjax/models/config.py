@@ -174,6 +174,26 @@ class ModelConfig:
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
 
+REQUIRED = object()
+_ints = lambda v: tuple(int(i) for i in v or ())  # noqa: E731
+# ModelConfig field <-> config.json key: how a value is read (and written back: list for tuples), and its default
+# where a file lacks the key (REQUIRED: none). The keys with a rule of their own (heads, head_dim, rope, biases,
+# eos, the number of experts) are spelled in the two functions below.
+HF_KEYS = (("vocab_size", "vocab_size", int, REQUIRED), ("hidden_size", "hidden_size", int, REQUIRED),
+           ("intermediate_size", "intermediate_size", int, REQUIRED),
+           ("num_layers", "num_hidden_layers", int, REQUIRED), ("num_heads", "num_attention_heads", int, REQUIRED),
+           ("rms_norm_eps", "rms_norm_eps", float, 1e-6),
+           ("tie_word_embeddings", "tie_word_embeddings", bool, False),
+           ("max_position_embeddings", "max_position_embeddings", int, 32768),
+           ("bos_token_id", "bos_token_id", lambda v: v, None))
+MOE_HF_KEYS = (("num_experts_per_tok", "num_experts_per_tok", int, REQUIRED),
+               ("moe_intermediate_size", "moe_intermediate_size", int, REQUIRED),
+               ("norm_topk_prob", "norm_topk_prob", bool, False),
+               ("decoder_sparse_step", "decoder_sparse_step", int, 1),
+               ("mlp_only_layers", "mlp_only_layers", _ints, ()),
+               ("router_aux_loss_coef", "router_aux_loss_coef", float, 0.001))
+
+
 def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
     """ModelConfig from a parsed HF config.json (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
     `rope_parameters`). `source` names the file in errors."""
@@ -212,44 +232,28 @@ def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
         raise ValueError(f"{source}: rope_type '{rope_type}' is not supported; supported: {ROPE_TYPES}")
     rope_scaling = None if rope_type == "default" else tuple(sorted(rope.items()))
 
-    num_heads = int(need("num_attention_heads"))
-    hidden = int(need("hidden_size"))
-    attention_bias = bool(hf.get("attention_bias", False))
-    eos = hf.get("eos_token_id")
-    moe = {}
+    kw = {field: read(need(key) if default is REQUIRED else hf.get(key, default))
+          for field, key, read, default in HF_KEYS + (MOE_HF_KEYS if family.moe else ())}
     if family.moe:  # transformers 5 writes num_experts as num_local_experts; the Hub's files do not
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         if experts is None:
             raise KeyError(f"{source}: missing key 'num_experts' required for model_type '{model_type}'")
-        moe = dict(num_experts=int(experts), num_experts_per_tok=int(need("num_experts_per_tok")),
-                   moe_intermediate_size=int(need("moe_intermediate_size")),
-                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                   decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-                   mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
-                   router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
-    kw = dict(
+        kw["num_experts"] = int(experts)
+    attention_bias, eos = bool(hf.get("attention_bias", False)), hf.get("eos_token_id")
+    kw.update(
         family=model_type,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        num_kv_heads=int(hf.get("num_key_value_heads") or kw["num_heads"]),
+        head_dim=int(hf.get("head_dim") or kw["hidden_size"] // kw["num_heads"]),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias if family.attention_bias_key else bool(family.switches.get("qkv_bias", False)),
         o_bias=attention_bias and family.attention_bias_key,
         mlp_bias=bool(hf.get("mlp_bias", False)),
         qk_norm=family.qk_norm,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        bos_token_id=hf.get("bos_token_id"),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
     )
     try:
-        return ModelConfig(**kw, **moe)
+        return ModelConfig(**kw)
     except ValueError as e:  # e.g. a mixture of dense and sparse layers
         raise ValueError(f"{source}: {e}") from None
 
@@ -266,25 +270,18 @@ def to_hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         raise ValueError(f"{cfg.family}: q/k norm is {'required' if family.qk_norm else 'not supported'}")
     rope = cfg.rope
     rope_parameters = {"rope_type": "default", **rope, "rope_theta": cfg.rope_theta}
+    written = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
     out = {
         "architectures": [family.architecture],
         "model_type": cfg.family,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
+        **{key: written(getattr(cfg, field)) for field, key, _, _ in HF_KEYS + (MOE_HF_KEYS if family.moe else ())},
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": rope or None,
         "rope_parameters": rope_parameters,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
+        "eos_token_id": written(cfg.eos_token_id),
         "torch_dtype": dtype,
         "dtype": dtype,
         "use_cache": True,
@@ -298,10 +295,7 @@ def to_hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
                          f"{[n for n, f in FAMILIES.items() if f.mlp_bias_key]} checkpoints")
     out.update(family.hf_fixed)
     if family.moe:
-        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
-                   decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
-                   router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False)
+        out.update(num_experts=cfg.num_experts, output_router_logits=False)
     return out
 
 
