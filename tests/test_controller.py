@@ -377,7 +377,7 @@ def test_episodes_are_counted_once_rejected_ones_are_not_right_and_a_checkpoint_
         == (0, 0.0, 0, 0)
     for lost in (None, []):
         controller._on_scored(controller._admit(), [traj(1.0), traj(1.0), lost])
-    assert not any(controller._all_right)  # two episodes right, one lost: not solved
+    assert not any(controller.starvation._all_right)  # two episodes right, one lost: not solved
     assert len(controller.get_batch(0, timeout=5)) == 2
     assert controller.checkpoint_state()["stats"]["scored_samples"] == 4  # the two trained groups' episodes
 
