@@ -179,10 +179,11 @@ _ints = lambda v: tuple(int(i) for i in v or ())  # noqa: E731
 # ModelConfig field <-> config.json key: how a value is read (and written back: list for tuples), and its default
 # where a file lacks the key (REQUIRED: none). The keys with a rule of their own (heads, head_dim, rope, biases,
 # eos, the number of experts) are spelled in the two functions below.
-HF_KEYS = (("vocab_size", "vocab_size", int, REQUIRED), ("hidden_size", "hidden_size", int, REQUIRED),
-           ("intermediate_size", "intermediate_size", int, REQUIRED),
-           ("num_layers", "num_hidden_layers", int, REQUIRED), ("num_heads", "num_attention_heads", int, REQUIRED),
-           ("rms_norm_eps", "rms_norm_eps", float, 1e-6),
+# (A file missing several keys is refused naming the first, in this order: the heads, the width, a mixture of
+# experts' keys, then the rest.)
+HF_KEYS = (("num_heads", "num_attention_heads", int, REQUIRED), ("hidden_size", "hidden_size", int, REQUIRED),
+           ("vocab_size", "vocab_size", int, REQUIRED), ("intermediate_size", "intermediate_size", int, REQUIRED),
+           ("num_layers", "num_hidden_layers", int, REQUIRED), ("rms_norm_eps", "rms_norm_eps", float, 1e-6),
            ("tie_word_embeddings", "tie_word_embeddings", bool, False),
            ("max_position_embeddings", "max_position_embeddings", int, 32768),
            ("bos_token_id", "bos_token_id", lambda v: v, None))
@@ -232,13 +233,17 @@ def from_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
         raise ValueError(f"{source}: rope_type '{rope_type}' is not supported; supported: {ROPE_TYPES}")
     rope_scaling = None if rope_type == "default" else tuple(sorted(rope.items()))
 
-    kw = {field: read(need(key) if default is REQUIRED else hf.get(key, default))
-          for field, key, read, default in HF_KEYS + (MOE_HF_KEYS if family.moe else ())}
+    def fields(keys):
+        return {field: read(need(key) if default is REQUIRED else hf.get(key, default))
+                for field, key, read, default in keys}
+
+    kw = fields(HF_KEYS[:2])
     if family.moe:  # transformers 5 writes num_experts as num_local_experts; the Hub's files do not
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         if experts is None:
             raise KeyError(f"{source}: missing key 'num_experts' required for model_type '{model_type}'")
-        kw["num_experts"] = int(experts)
+        kw.update(num_experts=int(experts), **fields(MOE_HF_KEYS))
+    kw.update(fields(HF_KEYS[2:]))
     attention_bias, eos = bool(hf.get("attention_bias", False)), hf.get("eos_token_id")
     kw.update(
         family=model_type,
